@@ -1,0 +1,70 @@
+"""Shared measurement helpers for the benchmarks (not a test).
+
+Peak memory on CPU comes from the PyTorch profiler: the step runs under
+``torch.profiler.profile(profile_memory=True)``, and the peak is the maximum of
+the running sum of the ``[memory]`` events' byte counts in time order. That
+counts only what the step itself allocates (its results are kept alive until
+the profiler stops, and nothing allocated before the step is freed inside it).
+"""
+
+from __future__ import annotations
+
+import datetime
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+
+def peak_bytes(step: Callable[[], Any], setup: Callable[[], Any] | None = None) -> int:
+    """Peak bytes allocated (and not yet freed) during one call of ``step``.
+
+    ``setup`` runs first, outside the profiler: use it to drop state (such as
+    ``.grad`` fields) that the step would otherwise free inside the profile,
+    which would make the peak look smaller than it is.
+    """
+    if setup is not None:
+        setup()
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        result = step()
+    del result
+    # The raw kineto events keep every allocation and free as its own
+    # "[memory]" event (prof.events() folds them into their enclosing ops).
+    events = sorted(
+        (e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
+        key=lambda e: e.start_ns(),
+    )
+    running = peak = 0
+    for e in events:
+        running += e.nbytes()
+        peak = max(peak, running)
+    return peak
+
+
+def median_seconds(step: Callable[[], Any], repeats: int = 7, warmup: int = 2) -> float:
+    for _ in range(warmup):
+        step()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def machine_header() -> str:
+    return (
+        f"Measured on {platform.machine()} {platform.processor() or ''} with "
+        f"{torch.get_num_threads()} torch threads, torch {torch.__version__}, "
+        f"Python {platform.python_version()}, on {datetime.date.today().isoformat()}."
+    ).replace("  ", " ")
+
+
+def table(headers: list[str], rows: list[list[Any]]) -> str:
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)

@@ -1,0 +1,18 @@
+"""funckpt: JAX-style activation checkpointing (rematerialization) for ``torch.func``.
+
+``remat(fn)`` keeps only ``fn``'s inputs between the forward and the backward
+pass and recomputes the rest, under ``torch.func.grad``, ``vjp``, ``jvp``,
+``jacrev``, ``jacfwd``, ``hessian``, ``vmap``, their nestings, and plain
+autograd. See the README for a tour.
+"""
+
+from ._errors import CheckpointError, set_checkpoint_debug_enabled
+from ._transform import remat
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CheckpointError",
+    "remat",
+    "set_checkpoint_debug_enabled",
+]

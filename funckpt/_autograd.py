@@ -1,0 +1,369 @@
+"""The autograd Function behind ``remat`` and its rules for every torch.func transform.
+
+Everything here works on a *region*: a function from a flat tuple of tensors to
+a flat tuple of tensors (:class:`Region`). The user's function becomes one (see
+``_transform.py``); the rules below build new regions from old ones, the way
+JAX's ``remat`` rules do:
+
+* **forward**: run the region under no-grad and keep only its inputs.
+* **vmap rule**: ``remat(f)`` batched is ``remat(vmap(f))`` one level lower.
+* **backward**: recompute the region and take its vjp. Where the result must
+  itself be differentiable (a higher-order derivative, ``create_graph=True``)
+  the backward *is* a remat'd region, ``remat(vjp(f))``, so it too keeps only
+  its inputs (primals and cotangents) between its forward and backward.
+* **jvp rule**: ``remat(jvp(f))`` one level lower.
+
+Why "one level lower" matters. ``torch.func.grad`` runs its backward pass with
+``create_graph=True`` so that enclosing transforms can differentiate it. A
+naive backward that recomputes ``f`` at the Function's own grad level is then
+recorded at that level, and since each block's input gradient references its
+recomputed graph, every block's recomputed activations stay alive until the
+whole backward ends: the checkpoint saves nothing. Instead, when the
+Function's own grad level ``L`` is live on top of the functorch stack, we unwrap
+primals and cotangents to level ``L-1``, pop level ``L``, compute the vjp there,
+and wrap the result back. Level ``L`` records nothing (its result is never
+differentiated again by torch.func, which unwraps it at once); lower levels
+(grad of grad, vmap of grad, jacfwd of jacrev) still see the whole computation.
+If user code *does* differentiate such a result again at level ``L`` (a
+``torch.autograd.grad(..., create_graph=True)`` inside a ``torch.func.grad``),
+a guard node raises :class:`~funckpt.CheckpointError` instead of returning a
+wrong answer.
+
+When the backward is called on a dead level (the ``vjp_fn`` of
+``torch.func.vjp``/``jacrev``, called after the transform returned) or by
+plain autograd, the vjp runs at the current stack.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch._C._functorch import (
+    TransformType,
+    _unwrap_for_grad,
+    _wrap_for_grad,
+    is_dead_tensor_wrapper,
+    maybe_get_level,
+    peek_interpreter_stack,
+    unwrap_if_dead,
+)
+from torch._functorch.pyfunctorch import GradInterpreter, JvpInterpreter
+from torch._functorch.utils import enable_single_level_autograd_function
+import torch.autograd.forward_ad as fwAD
+from torch.autograd.forward_ad import _set_fwd_grad_enabled
+
+from ._errors import CheckpointError
+
+Tensors = tuple[torch.Tensor, ...]
+
+
+class Phase(enum.Enum):
+    FORWARD = "forward"  # the first run, during the forward pass
+    RECOMPUTE = "recompute"  # any later run: backward, jvp, double backward
+
+
+class Region:
+    """A function of a flat tuple of tensors returning a flat tuple of tensors."""
+
+    name: str = "region"
+
+    def run(self, flat: Tensors, phase: Phase) -> Tensors:
+        raise NotImplementedError
+
+    def note_mutated_inputs(self, indices: list[int]) -> None:
+        """Called after the forward run with the inputs it modified in place."""
+
+
+def _differentiable(t: torch.Tensor) -> bool:
+    return t.is_floating_point() or t.is_complex()
+
+
+def _grad_levels_active() -> bool:
+    stack = torch._C._functorch.get_interpreter_stack() or []
+    return any(i.key() == TransformType.Grad for i in stack)
+
+
+def _needs_graph(tensors: Sequence[torch.Tensor]) -> bool:
+    """Must a computation on ``tensors`` be recorded for a later differentiation?"""
+    return torch.is_grad_enabled() and (_grad_levels_active() or any(t.requires_grad for t in tensors))
+
+
+def apply(region: Region, flat: Sequence[torch.Tensor]) -> Tensors:
+    """Run ``region`` checkpointed: differentiable, keeping only its inputs."""
+    return _RematFunction.apply(region, *flat)
+
+
+# ----------------------------------------------------------------- derived regions
+
+
+class VmapRegion(Region):
+    """``vmap(base)``: the batching rule of a remat'd region."""
+
+    def __init__(self, base: Region, in_dims: Sequence[int | None], randomness: str) -> None:
+        self.base, self.in_dims, self.randomness = base, tuple(in_dims), randomness
+        self.name = base.name
+
+    def run(self, flat: Tensors, phase: Phase) -> Tensors:
+        def body(*xs: torch.Tensor) -> Tensors:
+            return self.base.run(xs, phase)
+
+        return torch.func.vmap(body, in_dims=self.in_dims, out_dims=0, randomness=self.randomness)(*flat)
+
+    def note_mutated_inputs(self, indices: list[int]) -> None:
+        self.base.note_mutated_inputs(indices)
+
+
+class VjpRegion(Region):
+    """``(primals, cotangents) -> gradients``: the backward of ``base``, recomputing it."""
+
+    def __init__(self, base: Region, n_primals: int, needs: Sequence[bool]) -> None:
+        self.base, self.n, self.needs = base, n_primals, tuple(needs)
+        self.name = base.name
+
+    def run(self, flat: Tensors, phase: Phase) -> Tensors:
+        primals, cotangents = flat[: self.n], flat[self.n :]
+        grads = vjp(self.base, primals, cotangents, self.needs, create_graph=_needs_graph(flat))
+        return tuple(
+            torch.zeros_like(p) if g is None else g
+            for p, g, need in zip(primals, grads, self.needs)
+            if need
+        )
+
+
+class JvpRegion(Region):
+    """``(primals, tangents) -> output tangents``: forward-mode through ``base``."""
+
+    def __init__(self, base: Region, n_primals: int) -> None:
+        self.base, self.n = base, n_primals
+        self.name = base.name
+
+    def run(self, flat: Tensors, phase: Phase) -> Tensors:
+        primals, tangents = flat[: self.n], flat[self.n :]
+        diff = [i for i, p in enumerate(primals) if _differentiable(p)]
+
+        def f(*xs: torch.Tensor) -> Tensors:
+            full = list(primals)
+            for i, x in zip(diff, xs):
+                full[i] = x
+            return self.base.run(tuple(full), Phase.RECOMPUTE)
+
+        diff_p = tuple(primals[i] for i in diff)
+        diff_t = tuple(tangents[i] for i in diff)
+        if peek_interpreter_stack() is None and fwAD._current_level >= 0:
+            # Plain forward-mode AD (inside the user's fwAD.dual_level): torch.func.jvp
+            # cannot nest there, so make duals at the user's level instead.
+            with _set_fwd_grad_enabled(True):
+                outs = f(*(fwAD.make_dual(fwAD.unpack_dual(p).primal, t) for p, t in zip(diff_p, diff_t)))
+                unpacked = [fwAD.unpack_dual(o) for o in outs]
+            outs = tuple(u.primal for u in unpacked)
+            out_tangents = tuple(torch.zeros_like(u.primal) if u.tangent is None else u.tangent for u in unpacked)
+        else:
+            outs, out_tangents = torch.func.jvp(f, diff_p, diff_t)
+        return tuple(t if _differentiable(o) else torch.zeros_like(o) for o, t in zip(outs, out_tangents))
+
+
+# --------------------------------------------------------------------- the vjp itself
+
+
+def vjp(
+    region: Region, primals: Tensors, cotangents: Tensors, needs: Sequence[bool], *, create_graph: bool
+) -> list[torch.Tensor | None]:
+    """Recompute ``region`` at the current functorch stack and return its vjp.
+
+    With ``create_graph`` the result is differentiable; without it nothing of
+    the recomputation outlives this call. ``None`` marks an input the outputs
+    do not depend on.
+    """
+    wrt = [i for i, need in enumerate(needs) if need]
+    if peek_interpreter_stack() is None:
+        # Plain autograd: recompute and differentiate locally. Without
+        # create_graph the recomputation starts from detached leaves; with it,
+        # from aliases that stay connected to the primals' own graph, so the
+        # result can be differentiated again.
+        with torch.enable_grad():
+            leaves = tuple(_local_leaf(p, i in wrt, create_graph) for i, p in enumerate(primals))
+            outs = region.run(leaves, Phase.RECOMPUTE)
+            pairs = [(o, c) for o, c in zip(outs, cotangents) if o.requires_grad]
+            if not pairs:
+                return [None] * len(primals)
+            grads = torch.autograd.grad(
+                [o for o, _ in pairs],
+                [leaves[i] for i in wrt],
+                [c for _, c in pairs],
+                allow_unused=True,
+                create_graph=create_graph,
+            )
+    else:
+        # Under torch.func transforms: a fresh vjp level on top of the current stack.
+        differentiable: list[bool] = []
+
+        def f(*xs: torch.Tensor) -> Tensors:
+            full = list(primals)
+            for i, x in zip(wrt, xs):
+                full[i] = x
+            outs = region.run(tuple(full), Phase.RECOMPUTE)
+            differentiable[:] = [_differentiable(o) for o in outs]
+            return tuple(o for o, d in zip(outs, differentiable) if d)
+
+        outs, vjp_fn = torch.func.vjp(f, *(primals[i] for i in wrt))
+        if not outs:
+            return [None] * len(primals)
+        grads = vjp_fn(tuple(c for c, d in zip(cotangents, differentiable) if d), create_graph=create_graph)
+    result: list[torch.Tensor | None] = [None] * len(primals)
+    for i, g in zip(wrt, grads):
+        result[i] = g
+    return result
+
+
+def _local_leaf(p: torch.Tensor, wrt: bool, create_graph: bool) -> torch.Tensor:
+    if create_graph and p.requires_grad:
+        return p.view_as(p) if wrt else p
+    leaf = p.detach()
+    return leaf.requires_grad_(True) if wrt else leaf
+
+
+def _vjp_here(region: Region, primals: Tensors, cotangents: Tensors, needs: Sequence[bool]) -> list[Any]:
+    """The vjp at the current stack; itself remat'd when it must be differentiable."""
+    if _needs_graph((*primals, *cotangents)):
+        grads = iter(apply(VjpRegion(region, len(primals), needs), (*primals, *cotangents)))
+        return [next(grads) if need else None for need in needs]
+    return vjp(region, primals, cotangents, needs, create_graph=False)
+
+
+def _jvp_here(region: Region, primals: Tensors, tangents: Tensors) -> Tensors:
+    if _needs_graph((*primals, *tangents)):
+        return apply(JvpRegion(region, len(primals)), (*primals, *tangents))
+    return JvpRegion(region, len(primals)).run((*primals, *tangents), Phase.RECOMPUTE)
+
+
+def _own_live_level(ctx: Any, kind: TransformType, tensors: Sequence[torch.Tensor]) -> Any:
+    """The interpreter of the level this Function was applied at, if live on top."""
+    level = ctx.level
+    top = peek_interpreter_stack()
+    if level == 0 or top is None or top.key() != kind or top.level() != level:
+        return None
+    if any(is_dead_tensor_wrapper(t) for t in tensors):
+        return None
+    if not any(maybe_get_level(t) == level for t in tensors):
+        return None
+    return GradInterpreter(top) if kind == TransformType.Grad else JvpInterpreter(top)
+
+
+# ------------------------------------------------------------------- the Function
+
+
+class _RematFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(region: Region, *flat: torch.Tensor) -> Tensors:  # type: ignore[override]
+        versions = [_version(t) for t in flat]
+        outs = region.run(flat, Phase.FORWARD)
+        mutated = [i for i, (t, v) in enumerate(zip(flat, versions)) if v is not None and _version(t) != v]
+        if mutated:
+            region.note_mutated_inputs(mutated)
+        ids = {id(t) for t in flat}
+        # An input returned as-is must become a new tensor object for autograd.
+        return tuple(o.view_as(o) if id(o) in ids else o for o in outs)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Tensors) -> None:
+        region, *flat = inputs
+        ctx.region = region
+        ctx.save_for_backward(*flat)
+        ctx.save_for_forward(*flat)
+        top = peek_interpreter_stack()
+        ctx.level = 0 if top is None else top.level()
+        non_diff = [o for o in output if not _differentiable(o)]
+        if non_diff:
+            ctx.mark_non_differentiable(*non_diff)
+
+    @staticmethod
+    def backward(ctx: Any, *cotangents: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        needs = ctx.needs_input_grad[1:]
+        primals = ctx.saved_tensors
+        if not any(needs):
+            return (None,) * (1 + len(primals))
+        region: Region = ctx.region
+        interpreter = _own_live_level(ctx, TransformType.Grad, primals)
+        if interpreter is None:
+            primals = tuple(unwrap_if_dead(p) for p in primals)
+            cotangents = tuple(unwrap_if_dead(c) for c in cotangents)
+            return (None, *_vjp_here(region, primals, cotangents, needs))
+        level = interpreter.level()
+        lowered_p = tuple(_unwrap_for_grad(p, level) for p in primals)
+        lowered_c = tuple(_unwrap_for_grad(c, level) for c in cotangents)
+        with interpreter.lower():
+            grads = _vjp_here(region, lowered_p, lowered_c, needs)
+        wrapped = [None if g is None else _wrap_for_grad(g, level) for g in grads]
+        if torch.is_grad_enabled():
+            wrapped = _guard_same_level(region, wrapped, primals)
+        return (None, *wrapped)
+
+    @staticmethod
+    def jvp(ctx: Any, _region_tangent: Any, *tangents: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+        primals = ctx.saved_tensors
+        region: Region = ctx.region
+        tangents = tuple(torch.zeros_like(p) if t is None else t for p, t in zip(primals, tangents))
+        interpreter = _own_live_level(ctx, TransformType.Jvp, primals)
+        # Autograd calls jvp with forward-mode AD off; enclosing jvp levels must
+        # still see this computation (jvp of jvp), so turn it back on.
+        if interpreter is None:
+            with _set_fwd_grad_enabled(True):
+                return _jvp_here(region, primals, tangents)
+        level = interpreter.level()
+        lowered_p = tuple(_unwrap_for_grad(p, level) for p in primals)
+        lowered_t = tuple(_unwrap_for_grad(t, level) for t in tangents)
+        with interpreter.lower(), _set_fwd_grad_enabled(True):
+            out = _jvp_here(region, lowered_p, lowered_t)
+        return tuple(_wrap_for_grad(t, level) for t in out)
+
+    @staticmethod
+    def vmap(info: Any, in_dims: tuple[Any, ...], region: Region, *flat: torch.Tensor) -> tuple[Tensors, tuple[int, ...]]:
+        outs = apply(VmapRegion(region, in_dims[1:], info.randomness), flat)
+        return outs, (0,) * len(outs)
+
+
+def _version(t: torch.Tensor) -> int | None:
+    try:
+        return t._version
+    except RuntimeError:  # some wrapper tensors have no version counter
+        return None
+
+
+# -------------------------------------------------- guard against same-level reuse
+
+
+def _guard_same_level(region: Region, grads: list[Any], primals: Tensors) -> list[Any]:
+    """Attach a node that raises if these gradients are differentiated at their own level."""
+    present = [g for g in grads if g is not None]
+    anchors = [p for p in primals if p.requires_grad]
+    if not present or not anchors:
+        return grads
+    level = maybe_get_level(anchors[0])
+    with enable_single_level_autograd_function():
+        guarded = iter(_SameLevelGuard.apply(region.name, level, len(present), *present, *anchors))
+    return [None if g is None else next(guarded) for g in grads]
+
+
+class _SameLevelGuard(torch.autograd.function._SingleLevelFunction):
+    @staticmethod
+    def forward(name: str, level: int, n: int, *tensors: torch.Tensor) -> Tensors:  # type: ignore[override]
+        # Fresh wrappers of the same values: new tensors for autograd, no copy.
+        return tuple(_wrap_for_grad(_unwrap_for_grad(t, level), level) for t in tensors[:n])
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        ctx.name = inputs[0]
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Any) -> Any:
+        raise CheckpointError(
+            f"remat({ctx.name}): a gradient computed by torch.autograd.grad(..., create_graph=True) "
+            "inside a torch.func transform is being differentiated again at the same transform "
+            "level. remat computes that gradient one level lower to save memory, so it cannot be "
+            "differentiated at its own level. Nest torch.func transforms instead (for example "
+            "torch.func.grad(torch.func.grad(f))), or use torch.autograd.grad(create_graph=True) "
+            "outside torch.func: remat supports both."
+        )

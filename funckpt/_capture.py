@@ -1,0 +1,306 @@
+"""Tensors a function reaches without receiving them: find them, route them, guard.
+
+``remat(fn)`` must give gradients to every differentiable tensor ``fn`` uses,
+including the ones it does not receive as arguments: the parameters of an
+``nn.Module`` (``fn`` a module or a bound method of one), the arguments bound by
+``functools.partial``, the cells of a closure, default argument values, and the
+module-level globals its code names. Left alone, those tensors would be
+constants to the checkpointed region, and their gradients would silently be
+zero (under ``torch.func``) or missing (under ``.backward()``).
+
+So, at every call:
+
+1. :func:`find_captured` walks ``fn`` and collects the tensors it can reach;
+   they become extra inputs of the region, next to the arguments. For each
+   module it also records which tensor sits under which name *now*.
+2. While ``fn`` runs (forward pass or recomputation), every module found is
+   re-parametrized to the region's own inputs under those names, the way
+   ``torch.func.functional_call`` does it. This matters because the
+   recomputation happens later, when the module may hold other tensors (after
+   ``functional_call`` has restored its parameters, say).
+3. :class:`Substitute` (a ``TorchFunctionMode``) replaces every other captured
+   tensor, by identity, with the region's input (unwrapped by functorch,
+   detached for recomputation, batched by vmap ...), however ``fn`` reaches it:
+   cell, global, partial argument or container.
+4. The same mode watches for *foreign* tensors: a plain tensor that requires
+   grad, or a functorch tensor of a transform level the region is not running
+   under, that was neither an input nor made inside ``fn``. Its gradient
+   cannot be routed, so remat raises :class:`~funckpt.CheckpointError` telling
+   the user to pass it as an argument.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import threading
+import types
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.nn.utils.stateless import _reparametrize_module
+from torch.overrides import TorchFunctionMode
+
+from ._errors import CheckpointError
+
+_C = torch._C._functorch
+
+# Code from these packages is library code: we do not walk its globals.
+_LIBRARY_ROOTS = frozenset(
+    {"torch", "funckpt", "optree", "numpy", "functools", "builtins", "typing", "collections", "abc"}
+)
+_MAX_DEPTH = 6
+_MAX_ITEMS = 10_000
+_MAX_CONTAINER = 1_000
+
+
+@dataclass
+class Captured:
+    """What :func:`find_captured` found: tensors, and the modules holding some of them."""
+
+    tensors: list[torch.Tensor] = field(default_factory=list)
+    # (module, {dotted name: tensor}) as the module was at the call
+    modules: list[tuple[torch.nn.Module, dict[str, torch.Tensor]]] = field(default_factory=list)
+
+
+def find_captured(fn: Callable[..., Any]) -> Captured:
+    """Tensors reachable from ``fn`` other than through its call arguments.
+
+    Walks modules (parameters, buffers and plain tensor attributes), bound
+    methods, ``functools.partial`` objects, closure cells, defaults, the globals
+    named by the function's code (recursively into the user's own functions),
+    containers, and plain objects' ``__dict__``, to a bounded depth. Returns
+    each tensor once, in discovery order, and each module with its named
+    tensors.
+    """
+    found: dict[int, torch.Tensor] = {}
+    modules: list[tuple[torch.nn.Module, dict[str, torch.Tensor]]] = []
+    seen: set[int] = set()
+    budget = [_MAX_ITEMS]
+
+    def visit(obj: Any, depth: int) -> None:
+        if isinstance(obj, torch.Tensor):
+            found.setdefault(id(obj), obj)
+            return
+        if depth > _MAX_DEPTH or budget[0] <= 0 or obj is None or isinstance(obj, (str, bytes, int, float, bool)):
+            return
+        if id(obj) in seen:
+            return
+        seen.add(id(obj))
+        budget[0] -= 1
+        if isinstance(obj, torch.nn.Module):
+            named = _named_tensors(obj)
+            modules.append((obj, named))
+            for t in named.values():
+                found.setdefault(id(t), t)
+            visit(type(obj).forward, depth + 1)
+            return
+        if isinstance(obj, functools.partial):
+            visit(obj.func, depth + 1)
+            for a in obj.args:
+                visit(a, depth + 1)
+            for a in obj.keywords.values():
+                visit(a, depth + 1)
+            return
+        if isinstance(obj, types.MethodType):
+            visit(obj.__self__, depth + 1)
+            visit(obj.__func__, depth + 1)
+            return
+        if isinstance(obj, types.FunctionType):
+            if _is_library(obj):
+                return
+            for cell in obj.__closure__ or ():
+                try:
+                    visit(cell.cell_contents, depth + 1)
+                except ValueError:  # empty cell
+                    pass
+            for d in obj.__defaults__ or ():
+                visit(d, depth + 1)
+            for d in (obj.__kwdefaults__ or {}).values():
+                visit(d, depth + 1)
+            for name in _global_names(obj.__code__):
+                if name in obj.__globals__:
+                    value = obj.__globals__[name]
+                    if not isinstance(value, (types.ModuleType, type)):
+                        visit(value, depth + 1)
+            return
+        if isinstance(obj, (list, tuple, set, frozenset)):
+            if len(obj) <= _MAX_CONTAINER:
+                for item in obj:
+                    visit(item, depth + 1)
+            return
+        if isinstance(obj, dict):
+            if len(obj) <= _MAX_CONTAINER:
+                for item in obj.values():
+                    visit(item, depth + 1)
+            return
+        if isinstance(obj, (type, types.ModuleType, types.BuiltinFunctionType, torch.Generator)):
+            return
+        if callable(obj) and not hasattr(obj, "__dict__"):
+            return
+        attrs = getattr(obj, "__dict__", None)
+        if isinstance(attrs, dict) and len(attrs) <= _MAX_CONTAINER:
+            for item in attrs.values():
+                visit(item, depth + 1)
+        if callable(obj) and not isinstance(obj, type):
+            visit(getattr(type(obj), "__call__", None), depth + 1)
+
+    visit(fn, 0)
+    return Captured(list(found.values()), modules)
+
+
+def _named_tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Parameters, buffers and plain tensor attributes, by dotted name (aliases kept)."""
+    named: dict[str, torch.Tensor] = dict(module.named_parameters(remove_duplicate=False))
+    named.update(module.named_buffers(remove_duplicate=False))
+    for prefix, m in module.named_modules(remove_duplicate=False):
+        for key, value in vars(m).items():
+            if isinstance(value, torch.Tensor) and not key.startswith("_"):
+                named[f"{prefix}.{key}" if prefix else key] = value
+    return named
+
+
+@contextlib.contextmanager
+def reparametrized(
+    modules: Sequence[tuple[torch.nn.Module, dict[str, torch.Tensor]]], replace: dict[int, torch.Tensor]
+) -> Iterator[None]:
+    """Put ``replace[id(t)]`` in each module wherever ``t`` sat at the call."""
+    with contextlib.ExitStack() as stack:
+        for module, named in modules:
+            mapping = {name: replace.get(id(t), t) for name, t in named.items()}
+            stack.enter_context(
+                _reparametrize_module(module, mapping, tie_weights=False, strict=False, stack_weights=False)
+            )
+        yield
+
+
+def _is_library(fn: types.FunctionType) -> bool:
+    module = getattr(fn, "__module__", None) or ""
+    return module.split(".")[0] in _LIBRARY_ROOTS
+
+
+def _global_names(code: types.CodeType) -> Iterator[str]:
+    yield from code.co_names
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            yield from _global_names(const)
+
+
+# ------------------------------------------------------------------ substitution
+
+
+class _Active(threading.local):
+    def __init__(self) -> None:
+        self.maps: list[dict[int, torch.Tensor]] = []
+
+
+_active = _Active()
+
+
+def route_through_enclosing(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Map tensors through the substitutions of the regions we are running inside.
+
+    ``autograd.Function.apply`` does not pass through torch-function modes, so a
+    remat nested inside another region's function would otherwise receive the
+    outer region's *original* captured tensors instead of its substitutes.
+    """
+    for mapping in reversed(_active.maps):
+        tensors = [mapping.get(id(t), t) for t in tensors]
+    return tensors
+
+
+class Substitute(TorchFunctionMode):
+    """Replaces captured tensors by identity; optionally rejects foreign tensors.
+
+    ``mapping`` maps ``id(original)`` to the tensor to use instead. Any other
+    tensor argument that is foreign (see the module docstring), neither one of
+    the region's ``inputs`` nor produced inside the region, raises
+    :class:`CheckpointError`. ``forward`` tells the forward run (under no-grad)
+    from a recomputation.
+    """
+
+    def __init__(
+        self, mapping: dict[int, torch.Tensor], inputs: tuple[torch.Tensor, ...], forward: bool, name: str
+    ) -> None:
+        super().__init__()
+        self.mapping = mapping
+        self.forward = forward
+        self.name = name
+        self.inside: set[int] = set()
+        self.known = {id(t) for t in inputs}
+
+    def __enter__(self) -> Substitute:
+        _active.maps.append(self.mapping)
+        try:
+            return super().__enter__()
+        except BaseException:
+            _active.maps.pop()
+            raise
+
+    def __exit__(self, *exc: Any) -> None:
+        try:
+            super().__exit__(*exc)
+        finally:
+            _active.maps.pop()
+
+    def _swap(self, value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            replacement = self.mapping.get(id(value))
+            if replacement is not None:
+                return replacement
+            self._check(value)
+            return value
+        if isinstance(value, (list, tuple)) and value and any(isinstance(v, torch.Tensor) for v in value):
+            swapped = [self._swap(v) for v in value]
+            return type(value)(swapped) if isinstance(value, list) else tuple(swapped)
+        return value
+
+    def _check(self, t: torch.Tensor) -> None:
+        key = id(t)
+        if key in self.known or key in self.inside:
+            return
+        # functorch tensors are judged by their level alone: fn may use torch.func
+        # inside. A plain tensor is foreign if it requires grad: during the
+        # forward run (no-grad) nothing made inside does; during recomputation
+        # everything made inside does, but only foreign tensors are leaves.
+        wrapped = _C.is_functorch_wrapped_tensor(t)
+        if wrapped:
+            foreign = _foreign_level(t)
+        else:
+            foreign = t.requires_grad and (self.forward or t.grad_fn is None)
+        if foreign:
+            raise CheckpointError(
+                f"remat({self.name}): the function used a tensor of shape {tuple(t.shape)} and dtype "
+                f"{t.dtype} that {'belongs to an enclosing torch.func transform' if wrapped else 'requires grad'}"
+                " but is neither an argument nor reachable through the function's closure, its "
+                "functools.partial arguments, the globals its code names, or the parameters and "
+                "buffers of an nn.Module it is bound to. remat cannot route a gradient to it, and "
+                "it would silently be zero or missing. Pass the tensor to the remat'd function as "
+                "an argument (or make it a parameter or buffer of the module you remat)."
+            )
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+        args = tuple(self._swap(a) for a in args)
+        if kwargs:
+            kwargs = {k: self._swap(v) for k, v in kwargs.items()}
+        out = func(*args, **(kwargs or {}))
+        for o in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(o, torch.Tensor) and (o.requires_grad or _C.is_functorch_wrapped_tensor(o)):
+                self.inside.add(id(o))
+        return out
+
+
+def _foreign_level(t: torch.Tensor) -> bool:
+    """A live functorch tensor whose level is not the same kind of level on the stack now."""
+    if _C.is_dead_tensor_wrapper(t):
+        return False
+    level = _C.maybe_get_level(t)
+    stack = _C.get_interpreter_stack() or []
+    for interpreter in stack:
+        if interpreter.level() == level:
+            kind = interpreter.key()
+            batched = _C.is_batchedtensor(t)
+            return batched != (kind == _C.TransformType.Vmap)
+    return True

@@ -1,0 +1,79 @@
+"""Flattening of arguments and outputs into flat tuples of tensors (with optree).
+
+remat's autograd machinery only ever sees a flat tuple of tensors in and a flat
+tuple of tensors out. This module converts between that view and the user's
+pytrees: positional and keyword arguments become one flat list of leaves, the
+tensor leaves become inputs, every other leaf (ints, strings, ``None``,
+arbitrary objects) is kept aside and passed back as it was. Positions listed in
+``static_argnums`` are never flattened.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import optree
+import torch
+
+_NAMESPACE = ""  # optree's global namespace: anything registered there is a node
+
+
+@dataclass(frozen=True)
+class TreeSlots:
+    """A flattened pytree: its structure, the non-tensor leaves, and the tensor slots.
+
+    ``leaves[i]`` is the original leaf for non-tensor positions and ``None`` for
+    tensor positions; ``tensor_positions`` lists the latter in order.
+    """
+
+    treespec: optree.PyTreeSpec
+    leaves: tuple[Any, ...]
+    tensor_positions: tuple[int, ...]
+
+    def fill(self, tensors: Sequence[torch.Tensor]) -> Any:
+        leaves = list(self.leaves)
+        for pos, t in zip(self.tensor_positions, tensors, strict=True):
+            leaves[pos] = t
+        return optree.tree_unflatten(self.treespec, leaves)
+
+
+def flatten(tree: Any) -> tuple[list[torch.Tensor], TreeSlots]:
+    """Split ``tree`` into its tensor leaves and everything needed to rebuild it."""
+    leaves, treespec = optree.tree_flatten(tree, none_is_leaf=False, namespace=_NAMESPACE)
+    tensors = []
+    positions = []
+    kept: list[Any] = []
+    for i, leaf in enumerate(leaves):
+        if isinstance(leaf, torch.Tensor):
+            tensors.append(leaf)
+            positions.append(i)
+            kept.append(None)
+        else:
+            kept.append(leaf)
+    return tensors, TreeSlots(treespec, tuple(kept), tuple(positions))
+
+
+@dataclass(frozen=True)
+class ArgSpec:
+    """How to rebuild ``(args, kwargs)`` from flat tensors; static args kept whole."""
+
+    dynamic: TreeSlots
+    static: dict[int, Any]
+    nargs: int
+
+    def rebuild(self, tensors: Sequence[torch.Tensor]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        dyn_args, kwargs = self.dynamic.fill(tensors)
+        it = iter(dyn_args)
+        args = tuple(self.static[i] if i in self.static else next(it) for i in range(self.nargs))
+        return args, kwargs
+
+
+def flatten_args(
+    args: tuple[Any, ...], kwargs: dict[str, Any], static_argnums: tuple[int, ...]
+) -> tuple[list[torch.Tensor], ArgSpec]:
+    static = {i: args[i] for i in static_argnums}
+    dynamic = tuple(a for i, a in enumerate(args) if i not in static)
+    tensors, slots = flatten((dynamic, kwargs))
+    return tensors, ArgSpec(slots, static, len(args))

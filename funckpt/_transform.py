@@ -1,0 +1,307 @@
+"""``remat``: the user-facing transform.
+
+``remat(fn)`` returns a function with the same values and gradients as ``fn``
+that, between the forward and the backward pass, keeps only its tensor inputs
+(and whatever a saving policy keeps) and recomputes everything else during the
+backward pass, under plain autograd and every ``torch.func`` transform.
+
+This module turns a call into a *region* for the autograd machinery in
+``_autograd.py``: it validates the options, flattens the arguments with optree
+(``_pytree.py``), adds the tensors ``fn`` reaches through closures, partials
+and modules (``_capture.py``) as inputs, and rebuilds the outputs. The region
+also owns the per-call state a recomputation must replay: the random-number
+generators (``_rng.py``), the inputs ``fn`` mutated in place, and the output
+metadata the determinism check compares against (``_errors.py``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import operator
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar, overload
+
+import torch
+
+from . import _rng
+from ._autograd import Phase, Region, apply
+from ._capture import Captured, Substitute, find_captured, reparametrized, route_through_enclosing
+from ._errors import (
+    DETERMINISM_CHECKS,
+    CheckpointError,
+    OpTrace,
+    check_same_outputs,
+    debug_enabled,
+    tensor_meta,
+)
+from ._pytree import ArgSpec, TreeSlots, flatten, flatten_args
+
+__all__ = ["remat"]
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+@dataclass(frozen=True)
+class RematOptions:
+    """The validated keyword arguments of :func:`remat`."""
+
+    policy: Callable[..., bool] | None = None
+    static_argnums: tuple[int, ...] = ()
+    preserve_rng_state: bool = True
+    determinism_check: str = "default"
+    debug: bool = False
+    context_fn: Callable[[], tuple[Any, Any]] | None = None
+    segments: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.policy is not None and not callable(self.policy):
+            raise TypeError(
+                f"remat: policy must be a callable policy(op, *args, **kwargs) -> bool "
+                f"(see funckpt.policies) or None, got {self.policy!r}"
+            )
+        if not isinstance(self.preserve_rng_state, bool):
+            raise TypeError(f"remat: preserve_rng_state must be a bool, got {self.preserve_rng_state!r}")
+        if self.determinism_check not in DETERMINISM_CHECKS:
+            raise ValueError(
+                f"remat: determinism_check must be one of {DETERMINISM_CHECKS}, got {self.determinism_check!r}"
+            )
+        if not isinstance(self.debug, bool):
+            raise TypeError(f"remat: debug must be a bool, got {self.debug!r}")
+        if self.context_fn is not None and not callable(self.context_fn):
+            raise TypeError(
+                f"remat: context_fn must be a callable returning two context managers, got {self.context_fn!r}"
+            )
+        if self.segments is not None and (
+            isinstance(self.segments, bool) or not isinstance(self.segments, int) or self.segments < 1
+        ):
+            raise ValueError(f"remat: segments must be a positive int or None, got {self.segments!r}")
+
+
+def _normalize_static_argnums(static_argnums: int | Sequence[int]) -> tuple[int, ...]:
+    if isinstance(static_argnums, int) and not isinstance(static_argnums, bool):
+        return (static_argnums,)
+    try:
+        items = tuple(static_argnums)
+    except TypeError:
+        items = None
+    if items is None or not all(isinstance(i, int) and not isinstance(i, bool) for i in items):
+        raise TypeError(f"remat: static_argnums must be an int or a sequence of ints, got {static_argnums!r}")
+    return items
+
+
+def _callable_name(fn: Any) -> str:
+    return getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or type(fn).__name__
+
+
+@overload
+def remat(fn: F, /, **options: Any) -> F: ...
+@overload
+def remat(fn: None = None, /, **options: Any) -> Callable[[F], F]: ...
+
+
+def remat(
+    fn: Callable[..., Any] | None = None,
+    /,
+    *,
+    policy: Callable[..., bool] | None = None,
+    static_argnums: int | Sequence[int] = (),
+    preserve_rng_state: bool = True,
+    determinism_check: str = "default",
+    debug: bool = False,
+    context_fn: Callable[[], tuple[Any, Any]] | None = None,
+    segments: int | None = None,
+) -> Any:
+    """Checkpoint ``fn``: keep only its inputs, recompute the rest in the backward pass.
+
+    ``remat`` (rematerialization, ``jax.checkpoint``'s other name) trades compute
+    for memory. A remat'd call runs ``fn`` without recording anything for the
+    backward pass except its tensor inputs; when gradients are needed, ``fn`` is
+    run again to rebuild what the backward pass needs, one remat'd call at a
+    time. Values and gradients are those of ``fn`` under ``torch.func.grad``,
+    ``grad_and_value``, ``vjp``, ``jvp``, ``jacrev``, ``jacfwd``, ``hessian``,
+    ``vmap``, ``functional_call``, any nesting of those, and plain autograd.
+
+    Arguments and results are pytrees (optree): tensor leaves are inputs and
+    outputs, other leaves pass through unchanged, and ``static_argnums`` marks
+    positional arguments passed through whole. Tensors ``fn`` reaches without
+    receiving them (module parameters, closure cells, ``functools.partial``
+    arguments, globals) get their gradients too; one remat cannot route raises
+    :class:`~funckpt.CheckpointError` instead of silently getting none.
+
+    Example::
+
+        >>> import torch, funckpt
+        >>> def block(w, x):
+        ...     return torch.tanh(x @ w) @ w.T
+        >>> w, x = torch.randn(8, 8), torch.randn(4, 8)
+        >>> loss = lambda w, x: funckpt.remat(block)(w, x).square().sum()
+        >>> g = torch.func.grad(loss)(w, x)        # recomputes block's tanh
+        >>> torch.testing.assert_close(g, torch.func.grad(lambda w, x: block(w, x).square().sum())(w, x))
+
+    Args:
+        fn: the function (or ``nn.Module``) to checkpoint. ``remat`` also works
+            as a bare decorator ``@remat`` or with options ``@remat(...)``.
+        policy: which intermediate results to save instead of recomputing
+            (see :mod:`funckpt.policies`); ``None`` saves nothing.
+        static_argnums: positional arguments passed through untouched.
+        preserve_rng_state: replay random ops exactly during recomputation.
+        determinism_check: ``"default"`` checks that the recomputation returns
+            tensors of the same shape, dtype and device; ``"none"`` skips it.
+        debug: record the operators of both runs and show them in errors.
+        context_fn: returns two context managers, wrapping the forward run and
+            the recomputation.
+        segments: for an ``nn.Sequential``, how many checkpointed segments.
+
+    Returns:
+        The checkpointed function, with ``fn``'s ``__name__``, ``__doc__`` and
+        ``__wrapped__``.
+    """
+    options = RematOptions(
+        policy=policy,
+        static_argnums=_normalize_static_argnums(static_argnums),
+        preserve_rng_state=preserve_rng_state,
+        determinism_check=determinism_check,
+        debug=debug,
+        context_fn=context_fn,
+        segments=segments,
+    )
+    if fn is None:
+        return functools.partial(_decorate, options=options)
+    return _decorate(fn, options=options)
+
+
+def _decorate(fn: Callable[..., Any], *, options: RematOptions) -> Any:
+    if not callable(fn):
+        raise TypeError(f"remat: fn must be callable (a function or an nn.Module), got {fn!r}")
+    if options.policy is not None:
+        raise NotImplementedError("remat: saving policies are not implemented yet; pass policy=None")
+
+    def remat_wrapper(*args: Any, **kwargs: Any) -> Any:
+        return call(fn, options, args, kwargs)
+
+    try:
+        functools.update_wrapper(remat_wrapper, fn)
+    except AttributeError:  # pragma: no cover - exotic callables
+        remat_wrapper.__wrapped__ = fn  # type: ignore[attr-defined]
+    return remat_wrapper
+
+
+def call(fn: Callable[..., Any], options: RematOptions, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """One checkpointed call of ``fn(*args, **kwargs)``."""
+    name = _callable_name(fn)
+    static = []
+    for i in options.static_argnums:
+        if not -len(args) <= i < len(args):
+            raise ValueError(
+                f"remat({name}): static_argnums={options.static_argnums} names argument {i}, "
+                f"but the function was called with {len(args)} positional arguments"
+            )
+        static.append(operator.index(i) % len(args))
+    arg_tensors, argspec = flatten_args(args, kwargs, tuple(static))
+
+    flat: list[torch.Tensor] = []
+    slot_of: dict[int, int] = {}
+
+    def slot(t: torch.Tensor) -> int:
+        if id(t) not in slot_of:
+            slot_of[id(t)] = len(flat)
+            flat.append(t)
+        return slot_of[id(t)]
+
+    arg_index = [slot(t) for t in arg_tensors]
+    captured = find_captured(fn)
+    captured_index = [slot(t) for t in captured.tensors]
+    routed = route_through_enclosing(flat)
+    region = UserRegion(
+        fn,
+        name,
+        options,
+        argspec,
+        arg_index,
+        captured,
+        captured_index,
+        differentiable=[t.requires_grad for t in routed],
+    )
+    outs = apply(region, routed)
+    assert region.out_slots is not None
+    return region.out_slots.fill(outs)
+
+
+class UserRegion(Region):
+    """The user's function as a region, with the state one call must replay."""
+
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        name: str,
+        options: RematOptions,
+        argspec: ArgSpec,
+        arg_index: list[int],
+        captured: Captured,
+        captured_index: list[int],
+        differentiable: list[bool],
+    ) -> None:
+        self.fn, self.name, self.options = fn, name, options
+        self.argspec, self.arg_index = argspec, arg_index
+        self.captured, self.captured_index = captured, captured_index
+        self.differentiable = differentiable
+        self._originals = {id(t): t for t in captured.tensors}
+        self.mutated: frozenset[int] = frozenset()
+        self.out_slots: TreeSlots | None = None
+        self.out_meta: list[tuple[Any, ...]] = []
+        self.forward_trace: list[str] | None = None
+        self.rng: _rng.RngState | None = None
+
+    def _original(self, key: int) -> torch.Tensor | None:
+        return self._originals.get(key)
+
+    def note_mutated_inputs(self, indices: list[int]) -> None:
+        bad = [i for i in indices if self.differentiable[i]]
+        if bad:
+            raise CheckpointError(
+                f"remat({self.name}): the function modified {len(bad)} of its differentiable inputs in "
+                "place. The recomputation during the backward pass would start from the modified "
+                "values and produce wrong gradients. Compute out of place (y = x + 1, not x.add_(1)) "
+                "or move the in-place update outside the remat'd function."
+            )
+        # Non-differentiable inputs (buffers such as BatchNorm's running statistics)
+        # are updated once, by the forward run; recomputations update a copy.
+        self.mutated = frozenset(indices)
+
+    def run(self, flat: tuple[torch.Tensor, ...], phase: Phase) -> tuple[torch.Tensor, ...]:
+        forward = phase is Phase.FORWARD
+        if not forward and self.mutated:
+            flat = tuple(t.clone() if i in self.mutated else t for i, t in enumerate(flat))
+        args, kwargs = self.argspec.rebuild([flat[i] for i in self.arg_index])
+        replace = {id(orig): flat[i] for orig, i in zip(self.captured.tensors, self.captured_index)}
+        mapping = {k: v for k, v in replace.items() if v is not self._original(k)}
+        debug = debug_enabled(self.options.debug)
+        with contextlib.ExitStack() as stack:
+            if self.captured.modules:
+                stack.enter_context(reparametrized(self.captured.modules, replace))
+            if self.options.preserve_rng_state:
+                if forward:
+                    self.rng = _rng.capture(flat)
+                elif self.rng is not None:
+                    stack.enter_context(_rng.replay(self.rng))
+            stack.enter_context(Substitute(mapping, flat, forward=forward, name=self.name))
+            trace = stack.enter_context(OpTrace()) if debug else None
+            out = self.fn(*args, **kwargs)
+        tensors, slots = flatten(out)
+        if forward:
+            self.out_slots = slots
+            self.out_meta = [tensor_meta(t) for t in tensors]
+            self.forward_trace = trace.lines if trace is not None else None
+        elif self.options.determinism_check == "default":
+            assert self.out_slots is not None
+            traces = (self.forward_trace or [], trace.lines) if trace is not None else None
+            if slots.treespec != self.out_slots.treespec:
+                raise CheckpointError(
+                    f"remat({self.name}): the recomputation returned a different structure than the "
+                    f"forward pass: {slots.treespec} vs {self.out_slots.treespec}. "
+                    "Pass determinism_check='none' to skip this check."
+                )
+            check_same_outputs(self.name, self.out_meta, tensors, traces)
+        return tuple(tensors)

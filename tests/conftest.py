@@ -1,0 +1,12 @@
+import pytest
+import torch
+
+
+@pytest.fixture(autouse=True)
+def _seed_and_restore_state():
+    """Each test starts from a fixed seed and leaves grad mode as it found it."""
+    torch.manual_seed(0)
+    grad_mode = torch.is_grad_enabled()
+    yield
+    assert torch.is_grad_enabled() == grad_mode, "a test left grad mode changed"
+    assert torch._C._functorch.peek_interpreter_stack() is None, "a test left a functorch level on the stack"

@@ -1,0 +1,231 @@
+"""remat composes with every torch.func transform, their nestings, and plain autograd.
+
+Every test compares against the same computation without remat, in float64.
+"""
+
+import pytest
+import torch
+import torch.func as tf
+from torch.testing import assert_close
+
+from funckpt import CheckpointError, remat
+
+D = torch.float64
+
+
+def block(w, x):
+    return torch.tanh(x @ w) @ w.T + x.sin()
+
+
+def two_blocks(b):
+    return lambda w, x: b(w, b(w, x))
+
+
+def loss(b):
+    return lambda w, x: two_blocks(b)(w, x).sin().sum()
+
+
+W = torch.randn(4, 4, dtype=D, generator=torch.Generator().manual_seed(1))
+X = torch.randn(3, 4, dtype=D, generator=torch.Generator().manual_seed(2))
+ONES_W = torch.ones_like(W)
+
+TRANSFORMS = {
+    "grad": lambda b: tf.grad(loss(b), argnums=(0, 1))(W, X),
+    "grad_and_value": lambda b: tf.grad_and_value(loss(b))(W, X),
+    "vjp": lambda b: tf.vjp(lambda w: two_blocks(b)(w, X), W)[1](torch.ones_like(X)),
+    "jvp": lambda b: tf.jvp(lambda w: two_blocks(b)(w, X), (W,), (ONES_W,)),
+    "jacrev": lambda b: tf.jacrev(lambda w: two_blocks(b)(w, X))(W),
+    "jacfwd": lambda b: tf.jacfwd(lambda w: two_blocks(b)(w, X))(W),
+    "hessian": lambda b: tf.hessian(lambda w: loss(b)(w, X))(W),
+    "vmap": lambda b: tf.vmap(two_blocks(b), in_dims=(None, 0))(W, X),
+    "vmap_randomness_same": lambda b: tf.vmap(two_blocks(b), in_dims=(None, 0), randomness="same")(W, X),
+    "vmap_of_grad": lambda b: tf.vmap(tf.grad(loss(b)), in_dims=(None, 0))(W, X),
+    "grad_of_vmap": lambda b: tf.grad(lambda w: tf.vmap(b, in_dims=(None, 0))(w, X).sin().sum())(W),
+    "grad_of_grad": lambda b: tf.grad(lambda w: tf.grad(loss(b))(w, X).sin().sum())(W),
+    "jacfwd_of_jacrev": lambda b: tf.jacfwd(tf.jacrev(lambda w: loss(b)(w, X)))(W),
+    "jacrev_of_jacrev": lambda b: tf.jacrev(tf.jacrev(lambda w: loss(b)(w, X)))(W),
+    "jvp_of_grad": lambda b: tf.jvp(tf.grad(lambda w: loss(b)(w, X)), (W,), (ONES_W,)),
+    "grad_of_jvp": lambda b: tf.grad(
+        lambda w: tf.jvp(lambda v: two_blocks(b)(v, X), (w,), (ONES_W,))[1].sin().sum()
+    )(W),
+    "jvp_of_jvp": lambda b: tf.jvp(
+        lambda w: tf.jvp(lambda v: two_blocks(b)(v, X), (w,), (ONES_W,))[1], (W,), (2 * ONES_W,)
+    ),
+    "vmap_of_vmap": lambda b: tf.vmap(tf.vmap(b, in_dims=(None, 0)), in_dims=(None, 0))(W, X.expand(2, 3, 4)),
+    "vmap_of_jacrev": lambda b: tf.vmap(tf.jacrev(b), in_dims=(None, 0))(W, X),
+    "grad_of_grad_of_grad": lambda b: tf.grad(
+        lambda w: tf.grad(lambda v: tf.grad(loss(b))(v, X).sin().sum())(w).sum()
+    )(W),
+    "remat_inside_remat": lambda b: tf.grad(lambda w: remat(two_blocks(b))(w, X).sin().sum())(W),
+}
+
+
+@pytest.mark.parametrize("name", list(TRANSFORMS))
+def test_transform_matches_unremat(name):
+    run = TRANSFORMS[name]
+    assert_close(run(remat(block)), run(block))
+
+
+def test_functional_call_of_module_with_remat_submodule():
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = torch.nn.Linear(4, 4, dtype=D)
+            self.b = torch.nn.Linear(4, 4, dtype=D)
+            self.use_remat = False
+
+        def forward(self, x):
+            f = remat(self.a) if self.use_remat else self.a
+            return self.b(torch.tanh(f(x)))
+
+    net = Net()
+    params = dict(net.named_parameters())
+
+    def loss_of(p):
+        return tf.functional_call(net, p, (X,)).square().sum()
+
+    expected = tf.grad(loss_of)(params)
+    net.use_remat = True
+    assert_close(tf.grad(loss_of)(params), expected)
+
+
+def _leaf(t):
+    return t.detach().clone().requires_grad_(True)
+
+
+def test_backward_matches_unremat():
+    grads = []
+    for b in (block, remat(block)):
+        w, x = _leaf(W), _leaf(X)
+        loss(b)(w, x).backward()
+        grads.append((w.grad, x.grad))
+    assert_close(grads[1], grads[0])
+
+
+def test_autograd_grad_create_graph_and_second_backward():
+    results = []
+    for b in (block, remat(block)):
+        w = _leaf(W)
+        (g,) = torch.autograd.grad(loss(b)(w, X), w, create_graph=True)
+        (h1,) = torch.autograd.grad(g.sin().sum(), w, retain_graph=True)
+        (h2,) = torch.autograd.grad(g.sin().sum(), w)
+        results.append((g, h1, h2))
+    assert_close(results[1], results[0])
+
+
+def test_retain_graph_second_backward():
+    grads = []
+    for b in (block, remat(block)):
+        w = _leaf(W)
+        out = loss(b)(w, X)
+        out.backward(retain_graph=True)
+        out.backward()
+        grads.append(w.grad)
+    assert_close(grads[1], grads[0])
+
+
+def test_third_order_plain_autograd():
+    results = []
+    for b in (block, remat(block)):
+        w = _leaf(W)
+        (g,) = torch.autograd.grad(loss(b)(w, X), w, create_graph=True)
+        (h,) = torch.autograd.grad(g.sum(), w, create_graph=True)
+        (k,) = torch.autograd.grad(h.sum(), w)
+        results.append(k)
+    assert_close(results[1], results[0])
+
+
+def test_forward_mode_ad_outside_torch_func():
+    import torch.autograd.forward_ad as fwAD
+
+    results = []
+    for b in (block, remat(block)):
+        with fwAD.dual_level():
+            out = two_blocks(b)(fwAD.make_dual(W, ONES_W), X)
+            results.append(fwAD.unpack_dual(out).tangent)
+    assert_close(results[1], results[0])
+
+
+def test_mixing_plain_autograd_with_torch_func_grad():
+    # A leaf that requires grad at the base level, differentiated by torch.func.grad inside.
+    results = []
+    for b in (block, remat(block)):
+        w = _leaf(W)
+        g = tf.grad(lambda x: loss(b)(w, x))(X)
+        g.square().sum().backward()
+        results.append((g, w.grad))
+    assert_close(results[1], results[0])
+
+
+def test_same_level_double_differentiation_raises_instead_of_wrong_answer():
+    def inner(w):
+        (g,) = torch.autograd.grad(remat(block)(w, X).sum(), w, create_graph=True)
+        return g.sum()
+
+    with pytest.raises(CheckpointError, match="same transform level"):
+        tf.grad(inner)(W)
+
+
+def test_recomputation_runs_once_per_remat_call_in_backward():
+    calls = []
+
+    def counted(w, x):
+        calls.append(1)
+        return block(w, x)
+
+    w = _leaf(W)
+    loss(remat(counted))(w, X).backward()
+    # two remat'd calls: two forward runs, two recomputations
+    assert len(calls) == 4
+    calls.clear()
+    tf.grad(loss(remat(counted)))(W, X)
+    assert len(calls) == 4
+
+
+def test_outputs_that_need_no_grad_and_integer_outputs():
+    def f(w, x):
+        y = block(w, x)
+        return y, y.argmax(dim=-1), torch.ones(2, dtype=D)
+
+    w = _leaf(W)
+    y, idx, const = remat(f)(w, X)
+    assert idx.dtype == torch.int64 and not idx.requires_grad
+    y.sum().backward()
+    w_ref = _leaf(W)
+    f(w_ref, X)[0].sum().backward()
+    assert_close(w.grad, w_ref.grad)
+    assert_close(tf.grad(lambda w: remat(f)(w, X)[0].sum())(W), w_ref.grad)
+
+
+def test_input_returned_unchanged():
+    def f(w, x):
+        return x, block(w, x)
+
+    w, x = _leaf(W), _leaf(X)
+    x_out, y = remat(f)(w, x)
+    (x_out.sum() + y.sum()).backward()
+    w_ref, x_ref = _leaf(W), _leaf(X)
+    xr, yr = f(w_ref, x_ref)
+    (xr.sum() + yr.sum()).backward()
+    assert_close((w.grad, x.grad), (w_ref.grad, x_ref.grad))
+
+
+def test_no_grad_call_records_nothing():
+    with torch.no_grad():
+        y = remat(block)(_leaf(W), X)
+    assert not y.requires_grad and y.grad_fn is None
+
+
+def test_saves_only_inputs_under_backward():
+    """Between forward and backward only the inputs are saved (checked with saved-tensor hooks)."""
+    saved = []
+
+    def pack(t):
+        saved.append(t)
+        return t
+
+    w, x = _leaf(W), _leaf(X)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        y = remat(block)(w, x)
+    assert {id(t) for t in saved} <= {id(w), id(x)}
+    y.sum().backward()
