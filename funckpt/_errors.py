@@ -50,7 +50,7 @@ def set_checkpoint_debug_enabled(enabled: bool | None) -> Iterator[None]:
 
         >>> import torch, funckpt
         >>> with funckpt.set_checkpoint_debug_enabled(True):
-        ...     y = funckpt.checkpoint(torch.sin, torch.ones(2, requires_grad=True))
+        ...     y = funckpt.remat(torch.sin)(torch.ones(2, requires_grad=True))
     """
     if enabled is not None and not isinstance(enabled, bool):
         raise TypeError(f"set_checkpoint_debug_enabled: enabled must be a bool or None, got {enabled!r}")

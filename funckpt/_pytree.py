@@ -6,6 +6,11 @@ pytrees: positional and keyword arguments become one flat list of leaves, the
 tensor leaves become inputs, every other leaf (ints, strings, ``None``,
 arbitrary objects) is kept aside and passed back as it was. Positions listed in
 ``static_argnums`` are never flattened.
+
+Custom containers become pytree nodes when registered with optree, either
+globally or, following torchopt's convention, in funckpt's namespace::
+
+    optree.register_pytree_node(MyType, flatten_fn, unflatten_fn, namespace="funckpt")
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ from typing import Any
 import optree
 import torch
 
-_NAMESPACE = ""  # optree's global namespace: anything registered there is a node
+NAMESPACE = "funckpt"  # optree resolves this namespace and the global registry
 
 
 @dataclass(frozen=True)
@@ -41,7 +46,7 @@ class TreeSlots:
 
 def flatten(tree: Any) -> tuple[list[torch.Tensor], TreeSlots]:
     """Split ``tree`` into its tensor leaves and everything needed to rebuild it."""
-    leaves, treespec = optree.tree_flatten(tree, none_is_leaf=False, namespace=_NAMESPACE)
+    leaves, treespec = optree.tree_flatten(tree, none_is_leaf=False, namespace=NAMESPACE)
     tensors = []
     positions = []
     kept: list[Any] = []

@@ -36,6 +36,7 @@ from ._errors import (
     debug_enabled,
     tensor_meta,
 )
+from ._modules import Remat
 from ._pytree import ArgSpec, TreeSlots, flatten, flatten_args
 
 __all__ = ["remat"]
@@ -177,6 +178,8 @@ def _decorate(fn: Callable[..., Any], *, options: RematOptions) -> Any:
         raise TypeError(f"remat: fn must be callable (a function or an nn.Module), got {fn!r}")
     if options.policy is not None:
         raise NotImplementedError("remat: saving policies are not implemented yet; pass policy=None")
+    if isinstance(fn, torch.nn.Module):
+        return Remat(fn, options)
 
     def remat_wrapper(*args: Any, **kwargs: Any) -> Any:
         return call(fn, options, args, kwargs)

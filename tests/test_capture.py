@@ -1,0 +1,206 @@
+"""Gradients reach tensors the function uses without receiving them, or remat raises."""
+
+import functools
+
+import pytest
+import torch
+import torch.func as tf
+from torch.testing import assert_close
+
+from funckpt import CheckpointError, remat
+
+D = torch.float64
+X = torch.randn(3, 4, dtype=D, generator=torch.Generator().manual_seed(3))
+GLOBAL_W = torch.randn(4, 4, dtype=D, generator=torch.Generator().manual_seed(4)).requires_grad_()
+
+
+class Holder:
+    """Class attributes are not walked: a tensor here is unreachable for remat."""
+
+    w = torch.randn(4, 4, dtype=D).requires_grad_()
+
+
+def _mlp():
+    return torch.nn.Sequential(torch.nn.Linear(4, 8, dtype=D), torch.nn.Tanh(), torch.nn.Linear(8, 4, dtype=D))
+
+
+def _backward_grads(fn, params):
+    for p in params:
+        p.grad = None
+    fn().square().sum().backward()
+    return [p.grad.clone() for p in params]
+
+
+def test_module_as_fn_backward_and_functional_call():
+    net = _mlp()
+    params = list(net.parameters())
+    expected = _backward_grads(lambda: net(X), params)
+    assert_close(_backward_grads(lambda: remat(net)(X), params), expected)
+
+    named = dict(net.named_parameters())
+    loss = lambda p, f: tf.functional_call(f, p, (X,)).square().sum()  # noqa: E731
+    # functional_call swaps parameters into the module only during the call; the
+    # recomputation happens after it has restored them.
+    assert_close(tf.grad(lambda p: loss(p, remat(net)))(named), tf.grad(lambda p: loss(p, net))(named))
+
+
+def test_bound_method_of_module():
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4, dtype=D)
+
+        def features(self, x):
+            return torch.tanh(self.lin(x))
+
+    net = Net()
+    params = list(net.parameters())
+    expected = _backward_grads(lambda: net.features(X), params)
+    assert_close(_backward_grads(lambda: remat(net.features)(X), params), expected)
+
+
+def test_partial_arguments():
+    w = torch.randn(4, 4, dtype=D)
+
+    def f(w, x):
+        return torch.tanh(x @ w)
+
+    got = tf.grad(lambda w: remat(functools.partial(f, w))(X).sum())(w)
+    assert_close(got, tf.grad(lambda w: f(w, X).sum())(w))
+
+
+def test_closure_over_tensor_under_grad_and_backward():
+    w = torch.randn(4, 4, dtype=D)
+
+    def loss(w, wrap):
+        def inner(x):
+            return torch.tanh(x @ w) @ w
+
+        return wrap(inner)(X).square().sum()
+
+    # the silently-zero case of a naive implementation
+    assert_close(tf.grad(lambda w: loss(w, remat))(w), tf.grad(lambda w: loss(w, lambda f: f))(w))
+    wl = w.clone().requires_grad_()
+    loss(wl, remat).backward()
+    assert wl.grad is not None
+    assert_close(wl.grad, tf.grad(lambda w: loss(w, lambda f: f))(w))
+
+
+def test_closure_over_module_and_nested_closure_and_containers():
+    net = _mlp()
+    scale = torch.tensor(2.0, dtype=D, requires_grad=True)
+    table = {"shift": torch.zeros(4, dtype=D, requires_grad=True)}
+
+    def helper(h):
+        return h * scale + table["shift"]
+
+    def f(x):
+        return helper(net(x))
+
+    params = [*net.parameters(), scale, table["shift"]]
+    expected = _backward_grads(lambda: f(X), params)
+    assert_close(_backward_grads(lambda: remat(f)(X), params), expected)
+
+
+def test_global_tensor():
+    def f(x):
+        return torch.tanh(x @ GLOBAL_W)
+
+    expected = _backward_grads(lambda: f(X), [GLOBAL_W])
+    assert_close(_backward_grads(lambda: remat(f)(X), [GLOBAL_W]), expected)
+
+
+def test_default_argument_tensor():
+    w = torch.randn(4, 4, dtype=D, requires_grad=True)
+
+    def f(x, w=w):
+        return torch.tanh(x @ w)
+
+    expected = _backward_grads(lambda: f(X), [w])
+    assert_close(_backward_grads(lambda: remat(f)(X), [w]), expected)
+
+
+def test_unreachable_tensor_raises_under_backward():
+    def f(x):
+        return x @ Holder.w
+
+    with pytest.raises(CheckpointError, match="Pass the tensor to the remat'd function as an argument"):
+        remat(f)(X)
+
+
+def test_unreachable_tensor_raises_under_torch_func_grad():
+    def outer(w):
+        Holder.current = w  # reachable only through a class attribute
+
+        def f(x):
+            return x @ Holder.current
+
+        return remat(f)(X).sum()
+
+    with pytest.raises(CheckpointError, match="enclosing torch.func transform"):
+        tf.grad(outer)(torch.randn(4, 4, dtype=D))
+
+
+def test_closure_cell_rebound_between_forward_and_backward_raises():
+    w = torch.randn(4, 4, dtype=D, requires_grad=True)
+
+    def f(x):
+        return torch.tanh(x @ w)
+
+    y = remat(f)(X)
+    w = torch.randn(4, 4, dtype=D, requires_grad=True)  # noqa: F841 - rebinds f's cell
+    with pytest.raises(CheckpointError, match="requires grad"):
+        y.sum().backward()
+
+
+def test_constant_captured_tensors_and_integer_inputs_get_no_gradient():
+    mask = torch.tensor([True, False, True, True])
+    idx = torch.tensor([2, 0, 1])
+
+    def f(w, x, idx):
+        return (torch.tanh(x @ w) * mask)[idx]
+
+    w = torch.randn(4, 4, dtype=D, requires_grad=True)
+    x = X.clone()  # needs no grad
+    remat(f)(w, x, idx).sum().backward()
+    assert x.grad is None and idx.grad is None
+    w_ref = w.detach().clone().requires_grad_()
+    f(w_ref, x, idx).sum().backward()
+    assert_close(w.grad, w_ref.grad)
+
+
+def test_fn_may_use_torch_func_internally():
+    def f(w, x):
+        g = tf.grad(lambda v: torch.tanh(x @ v).sum())(w)
+        return g * w
+
+    w = torch.randn(4, 4, dtype=D)
+    assert_close(tf.grad(lambda w: remat(f)(w, X).sum())(w), tf.grad(lambda w: f(w, X).sum())(w))
+    wl = w.clone().requires_grad_()
+    remat(f)(wl, X).sum().backward()
+    assert_close(wl.grad, tf.grad(lambda w: f(w, X).sum())(w))
+
+
+def test_fn_may_use_a_custom_autograd_function():
+    class Square(torch.autograd.Function):
+        @staticmethod
+        def forward(x):
+            return x * x
+
+        @staticmethod
+        def setup_context(ctx, inputs, output):
+            ctx.save_for_backward(inputs[0])
+
+        @staticmethod
+        def backward(ctx, g):
+            (x,) = ctx.saved_tensors
+            return 2 * x * g
+
+    def f(w, x):
+        return Square.apply(torch.tanh(x @ w)).sin()
+
+    w = torch.randn(4, 4, dtype=D, requires_grad=True)
+    remat(f)(w, X).sum().backward()
+    w_ref = w.detach().clone().requires_grad_()
+    f(w_ref, X).sum().backward()
+    assert_close(w.grad, w_ref.grad)

@@ -1,0 +1,130 @@
+"""The determinism check, debug traces, and state left behind by failures."""
+
+import pytest
+import torch
+import torch.func as tf
+from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+from funckpt import CheckpointError, remat, set_checkpoint_debug_enabled
+from funckpt import _capture
+
+D = torch.float64
+X = torch.randn(3, 4, dtype=D)
+
+
+def shape_changing():
+    """A function that returns a different shape on its second call."""
+    calls = []
+
+    def f(x):
+        calls.append(1)
+        return x.sum(0) if len(calls) > 1 else x * 2
+
+    return f
+
+
+def test_recomputation_with_another_shape_raises_naming_it():
+    x = X.clone().requires_grad_()
+    y = remat(shape_changing())(x)
+    with pytest.raises(CheckpointError, match=r"shape was \(3, 4\) in the forward pass, \(4,\) in the recomputation"):
+        y.sum().backward()
+
+
+def test_recomputation_with_another_dtype_raises_under_torch_func():
+    calls = []
+
+    def f(x):
+        calls.append(1)
+        return x.float() if len(calls) > 1 else x * 1
+
+    with pytest.raises(CheckpointError, match="dtype was torch.float64"):
+        tf.grad(lambda x: remat(f)(x).sum())(X)
+
+
+def test_debug_adds_both_operator_traces():
+    x = X.clone().requires_grad_()
+    y = remat(shape_changing(), debug=True)(x)
+    with pytest.raises(CheckpointError, match=r"(?s)operator traces.*forward.*aten\.mul.*recomputation.*aten\.sum"):
+        y.sum().backward()
+
+
+def test_set_checkpoint_debug_enabled_overrides_the_argument():
+    x = X.clone().requires_grad_()
+    with set_checkpoint_debug_enabled(True):
+        y = remat(shape_changing(), debug=False)(x)
+        with pytest.raises(CheckpointError, match="operator traces"):
+            y.sum().backward()
+    with pytest.raises(TypeError, match="enabled"):
+        with set_checkpoint_debug_enabled("yes"):
+            pass
+
+
+def test_determinism_check_none_skips_the_check():
+    x = X.clone().requires_grad_()
+    y = remat(shape_changing(), determinism_check="none")(x)
+    with pytest.raises(RuntimeError) as info:  # autograd itself then rejects the gradient's shape
+        y.sum().backward()
+    assert not isinstance(info.value, CheckpointError)
+
+
+def test_in_place_update_of_a_differentiable_input_raises():
+    def f(x):
+        x.mul_(2)
+        return x.sin()
+
+    with pytest.raises(CheckpointError, match="modified 1 of its differentiable inputs in place"):
+        tf.grad(lambda x: remat(f)(x.clone() * 1).sum())(X)
+
+
+def test_in_place_update_of_a_buffer_happens_once():
+    counter = torch.zeros(())
+
+    def f(x):
+        counter.add_(1)
+        return x.sin() * 2
+
+    x = X.clone().requires_grad_()
+    remat(f)(x).sum().backward()
+    assert counter.item() == 1
+
+
+def _global_state():
+    return (
+        torch.is_grad_enabled(),
+        torch.get_rng_state(),
+        torch._C._len_torch_function_stack(),
+        _get_current_dispatch_mode(),
+        torch._C._functorch.peek_interpreter_stack(),
+        list(_capture._active.maps),
+    )
+
+
+@pytest.mark.parametrize("transform", ["backward", "grad", "vmap_grad"])
+def test_failure_inside_recomputation_leaves_no_global_state_changed(transform):
+    calls = []
+
+    def f(x):
+        calls.append(1)
+        y = torch.nn.functional.dropout(x, 0.5)
+        if len(calls) > 1:
+            raise ValueError("boom in recomputation")
+        return y
+
+    g = remat(f, debug=True)
+    torch.manual_seed(0)
+    before = _global_state()
+    with pytest.raises(ValueError, match="boom in recomputation"):
+        if transform == "backward":
+            g(X.clone().requires_grad_()).sum().backward()
+        elif transform == "grad":
+            tf.grad(lambda x: g(x).sum())(X)
+        else:
+            tf.vmap(tf.grad(lambda x: g(x).sum()), randomness="different")(X)
+    after = _global_state()
+    assert before[0] == after[0]
+    assert before[2:] == after[2:]
+    # the only RNG use is the forward's dropout: the failed recomputation restored the caller's state
+    torch.manual_seed(0)
+    torch.nn.functional.dropout(torch.empty_like(X) if transform != "vmap_grad" else X[0], 0.5)
+    if transform != "vmap_grad":
+        assert torch.equal(after[1], torch.get_rng_state())

@@ -1,0 +1,145 @@
+"""remat's calling conventions, pytrees, static arguments and argument validation."""
+
+from collections import namedtuple
+
+import optree
+import pytest
+import torch
+import torch.func as tf
+from torch.testing import assert_close
+
+import funckpt
+from funckpt import remat
+
+D = torch.float64
+W = torch.randn(4, 4, dtype=D, generator=torch.Generator().manual_seed(5))
+X = torch.randn(3, 4, dtype=D, generator=torch.Generator().manual_seed(6))
+
+
+def f(w, x):
+    """Docstring of f."""
+    return torch.tanh(x @ w)
+
+
+def test_bare_decorator_with_options_and_called_forms_are_equivalent():
+    @remat
+    def bare(w, x):
+        return f(w, x)
+
+    @remat(determinism_check="none")
+    def with_options(w, x):
+        return f(w, x)
+
+    called = remat(f, debug=False)
+    expected = tf.grad(lambda w: f(w, X).sum())(W)
+    for g in (bare, with_options, called):
+        assert_close(tf.grad(lambda w: g(w, X).sum())(W), expected)
+
+
+def test_wraps_keeps_name_doc_and_wrapped():
+    g = remat(f)
+    assert g.__name__ == "f" and g.__doc__ == "Docstring of f." and g.__wrapped__ is f
+
+
+Pair = namedtuple("Pair", ["a", "b"])
+
+
+def test_pytree_arguments_and_outputs_with_non_tensor_leaves():
+    def g(params, x, *, scale, tag=None):
+        y = torch.tanh(x @ params["w"]) * scale
+        return {"y": y, "aux": [params["b"].sum(), tag, 3], "pair": Pair(y.mean(), "name")}
+
+    params = {"w": W, "b": torch.ones(4, dtype=D)}
+
+    def loss(fn, params):
+        out = fn(params, X, scale=2.0, tag="t")
+        assert out["aux"][1] == "t" and out["aux"][2] == 3 and out["pair"].b == "name"
+        return out["y"].sum() + out["aux"][0] + out["pair"].a
+
+    assert_close(tf.grad(lambda p: loss(remat(g), p))(params), tf.grad(lambda p: loss(g, p))(params))
+
+
+def test_custom_optree_node_registered_in_the_funckpt_namespace():
+    class Box:
+        def __init__(self, t, label):
+            self.t, self.label = t, label
+
+    optree.register_pytree_node(
+        Box, lambda b: ((b.t,), b.label, None), lambda label, children: Box(children[0], label), namespace="funckpt"
+    )
+    try:
+
+        def g(box, x):
+            return Box(torch.tanh(x @ box.t), box.label + "!")
+
+        out = remat(g)(Box(W, "w"), X)
+        assert isinstance(out, Box) and out.label == "w!"
+        got = tf.grad(lambda w: remat(g)(Box(w, "w"), X).t.sum())(W)
+        assert_close(got, tf.grad(lambda w: g(Box(w, "w"), X).t.sum())(W))
+    finally:
+        optree.unregister_pytree_node(Box, namespace="funckpt")
+
+
+def test_static_argnums_pass_arguments_whole():
+    seen = []
+
+    def g(w, act, x, spec):
+        seen.append((act, spec))
+        return act(x @ w) * spec[0]
+
+    h = remat(g, static_argnums=(1, -1))
+    spec = [torch.tensor(2.0, dtype=D)]  # a static list holding a tensor is not flattened
+    got = tf.grad(lambda w: h(w, torch.sin, X, spec).sum())(W)
+    assert_close(got, tf.grad(lambda w: g(w, torch.sin, X, spec).sum())(W))
+    assert all(a is torch.sin and s is spec for a, s in seen)
+
+
+def test_kwargs_only_tensors():
+    def g(*, w, x):
+        return torch.tanh(x @ w)
+
+    assert_close(
+        tf.grad(lambda w: remat(g)(w=w, x=X).sum())(W),
+        tf.grad(lambda w: g(w=w, x=X).sum())(W),
+    )
+
+
+def test_function_without_tensor_outputs_or_inputs():
+    assert remat(lambda n: n + 1)(2) == 3
+    assert remat(lambda: "x")() == "x"
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "names"),
+    [
+        ({"policy": "dots"}, TypeError, "policy"),
+        ({"static_argnums": "0"}, TypeError, "static_argnums"),
+        ({"static_argnums": (0.5,)}, TypeError, "static_argnums"),
+        ({"preserve_rng_state": 1}, TypeError, "preserve_rng_state"),
+        ({"determinism_check": "strict"}, ValueError, "determinism_check"),
+        ({"debug": "yes"}, TypeError, "debug"),
+        ({"context_fn": 3}, TypeError, "context_fn"),
+        ({"segments": 0}, ValueError, "segments"),
+    ],
+)
+def test_bad_options_raise_at_decoration_naming_the_argument(kwargs, error, names):
+    with pytest.raises(error, match=names):
+        remat(f, **kwargs)
+    with pytest.raises(error, match=names):
+        remat(**kwargs)
+
+
+def test_non_callable_fn_raises_naming_fn():
+    with pytest.raises(TypeError, match="fn must be callable"):
+        remat(42)
+
+
+def test_static_argnums_out_of_range_raises_at_call_naming_it():
+    g = remat(f, static_argnums=(2,))
+    with pytest.raises(ValueError, match="static_argnums"):
+        g(W, X)
+
+
+def test_public_names():
+    assert {"remat", "CheckpointError", "set_checkpoint_debug_enabled"} <= set(funckpt.__all__)
+    assert issubclass(funckpt.CheckpointError, RuntimeError)
