@@ -27,6 +27,20 @@ def peak_bytes(step: Callable[[], Any], setup: Callable[[], Any] | None = None) 
     ``.grad`` fields) that the step would otherwise free inside the profile,
     which would make the peak look smaller than it is.
     """
+    return _memory(step, setup)[0]
+
+
+def held_bytes(step: Callable[[], Any], setup: Callable[[], Any] | None = None) -> int:
+    """Bytes that ``step`` allocated and its result still holds when it returns.
+
+    With ``step`` a forward pass that returns what the backward pass needs (a
+    loss with its graph, or ``torch.func.vjp``'s closure), this is the memory
+    kept between the forward and the backward pass.
+    """
+    return _memory(step, setup)[1]
+
+
+def _memory(step: Callable[[], Any], setup: Callable[[], Any] | None) -> tuple[int, int]:
     if setup is not None:
         setup()
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
@@ -42,7 +56,7 @@ def peak_bytes(step: Callable[[], Any], setup: Callable[[], Any] | None = None) 
     for e in events:
         running += e.nbytes()
         peak = max(peak, running)
-    return peak
+    return peak, running
 
 
 def median_seconds(step: Callable[[], Any], repeats: int = 7, warmup: int = 2) -> float:

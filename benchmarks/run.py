@@ -1,0 +1,31 @@
+"""Regenerate BENCHMARKS.md: ``python -m benchmarks.run`` from the repository root."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from . import core
+from ._common import machine_header
+
+SECTIONS = [core.run]
+
+
+def main() -> None:
+    parts = [
+        "# Benchmarks",
+        "",
+        "Regenerate everything on this page with `python -m benchmarks.run` (several minutes on 2 cores).",
+        "All figures are ratios or values measured side by side in one run; none comes from a test.",
+        "",
+        machine_header(),
+        "",
+    ]
+    for section in SECTIONS:
+        parts += [section(), ""]
+    path = Path(__file__).resolve().parents[1] / "BENCHMARKS.md"
+    path.write_text("\n".join(parts))
+    print(path.read_text())
+
+
+if __name__ == "__main__":
+    main()
