@@ -5,10 +5,20 @@ dictionaries instead of owning the module as a child, so it is a drop-in
 replacement: ``state_dict()`` and ``named_parameters()`` have exactly the
 original keys, ``load_state_dict`` accepts the original checkpoint, and
 ``torch.func.functional_call(wrapper, params_of_the_original, ...)`` works.
+
+An ``nn.Sequential`` is checkpointed in segments instead of as one region:
+with ``k`` segments (default about ``sqrt(len)``, the sublinear-memory choice
+of Chen et al. 2016) the first ``k - 1`` are remat'd and the last runs plainly,
+as ``torch.utils.checkpoint.checkpoint_sequential`` does. Between forward and
+backward only the segments' inputs are kept; the backward pass recomputes one
+segment at a time.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -43,3 +53,44 @@ class Remat(torch.nn.Module):
 
     def extra_repr(self) -> str:
         return f"wrapped={type(self.wrapped).__name__}"
+
+
+def default_segments(length: int) -> int:
+    """About the square root of the number of layers, at least 1."""
+    return max(1, round(math.sqrt(length)))
+
+
+def split(length: int, segments: int) -> list[tuple[int, int]]:
+    """``segments`` contiguous ``(start, stop)`` ranges covering ``range(length)``.
+
+    Like ``checkpoint_sequential``: equal segments of ``length // segments``
+    layers, the last one taking the remainder.
+    """
+    if length == 0:
+        return []
+    segments = min(segments, length)
+    size = length // segments
+    bounds = [(i * size, (i + 1) * size) for i in range(segments - 1)]
+    return bounds + [((segments - 1) * size, length)]
+
+
+class RematSequential(Remat):
+    """An ``nn.Sequential`` checkpointed segment by segment (the last segment plainly)."""
+
+    def __init__(self, module: torch.nn.Sequential, options: RematOptions) -> None:
+        super().__init__(module, dataclasses.replace(options, segments=None))
+        layers: Sequence[torch.nn.Module] = list(module)
+        k = options.segments if options.segments is not None else default_segments(len(layers))
+        # Plain lists, not registered: the layers are already the wrapped module's children.
+        object.__setattr__(self, "segments", [torch.nn.Sequential(*layers[a:b]) for a, b in split(len(layers), k)])
+
+    def forward(self, x: Any) -> Any:
+        from ._transform import call
+
+        *checkpointed, last = self.segments or [torch.nn.Identity()]
+        for segment in checkpointed:
+            x = call(segment, self._remat_options, (x,), {})
+        return last(x)
+
+    def extra_repr(self) -> str:
+        return f"wrapped=Sequential, segments={len(self.segments)}"

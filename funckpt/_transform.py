@@ -36,7 +36,7 @@ from ._errors import (
     debug_enabled,
     tensor_meta,
 )
-from ._modules import Remat
+from ._modules import Remat, RematSequential
 from ._pytree import ArgSpec, TreeSlots, flatten, flatten_args
 
 __all__ = ["remat"]
@@ -178,6 +178,13 @@ def _decorate(fn: Callable[..., Any], *, options: RematOptions) -> Any:
         raise TypeError(f"remat: fn must be callable (a function or an nn.Module), got {fn!r}")
     if options.policy is not None:
         raise NotImplementedError("remat: saving policies are not implemented yet; pass policy=None")
+    if options.segments is not None and not isinstance(fn, torch.nn.Sequential):
+        raise ValueError(
+            f"remat: segments applies to an nn.Sequential only, got segments={options.segments} "
+            f"for {type(fn).__name__}"
+        )
+    if isinstance(fn, torch.nn.Sequential):
+        return RematSequential(fn, options)
     if isinstance(fn, torch.nn.Module):
         return Remat(fn, options)
 
@@ -232,6 +239,16 @@ def call(fn: Callable[..., Any], options: RematOptions, args: tuple[Any, ...], k
     return region.out_slots.fill(outs)
 
 
+def _two_contexts(context_fn: Callable[[], tuple[Any, Any]], name: str) -> tuple[Any, Any]:
+    contexts = context_fn()
+    if not (isinstance(contexts, tuple) and len(contexts) == 2):
+        raise TypeError(
+            f"remat({name}): context_fn must return a tuple of two context managers "
+            f"(forward, recomputation), got {contexts!r}"
+        )
+    return contexts
+
+
 class UserRegion(Region):
     """The user's function as a region, with the state one call must replay."""
 
@@ -256,6 +273,21 @@ class UserRegion(Region):
         self.out_meta: list[tuple[Any, ...]] = []
         self.forward_trace: list[str] | None = None
         self.rng: _rng.RngState | None = None
+        self._recompute_context: Any = None
+
+    def _user_context(self, forward: bool) -> Any:
+        """``context_fn``'s first context for the forward run, its second for a recomputation.
+
+        ``context_fn`` is called once per forward run; a recomputation beyond the
+        first (a second backward pass) asks it for a fresh pair.
+        """
+        assert self.options.context_fn is not None
+        if forward:
+            forward_context, self._recompute_context = _two_contexts(self.options.context_fn, self.name)
+            return forward_context
+        context = self._recompute_context
+        self._recompute_context = None
+        return context if context is not None else _two_contexts(self.options.context_fn, self.name)[1]
 
     def _original(self, key: int) -> torch.Tensor | None:
         return self._originals.get(key)
@@ -284,6 +316,8 @@ class UserRegion(Region):
         with contextlib.ExitStack() as stack:
             if self.captured.modules:
                 stack.enter_context(reparametrized(self.captured.modules, replace))
+            if self.options.context_fn is not None:
+                stack.enter_context(self._user_context(forward))
             if self.options.preserve_rng_state:
                 if forward:
                     self.rng = _rng.capture(flat)

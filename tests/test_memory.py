@@ -6,7 +6,7 @@ Byte counts from the profiler's memory events: deterministic, not timings.
 import torch
 import torch.func as tf
 
-from benchmarks._common import peak_bytes
+from benchmarks._common import held_bytes, peak_bytes
 from benchmarks.mlp_stack import block, init_params, loss_fn
 from funckpt import remat
 
@@ -46,3 +46,15 @@ def test_remat_with_backward_saves_memory():
     plain = peak_bytes(lambda: step(block), setup=clear)
     rematted = peak_bytes(lambda: step(remat(block)), setup=clear)
     assert rematted < 0.75 * plain, (rematted, plain)
+
+
+def test_between_forward_and_backward_vjp_keeps_only_block_inputs():
+    def forward(block_fn):
+        return tf.vjp(lambda p: loss_fn(p, X, block_fn), PARAMS)
+
+    plain = held_bytes(lambda: forward(block))
+    rematted = held_bytes(lambda: forward(remat(block)))
+    activation = X.numel() * X.element_size()
+    # six blocks: six block inputs, a little slack for the loss
+    assert rematted <= 6 * activation + 1024, (rematted, activation)
+    assert rematted < 0.2 * plain

@@ -41,3 +41,38 @@ def test_train_and_eval_reach_the_wrapped_module():
     assert not net.training
     wrapped.train()
     assert net.training
+
+
+def _deep(n):
+    layers = []
+    for _ in range(n):
+        layers += [torch.nn.Linear(4, 4, dtype=D), torch.nn.Tanh()]
+    return torch.nn.Sequential(*layers)
+
+
+def test_sequential_split_matches_checkpoint_sequential():
+    from funckpt._modules import default_segments, split
+
+    assert split(10, 3) == [(0, 3), (3, 6), (6, 10)]
+    assert split(2, 5) == [(0, 1), (1, 2)]
+    assert default_segments(16) == 4 and default_segments(1) == 1
+
+
+def test_sequential_in_segments_gives_the_same_gradients_and_recomputes():
+    net = _deep(8)
+    x = torch.randn(3, 4, dtype=D)
+    params = dict(net.named_parameters())
+    wrapped = remat(net, segments=4)
+    assert len(wrapped.segments) == 4
+    loss = lambda m: (lambda p: tf.functional_call(m, p, (x,)).square().sum())  # noqa: E731
+    assert_close(tf.grad(loss(wrapped))(params), tf.grad(loss(net))(params))
+
+    calls = []
+    handle = torch.nn.modules.module.register_module_forward_hook(lambda m, i, o: calls.append(m))
+    try:
+        wrapped(x).sum().backward()
+    finally:
+        handle.remove()
+    linear_calls = sum(isinstance(m, torch.nn.Linear) for m in calls)
+    # 8 linears run forward; the 3 checkpointed segments (6 linears) run again in backward
+    assert linear_calls == 8 + 6

@@ -143,3 +143,42 @@ def test_static_argnums_out_of_range_raises_at_call_naming_it():
 def test_public_names():
     assert {"remat", "CheckpointError", "set_checkpoint_debug_enabled"} <= set(funckpt.__all__)
     assert issubclass(funckpt.CheckpointError, RuntimeError)
+
+
+def test_context_fn_wraps_forward_and_recomputation_once_each():
+    import contextlib
+
+    events = []
+
+    def context_fn():
+        @contextlib.contextmanager
+        def tag(name):
+            events.append(f"enter {name}")
+            yield
+            events.append(f"exit {name}")
+
+        return tag("forward"), tag("recompute")
+
+    w = W.clone().requires_grad_()
+    y = remat(f, context_fn=context_fn)(w, X)
+    assert events == ["enter forward", "exit forward"]
+    y.sum().backward()
+    assert events == ["enter forward", "exit forward", "enter recompute", "exit recompute"]
+    events.clear()
+    tf.grad(lambda w: remat(f, context_fn=context_fn)(w, X).sum())(W)
+    assert events == ["enter forward", "exit forward", "enter recompute", "exit recompute"]
+
+
+def test_context_fn_must_return_two_contexts():
+    with pytest.raises(TypeError, match="two context managers"):
+        remat(f, context_fn=lambda: None)(W, X)
+
+
+def test_segments_only_for_sequential():
+    with pytest.raises(ValueError, match="segments"):
+        remat(f, segments=2)
+
+
+def test_policies_are_not_silently_ignored():
+    with pytest.raises(NotImplementedError, match="policies"):
+        remat(f, policy=lambda op, *a, **k: True)
