@@ -55,6 +55,8 @@ def test_between_forward_and_backward_vjp_keeps_only_block_inputs():
     plain = held_bytes(lambda: forward(block))
     rematted = held_bytes(lambda: forward(remat(block)))
     activation = X.numel() * X.element_size()
-    # six blocks: six block inputs, a little slack for the loss
-    assert rematted <= 6 * activation + 1024, (rematted, activation)
+    rng_state = torch.get_rng_state().numel()  # each remat'd call keeps the CPU generator's state
+    # Six blocks: the inputs of blocks 2..6 (block 1's is X, allocated before),
+    # the last output (saved by the loss's square), and six RNG states.
+    assert rematted <= 6 * activation + 6 * rng_state + 1024, (rematted, activation)
     assert rematted < 0.2 * plain
