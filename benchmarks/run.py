@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from . import core
+from . import core, rng
 from ._common import machine_header
 
-SECTIONS = [core.run]
+SECTIONS = [core.run, rng.run]
 
 
 def main() -> None:

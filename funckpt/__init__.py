@@ -6,6 +6,7 @@ pass and recomputes the rest, under ``torch.func.grad``, ``vjp``, ``jvp``,
 autograd. See the README for a tour.
 """
 
+from ._compat import checkpoint, checkpoint_sequential, noop_context_fn
 from ._errors import CheckpointError, set_checkpoint_debug_enabled
 from ._transform import remat
 
@@ -13,6 +14,9 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CheckpointError",
+    "checkpoint",
+    "checkpoint_sequential",
+    "noop_context_fn",
     "remat",
     "set_checkpoint_debug_enabled",
 ]

@@ -61,6 +61,7 @@ class Captured:
     """What :func:`find_captured` found: tensors, and the modules holding some of them."""
 
     tensors: list[torch.Tensor] = field(default_factory=list)
+    generators: list[torch.Generator] = field(default_factory=list)
     # (module, {dotted name: tensor}) as the module was at the call
     modules: list[tuple[torch.nn.Module, dict[str, torch.Tensor]]] = field(default_factory=list)
 
@@ -72,10 +73,11 @@ def find_captured(fn: Callable[..., Any]) -> Captured:
     methods, ``functools.partial`` objects, closure cells, defaults, the globals
     named by the function's code (recursively into the user's own functions),
     containers, and plain objects' ``__dict__``, to a bounded depth. Returns
-    each tensor once, in discovery order, and each module with its named
-    tensors.
+    each tensor once, in discovery order, each ``torch.Generator`` found, and
+    each module with its named tensors.
     """
     found: dict[int, torch.Tensor] = {}
+    generators: dict[int, torch.Generator] = {}
     modules: list[tuple[torch.nn.Module, dict[str, torch.Tensor]]] = []
     seen: set[int] = set()
     budget = [_MAX_ITEMS]
@@ -83,6 +85,9 @@ def find_captured(fn: Callable[..., Any]) -> Captured:
     def visit(obj: Any, depth: int) -> None:
         if isinstance(obj, torch.Tensor):
             found.setdefault(id(obj), obj)
+            return
+        if isinstance(obj, torch.Generator):
+            generators.setdefault(id(obj), obj)
             return
         if depth > _MAX_DEPTH or budget[0] <= 0 or obj is None or isinstance(obj, (str, bytes, int, float, bool)):
             return
@@ -136,7 +141,7 @@ def find_captured(fn: Callable[..., Any]) -> Captured:
                 for item in obj.values():
                     visit(item, depth + 1)
             return
-        if isinstance(obj, (type, types.ModuleType, types.BuiltinFunctionType, torch.Generator)):
+        if isinstance(obj, (type, types.ModuleType, types.BuiltinFunctionType)):
             return
         if callable(obj) and not hasattr(obj, "__dict__"):
             return
@@ -148,7 +153,7 @@ def find_captured(fn: Callable[..., Any]) -> Captured:
             visit(getattr(type(obj), "__call__", None), depth + 1)
 
     visit(fn, 0)
-    return Captured(list(found.values()), modules)
+    return Captured(list(found.values()), list(generators.values()), modules)
 
 
 def _named_tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:

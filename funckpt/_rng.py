@@ -1,11 +1,18 @@
 """Capture and replay of random-number-generator state.
 
 With ``preserve_rng_state=True`` a remat'd call records, just before its
-forward run, the state of the CPU generator and of the current generator of
-every device its tensors live on (every device type, not only one), and each
-recomputation runs with those states restored. Around the recomputation the
-caller's states are saved and put back, so the recomputation is invisible to
-the caller's random stream.
+forward run, the state of
+
+* the CPU generator,
+* the current generator of every device its tensors live on, for every device
+  type at once (``torch.utils.checkpoint`` saves one non-CPU device type only),
+* every ``torch.Generator`` it was handed explicitly, anywhere in its
+  arguments' pytree, or reaches through its closure,
+
+and each recomputation runs with those states restored. Around the
+recomputation the current states are saved and put back, so the recomputation
+is invisible to the caller's random streams: after forward and backward every
+generator is where it would be without remat.
 """
 
 from __future__ import annotations
@@ -60,26 +67,34 @@ class RngState:
 
     cpu: torch.Tensor
     devices: dict[torch.device, torch.Tensor] = field(default_factory=dict)
+    explicit: list[tuple[torch.Generator, torch.Tensor]] = field(default_factory=list)
 
 
-def capture(tensors: Iterable[torch.Tensor]) -> RngState:
+def capture(tensors: Iterable[torch.Tensor], generators: Iterable[torch.Generator] = ()) -> RngState:
+    unique = {id(g): g for g in generators}
     return RngState(
         cpu=torch.get_rng_state(),
         devices={d: _get_state(d) for d in accelerator_devices(tensors)},
+        explicit=[(g, g.get_state()) for g in unique.values()],
     )
 
 
 @contextlib.contextmanager
 def replay(state: RngState) -> Iterator[None]:
-    """Run the body from ``state``; restore the caller's generators afterwards."""
+    """Run the body from ``state``; put every generator back as it was afterwards."""
     saved_cpu = torch.get_rng_state()
     saved_devices = {d: _get_state(d) for d in state.devices}
+    saved_explicit = [(g, g.get_state()) for g, _ in state.explicit]
     try:
         torch.set_rng_state(state.cpu)
         for d, s in state.devices.items():
             _set_state(d, s)
+        for g, s in state.explicit:
+            g.set_state(s)
         yield
     finally:
         torch.set_rng_state(saved_cpu)
         for d, s in saved_devices.items():
             _set_state(d, s)
+        for g, s in saved_explicit:
+            g.set_state(s)

@@ -25,7 +25,7 @@ from typing import Any, TypeVar, overload
 
 import torch
 
-from . import _rng
+from . import _autocast, _rng
 from ._autograd import Phase, Region, apply
 from ._capture import Captured, Substitute, find_captured, reparametrized, route_through_enclosing
 from ._errors import (
@@ -274,6 +274,11 @@ class UserRegion(Region):
         self.forward_trace: list[str] | None = None
         self.rng: _rng.RngState | None = None
         self._recompute_context: Any = None
+        self.autocast: list[_autocast.AutocastState] = []
+        self.generators = [
+            *(leaf for leaf in argspec.dynamic.leaves if isinstance(leaf, torch.Generator)),
+            *captured.generators,
+        ]
 
     def _user_context(self, forward: bool) -> Any:
         """``context_fn``'s first context for the forward run, its second for a recomputation.
@@ -318,9 +323,13 @@ class UserRegion(Region):
                 stack.enter_context(reparametrized(self.captured.modules, replace))
             if self.options.context_fn is not None:
                 stack.enter_context(self._user_context(forward))
+            if forward:
+                self.autocast = _autocast.capture(flat)
+            else:
+                stack.enter_context(_autocast.replay(self.autocast))
             if self.options.preserve_rng_state:
                 if forward:
-                    self.rng = _rng.capture(flat)
+                    self.rng = _rng.capture(flat, self.generators)
                 elif self.rng is not None:
                     stack.enter_context(_rng.replay(self.rng))
             stack.enter_context(Substitute(mapping, flat, forward=forward, name=self.name))

@@ -73,3 +73,57 @@ def test_cuda_generator_replays():
     expected, _ = seeded(lambda: tf.grad(loss(noisy))(w, x))
     got, _ = seeded(lambda: tf.grad(loss(remat(noisy)))(w, x))
     assert_close(got, expected)
+
+
+def explicit_noise(w, x, generator):
+    h = torch.tanh(x @ w)
+    mask = torch.rand(h.shape, generator=generator, dtype=D) > 0.5
+    return h * mask * torch.randn(h.shape, generator=generator, dtype=D)
+
+
+@pytest.mark.parametrize("where", ["argument", "nested_argument", "closure"])
+def test_explicit_generator_is_threaded_and_not_advanced_by_recomputation(where):
+    def run(wrap):
+        g = torch.Generator().manual_seed(99)
+        if where == "argument":
+            fn = wrap(explicit_noise)
+            out = tf.grad(lambda w: fn(w, X, g).square().sum())(W)
+        elif where == "nested_argument":
+            fn = wrap(lambda w, x, cfg: explicit_noise(w, x, cfg["rng"]))
+            out = tf.grad(lambda w: fn(w, X, {"rng": g, "p": 0.5}).square().sum())(W)
+        else:
+            fn = wrap(lambda w, x: explicit_noise(w, x, g))
+            out = tf.grad(lambda w: fn(w, X).square().sum())(W)
+        return out, g.get_state()
+
+    expected, state_expected = run(lambda f: f)
+    got, state_got = run(remat)
+    assert_close(got, expected)
+    assert torch.equal(state_got, state_expected)
+
+
+def test_rng_devices_cover_every_non_cpu_device_type():
+    from funckpt._rng import accelerator_devices
+
+    meta = torch.empty(2, device="meta")
+    assert accelerator_devices([torch.empty(2), meta]) == []
+
+
+def test_recomputation_runs_under_the_forward_autocast_state():
+    dtypes = []
+
+    def f(w, x):
+        y = x @ w
+        dtypes.append(y.dtype)
+        return y.float().sin()
+
+    w32, x32 = W.float().requires_grad_(), X.float()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = remat(f)(w32, x32)
+    out.sum().backward()  # outside the autocast block
+    assert dtypes == [torch.bfloat16, torch.bfloat16]
+    w_ref = W.float().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref = f(w_ref, x32)
+    ref.sum().backward()
+    assert_close(w32.grad, w_ref.grad)

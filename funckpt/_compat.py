@@ -1,0 +1,139 @@
+"""A drop-in for ``torch.utils.checkpoint`` that also works under ``torch.func``.
+
+``funckpt.checkpoint`` and ``funckpt.checkpoint_sequential`` take the same
+arguments as PyTorch's and give the same results and gradients, under
+``.backward()`` and under every ``torch.func`` transform, where PyTorch's
+raise. ``use_reentrant`` is accepted for compatibility only: both values run
+the same implementation (``remat``), which has the non-reentrant variant's
+features (keyword arguments, ``context_fn``, ``debug``, nesting, and inputs
+that need no grad) and composes with ``torch.func``. It is therefore never
+required, and leaving it unset does not warn.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from ._modules import split
+from ._transform import RematOptions, call
+
+__all__ = ["checkpoint", "checkpoint_sequential", "noop_context_fn"]
+
+
+def noop_context_fn() -> tuple[contextlib.AbstractContextManager[None], contextlib.AbstractContextManager[None]]:
+    """The default ``context_fn``: two context managers that do nothing."""
+    return contextlib.nullcontext(), contextlib.nullcontext()
+
+
+def _is_noop(context_fn: Callable[..., Any]) -> bool:
+    import torch.utils.checkpoint as upstream
+
+    return context_fn is noop_context_fn or context_fn is upstream.noop_context_fn
+
+
+def _options(
+    use_reentrant: bool | None,
+    context_fn: Callable[[], tuple[Any, Any]],
+    determinism_check: str,
+    debug: bool,
+    preserve_rng_state: bool,
+) -> RematOptions:
+    if use_reentrant not in (None, True, False):
+        raise TypeError(f"checkpoint: use_reentrant must be None, True or False, got {use_reentrant!r}")
+    if not callable(context_fn):
+        raise TypeError(f"checkpoint: context_fn must be callable, got {context_fn!r}")
+    return RematOptions(
+        preserve_rng_state=preserve_rng_state,
+        determinism_check=determinism_check,
+        debug=debug,
+        context_fn=None if _is_noop(context_fn) else context_fn,
+    )
+
+
+def checkpoint(
+    function: Callable[..., Any],
+    *args: Any,
+    use_reentrant: bool | None = None,
+    context_fn: Callable[[], tuple[Any, Any]] = noop_context_fn,
+    determinism_check: str = "default",
+    debug: bool = False,
+    preserve_rng_state: bool = True,
+    **kwargs: Any,
+) -> Any:
+    """Checkpoint one call of ``function(*args, **kwargs)``, like ``torch.utils.checkpoint.checkpoint``.
+
+    Between forward and backward only the inputs are kept; the backward pass
+    recomputes ``function``. Unlike PyTorch's, this works under
+    ``torch.func.grad``, ``vjp``, ``jacrev``, ``hessian`` and the rest.
+
+    Example::
+
+        >>> import torch, torch.func as tf, funckpt
+        >>> w = torch.randn(3, 3)
+        >>> g = tf.grad(lambda w: funckpt.checkpoint(torch.tanh, w, use_reentrant=False).sum())(w)
+        >>> torch.testing.assert_close(g, 1 - torch.tanh(w) ** 2)
+    """
+    if not callable(function):
+        raise TypeError(f"checkpoint: function must be callable, got {function!r}")
+    options = _options(use_reentrant, context_fn, determinism_check, debug, preserve_rng_state)
+    return call(function, options, args, kwargs)
+
+
+def checkpoint_sequential(
+    functions: torch.nn.Sequential | Sequence[Callable[[Any], Any]],
+    segments: int,
+    input: Any,
+    use_reentrant: bool | None = None,
+    **kwargs: Any,
+) -> Any:
+    """Run ``functions`` in sequence, checkpointing all but the last of ``segments`` chunks.
+
+    Same arguments as ``torch.utils.checkpoint.checkpoint_sequential``
+    (``functions`` an ``nn.Sequential`` or a list of modules or functions;
+    keyword arguments ``preserve_rng_state``, ``context_fn``,
+    ``determinism_check``, ``debug``), and it works under ``torch.func``.
+
+    Example::
+
+        >>> import torch, funckpt
+        >>> net = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(4)])
+        >>> y = funckpt.checkpoint_sequential(net, 2, torch.randn(2, 4), use_reentrant=False)
+    """
+    unknown = set(kwargs) - {"preserve_rng_state", "context_fn", "determinism_check", "debug"}
+    if unknown:
+        raise ValueError(f"checkpoint_sequential: unexpected keyword arguments: {', '.join(sorted(unknown))}")
+    if isinstance(segments, bool) or not isinstance(segments, int) or segments < 1:
+        raise ValueError(f"checkpoint_sequential: segments must be a positive int, got {segments!r}")
+    layers = list(functions.children()) if isinstance(functions, torch.nn.Sequential) else list(functions)
+    if not all(callable(f) for f in layers):
+        raise TypeError("checkpoint_sequential: functions must be an nn.Sequential or a list of callables")
+    options = _options(
+        use_reentrant,
+        kwargs.get("context_fn", noop_context_fn),
+        kwargs.get("determinism_check", "default"),
+        kwargs.get("debug", False),
+        kwargs.get("preserve_rng_state", True),
+    )
+    ranges = split(len(layers), segments)
+    for a, b in ranges[:-1]:
+        input = call(_Chain(layers[a:b]), options, (input,), {})
+    for f in layers[ranges[-1][0] :] if ranges else ():
+        input = f(input)
+    return input
+
+
+class _Chain:
+    """Calls its layers in order; remat finds their parameters through ``layers``."""
+
+    def __init__(self, layers: list[Callable[[Any], Any]]) -> None:
+        self.layers = layers
+        self.__qualname__ = "checkpoint_sequential_segment"
+
+    def __call__(self, x: Any) -> Any:
+        for f in self.layers:
+            x = f(x)
+        return x

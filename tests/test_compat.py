@@ -1,0 +1,118 @@
+"""funckpt.checkpoint and checkpoint_sequential: PyTorch's arguments and results, also under torch.func."""
+
+import contextlib
+
+import pytest
+import torch
+import torch.func as tf
+import torch.utils.checkpoint as upstream
+from torch.testing import assert_close
+
+import funckpt
+
+D = torch.float64
+W = torch.randn(4, 4, dtype=D, generator=torch.Generator().manual_seed(11))
+X = torch.randn(3, 4, dtype=D, generator=torch.Generator().manual_seed(12))
+
+
+def f(w, x, *, scale=1.0):
+    return torch.nn.functional.dropout(torch.tanh(x @ w), 0.3) * scale
+
+
+def _grads(ckpt, use_reentrant):
+    torch.manual_seed(0)
+    w = W.clone().requires_grad_()
+    out = ckpt(f, w, X, use_reentrant=use_reentrant)
+    out.sum().backward()
+    return out, w.grad
+
+
+@pytest.mark.parametrize("use_reentrant", [True, False])
+def test_checkpoint_matches_torch_utils_checkpoint_under_backward(use_reentrant):
+    assert_close(_grads(funckpt.checkpoint, use_reentrant), _grads(upstream.checkpoint, use_reentrant))
+
+
+@pytest.mark.parametrize("use_reentrant", [None, True, False])
+def test_checkpoint_works_under_torch_func_where_upstream_raises(use_reentrant):
+    def loss(ckpt, **kwargs):
+        return lambda w: ckpt(f, w, X, use_reentrant=use_reentrant, **kwargs).sum()
+
+    with pytest.raises(RuntimeError), pytest.warns() if use_reentrant is None else contextlib.nullcontext():
+        tf.grad(loss(upstream.checkpoint))(W)
+    torch.manual_seed(0)
+    got = tf.grad(loss(funckpt.checkpoint, scale=2.0))(W)
+    torch.manual_seed(0)
+    expected = tf.grad(lambda w: f(w, X, scale=2.0).sum())(W)
+    assert_close(got, expected)
+
+
+def test_checkpoint_passes_keyword_arguments_and_non_tensor_outputs():
+    out = funckpt.checkpoint(lambda x, *, k: (x * k, "tag"), X, k=3)
+    assert out[1] == "tag"
+    assert_close(out[0], X * 3)
+
+
+def test_context_fn_contexts_each_entered_once_per_pass():
+    entered = []
+
+    def context_fn():
+        @contextlib.contextmanager
+        def mark(name):
+            entered.append(name)
+            yield
+
+        return mark("forward"), mark("recompute")
+
+    w = W.clone().requires_grad_()
+    funckpt.checkpoint(f, w, X, use_reentrant=False, context_fn=context_fn).sum().backward()
+    assert entered == ["forward", "recompute"]
+    funckpt.checkpoint(f, w, X, context_fn=upstream.noop_context_fn).sum().backward()
+
+
+def test_bad_arguments():
+    with pytest.raises(TypeError, match="function"):
+        funckpt.checkpoint(3, X)
+    with pytest.raises(TypeError, match="use_reentrant"):
+        funckpt.checkpoint(f, W, X, use_reentrant="yes")
+    with pytest.raises(ValueError, match="determinism_check"):
+        funckpt.checkpoint(f, W, X, determinism_check="maybe")
+    with pytest.raises(ValueError, match="segments"):
+        funckpt.checkpoint_sequential(torch.nn.Sequential(torch.nn.Tanh()), 0, X)
+    with pytest.raises(ValueError, match="unexpected keyword"):
+        funckpt.checkpoint_sequential(torch.nn.Sequential(torch.nn.Tanh()), 1, X, bogus=1)
+
+
+def _seq():
+    torch.manual_seed(3)
+    layers = []
+    for _ in range(5):
+        layers += [torch.nn.Linear(4, 4, dtype=D), torch.nn.Tanh()]
+    return torch.nn.Sequential(*layers)
+
+
+@pytest.mark.parametrize("as_list", [False, True])
+def test_checkpoint_sequential_matches_upstream(as_list):
+    results = []
+    for impl in (upstream.checkpoint_sequential, funckpt.checkpoint_sequential):
+        net = _seq()
+        functions = list(net) if as_list else net
+        x = X.clone().requires_grad_()
+        out = impl(functions, 3, x, use_reentrant=False)
+        out.square().sum().backward()
+        results.append((out, x.grad, [p.grad for p in net.parameters()]))
+    assert_close(results[1], results[0])
+
+
+def test_checkpoint_sequential_under_torch_func_grad_with_functional_call():
+    net = _seq()
+    params = dict(net.named_parameters())
+
+    def loss(seq_fn):
+        return lambda p: tf.functional_call(net, p, (X,), strict=True) if seq_fn is None else seq_fn(p)
+
+    def via_checkpoint(p):
+        with torch.nn.utils.stateless._reparametrize_module(net, p):
+            return funckpt.checkpoint_sequential(net, 3, X, use_reentrant=False).square().sum()
+
+    expected = tf.grad(lambda p: tf.functional_call(net, p, (X,)).square().sum())(params)
+    assert_close(tf.grad(via_checkpoint)(params), expected)
