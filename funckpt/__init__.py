@@ -9,14 +9,18 @@ autograd. See the README for a tour.
 from ._compat import checkpoint, checkpoint_sequential, noop_context_fn
 from ._errors import CheckpointError, set_checkpoint_debug_enabled
 from ._transform import remat
+from . import policies
+from .policies import checkpoint_name
 
 __version__ = "0.1.0"
 
 __all__ = [
     "CheckpointError",
     "checkpoint",
+    "checkpoint_name",
     "checkpoint_sequential",
     "noop_context_fn",
+    "policies",
     "remat",
     "set_checkpoint_debug_enabled",
 ]

@@ -13,6 +13,8 @@ required, and leaving it unset does not warn.
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -20,6 +22,7 @@ import torch
 
 from ._modules import split
 from ._transform import RematOptions, call
+from .policies import from_torch
 
 __all__ = ["checkpoint", "checkpoint_sequential", "noop_context_fn"]
 
@@ -46,12 +49,32 @@ def _options(
         raise TypeError(f"checkpoint: use_reentrant must be None, True or False, got {use_reentrant!r}")
     if not callable(context_fn):
         raise TypeError(f"checkpoint: context_fn must be callable, got {context_fn!r}")
+    policy = _selective_policy(context_fn)
     return RematOptions(
+        policy=policy,
         preserve_rng_state=preserve_rng_state,
         determinism_check=determinism_check,
         debug=debug,
-        context_fn=None if _is_noop(context_fn) else context_fn,
+        context_fn=None if policy is not None or _is_noop(context_fn) else context_fn,
     )
+
+
+def _selective_policy(context_fn: Callable[..., Any]) -> Callable[..., bool] | None:
+    """The policy in ``partial(torch.utils.checkpoint.create_selective_checkpoint_contexts, ...)``.
+
+    That is how PyTorch users ask for selective checkpointing; PyTorch's own
+    caching modes depend on its checkpoint internals, so funckpt reads the
+    policy out of the partial and applies it with its own machinery.
+    """
+    import torch.utils.checkpoint as upstream
+
+    if not (isinstance(context_fn, functools.partial) and context_fn.func is upstream.create_selective_checkpoint_contexts):
+        return None
+    bound = inspect.signature(upstream.create_selective_checkpoint_contexts).bind(*context_fn.args, **context_fn.keywords)
+    bound.apply_defaults()
+    policy = from_torch(bound.arguments["policy_fn_or_list"])
+    policy.allow_cache_entry_mutation = bool(bound.arguments.get("allow_cache_entry_mutation", False))  # type: ignore[attr-defined]
+    return policy
 
 
 def checkpoint(

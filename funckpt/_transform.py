@@ -38,6 +38,8 @@ from ._errors import (
 )
 from ._modules import Remat, RematSequential
 from ._pytree import ArgSpec, TreeSlots, flatten, flatten_args
+from ._saving import Saved
+from .policies import nothing_saveable
 
 __all__ = ["remat"]
 
@@ -176,8 +178,6 @@ def remat(
 def _decorate(fn: Callable[..., Any], *, options: RematOptions) -> Any:
     if not callable(fn):
         raise TypeError(f"remat: fn must be callable (a function or an nn.Module), got {fn!r}")
-    if options.policy is not None:
-        raise NotImplementedError("remat: saving policies are not implemented yet; pass policy=None")
     if options.segments is not None and not isinstance(fn, torch.nn.Sequential):
         raise ValueError(
             f"remat: segments applies to an nn.Sequential only, got segments={options.segments} "
@@ -273,6 +273,8 @@ class UserRegion(Region):
         self.out_meta: list[tuple[Any, ...]] = []
         self.forward_trace: list[str] | None = None
         self.rng: _rng.RngState | None = None
+        policy = options.policy
+        self.saved = None if policy is None or policy is nothing_saveable else Saved(policy, name)
         self._recompute_context: Any = None
         self.autocast: list[_autocast.AutocastState] = []
         self.generators = [
@@ -333,8 +335,16 @@ class UserRegion(Region):
                 elif self.rng is not None:
                     stack.enter_context(_rng.replay(self.rng))
             stack.enter_context(Substitute(mapping, flat, forward=forward, name=self.name))
+            if self.saved is not None:
+                stack.enter_context(
+                    self.saved.recorder()
+                    if forward
+                    else self.saved.replayer(getattr(self.options.policy, "allow_cache_entry_mutation", False))
+                )
             trace = stack.enter_context(OpTrace()) if debug else None
             out = self.fn(*args, **kwargs)
+        if forward and self.saved is not None:
+            self.saved.finish_forward()
         tensors, slots = flatten(out)
         if forward:
             self.out_slots = slots

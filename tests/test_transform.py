@@ -177,8 +177,3 @@ def test_context_fn_must_return_two_contexts():
 def test_segments_only_for_sequential():
     with pytest.raises(ValueError, match="segments"):
         remat(f, segments=2)
-
-
-def test_policies_are_not_silently_ignored():
-    with pytest.raises(NotImplementedError, match="policies"):
-        remat(f, policy=lambda op, *a, **k: True)

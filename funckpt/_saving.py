@@ -1,0 +1,226 @@
+"""How a policy's choices are kept and served: two dispatch modes over one op trace.
+
+During the forward run, :class:`Recorder` (a ``TorchDispatchMode``, so below
+autograd and every functorch transform) numbers each ATen operator, remembers
+its name and argument metadata, asks the policy about it, and keeps the outputs
+of the operators the policy chose. During a recomputation, :class:`Replayer`
+walks the same numbering: where the operator at position ``i`` is the one the
+forward run executed there (same operator, same argument shapes and dtypes) and
+position ``i`` was kept, it returns the kept outputs instead of executing.
+Autograd, which sits above, still records the operator, so gradients are those
+of the original computation.
+
+Safety:
+
+* If a recomputation diverges from the forward's trace (another operator at
+  some position, which can happen when an operator decomposes differently with
+  and without grad tracking), caching stops for the rest of that run: the
+  remaining operators are recomputed. A kept value is never served at a
+  position it was not made at.
+* A kept value that the forward run itself later modified in place is dropped
+  at the end of the forward run (it no longer holds what the operator made).
+  One modified *after* the forward run raises :class:`~funckpt.CheckpointError`
+  when served, never a wrong gradient.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves, tree_map_only
+
+from ._errors import CheckpointError
+from .policies import CHECKPOINT_NAME, excluded_names
+
+_C = torch._C._functorch
+
+
+# Not numbered: autograd dispatches a detach when it saves an op's output for
+# backward, so grad-enabled recomputations have detaches the no-grad forward run
+# lacks. They alias their input and are never kept, so skipping them is safe.
+_UNNUMBERED = frozenset({torch.ops.aten.detach.default})
+
+
+def _cacheable(op: Any) -> bool:
+    """Random operators and operators returning aliases of their inputs are never kept."""
+    if torch.Tag.nondeterministic_seeded in op.tags:
+        return False
+    return not any(r.alias_info is not None for r in op._schema.returns)
+
+
+def _meta(args: tuple[Any, ...]) -> tuple[Any, ...]:
+    return tuple((tuple(a.shape), a.dtype) if isinstance(a, torch.Tensor) else None for a in args)
+
+
+class Saved:
+    """One remat'd call's kept operator outputs, by position in its op trace."""
+
+    def __init__(self, policy: Callable[..., bool], name: str) -> None:
+        self.policy = policy
+        self.name = name
+        self.excluded = excluded_names(policy)
+        self.trace: list[tuple[Any, tuple[Any, ...]]] = []
+        self.kept: dict[int, Any] = {}  # position -> outputs (as the op returned them)
+        self.versions: dict[int, list[int]] = {}
+        self.labels: dict[int, str] = {}  # position -> the name that kept it, if any
+        self.producer: dict[int, int] = {}  # id(output tensor) -> position, forward run only
+
+    # forward run
+
+    def keep(self, position: int, out: Any, label: str | None = None) -> None:
+        self.kept[position] = out
+        self.versions[position] = [t._version for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+        if label is not None:
+            self.labels[position] = label
+
+    def name_value(self, x: torch.Tensor, name: str) -> None:
+        position = self.producer.get(id(_bottom(x)))
+        if position is None or position >= len(self.trace):
+            return
+        op = self.trace[position][0]
+        if self.policy(CHECKPOINT_NAME, x, name):
+            if position in self.kept:
+                self.labels[position] = name
+                return
+            refs = self._outputs.get(position)
+            if refs is None or not _cacheable(op):
+                return
+            structure, weak = refs
+            alive = [w() for w in weak]
+            if all(t is not None for t in alive):  # else: recompute that op, never serve part of it
+                self.keep(position, _rebuild(structure, alive), label=name)
+        elif name in self.excluded:
+            self.kept.pop(position, None)
+            self.versions.pop(position, None)
+
+    def finish_forward(self) -> None:
+        """Drop values the forward run itself modified after they were kept; forget producers."""
+        for position in list(self.kept):
+            if _versions(self.kept[position]) != self.versions[position]:
+                del self.kept[position], self.versions[position]
+                self.labels.pop(position, None)
+        self.producer.clear()
+        self._outputs.clear()
+
+    def recorder(self) -> Recorder:
+        # position -> (structure, weak references to its tensors): enough to keep
+        # an output retroactively when it is named, without keeping every output alive.
+        self._outputs: dict[int, tuple[Any, list[weakref.ref[torch.Tensor]]]] = {}
+        return Recorder(self)
+
+    def replayer(self, allow_mutation: bool) -> Replayer:
+        return Replayer(self, allow_mutation)
+
+
+def _weak(out: Any) -> tuple[Any, list[weakref.ref[torch.Tensor]]]:
+    if isinstance(out, torch.Tensor):
+        return None, [weakref.ref(out)]
+    return type(out), [weakref.ref(t) for t in out]
+
+
+def _rebuild(structure: Any, tensors: list[torch.Tensor]) -> Any:
+    return tensors[0] if structure is None else structure(tensors)
+
+
+def _versions(out: Any) -> list[int]:
+    return [t._version for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+
+
+def _bottom(x: torch.Tensor) -> torch.Tensor:
+    """The plain tensor under any functorch wrappers (what dispatch modes see)."""
+    while _C.is_functorch_wrapped_tensor(x):
+        x = _C.get_unwrapped(x)
+    return x
+
+
+class _Active(threading.local):
+    def __init__(self) -> None:
+        self.stack: list[Saved] = []
+
+
+_active = _Active()
+
+
+def note_name(x: torch.Tensor, name: str) -> None:
+    """Called by ``checkpoint_name``: tell the innermost recording region."""
+    if _active.stack:
+        _active.stack[-1].name_value(x, name)
+
+
+class Recorder(TorchDispatchMode):
+    def __init__(self, saved: Saved) -> None:
+        super().__init__()
+        self.saved = saved
+
+    def __enter__(self) -> Recorder:
+        _active.stack.append(self.saved)
+        try:
+            return super().__enter__()
+        except BaseException:
+            _active.stack.pop()
+            raise
+
+    def __exit__(self, *exc: Any) -> None:
+        try:
+            super().__exit__(*exc)
+        finally:
+            _active.stack.pop()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+        kwargs = kwargs or {}
+        if func in _UNNUMBERED:
+            return func(*args, **kwargs)
+        meta = _meta(args)  # before running: in-place ops change their arguments' shapes
+        out = func(*args, **kwargs)
+        saved = self.saved
+        position = len(saved.trace)
+        saved.trace.append((func, meta))
+        if _cacheable(func):
+            if saved.policy(func, *args, **kwargs):
+                saved.keep(position, out)
+            elif isinstance(out, torch.Tensor) or (
+                isinstance(out, (tuple, list)) and all(isinstance(t, torch.Tensor) for t in out)
+            ):
+                saved._outputs[position] = _weak(out)
+            for t in tree_leaves(out):
+                if isinstance(t, torch.Tensor):
+                    saved.producer[id(t)] = position
+        return out
+
+
+class Replayer(TorchDispatchMode):
+    def __init__(self, saved: Saved, allow_mutation: bool) -> None:
+        super().__init__()
+        self.saved = saved
+        self.allow_mutation = allow_mutation
+        self.position = 0
+        self.diverged = False
+        self.served = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+        kwargs = kwargs or {}
+        if func in _UNNUMBERED:
+            return func(*args, **kwargs)
+        saved = self.saved
+        position = self.position
+        self.position += 1
+        if not self.diverged:
+            if position >= len(saved.trace) or saved.trace[position] != (func, _meta(args)):
+                self.diverged = True
+            elif position in saved.kept:
+                out = saved.kept[position]
+                if not self.allow_mutation and _versions(out) != saved.versions[position]:
+                    raise CheckpointError(
+                        f"remat({saved.name}): the output of {func} that the saving policy kept during the "
+                        "forward pass was modified in place before the backward pass; the gradient would be "
+                        "wrong. Do not modify saved values in place (clone them first), or use a policy that "
+                        "does not keep this operator."
+                    )
+                self.served += 1
+                return tree_map_only(torch.Tensor, lambda t: t.detach(), out)
+        return func(*args, **kwargs)

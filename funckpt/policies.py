@@ -1,0 +1,258 @@
+"""Saving policies: which intermediate results ``remat`` keeps instead of recomputing.
+
+By default a remat'd function keeps only its inputs and recomputes everything
+else in the backward pass. A *policy* trades some of that memory back for
+compute: it is called once per ATen operator during the forward run, as
+``policy(op, *args, **kwargs)`` with the ``OpOverload`` and its arguments, and
+returns ``True`` to keep that operator's outputs. Kept outputs are not computed
+again: during recomputation the operator returns its cached result (autograd
+still records it, so gradients are exact). Everything else is recomputed.
+
+Policies are plain predicates, so they compose with ordinary Python::
+
+    >>> import torch, funckpt
+    >>> from funckpt import policies
+    >>> def block(w, x):
+    ...     h = funckpt.checkpoint_name(torch.tanh(x @ w), "hidden")
+    ...     return (h @ w.T).relu()
+    >>> w, x = torch.randn(8, 8, requires_grad=True), torch.randn(4, 8)
+    >>> y = funckpt.remat(block, policy=policies.dots_saveable)(w, x)       # keep matmuls
+    >>> y = funckpt.remat(block, policy=policies.save_only_these_names("hidden"))(w, x)
+    >>> y = funckpt.remat(block, policy=lambda op, *args, **kwargs: op is torch.ops.aten.mm.default)(w, x)
+
+Names. ``checkpoint_name(x, name)`` returns ``x`` and, inside a remat'd
+function, asks the policy about ``(CHECKPOINT_NAME, x, name)``; if it answers
+``True`` the operator that produced ``x`` is kept. Names add saved values; the
+one policy that removes them is :func:`save_anything_except_these_names`, whose
+excluded names override its own "save everything".
+
+Never kept, whatever the policy says: random operators (they are replayed from
+the recorded generator state instead, so later random draws stay in step) and
+operators whose outputs alias their inputs (views and in-place updates, which
+are cheap to redo).
+
+This mirrors ``jax.checkpoint_policies``; :func:`from_torch` adapts a
+``torch.utils.checkpoint`` selective-checkpointing policy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+
+__all__ = [
+    "CHECKPOINT_NAME",
+    "Policy",
+    "checkpoint_name",
+    "dots_saveable",
+    "dots_with_no_batch_dims_saveable",
+    "everything_saveable",
+    "from_torch",
+    "nothing_saveable",
+    "save_any_names_but_these",
+    "save_anything_except_these_names",
+    "save_from_both_policies",
+    "save_only_these_names",
+]
+
+Policy = Callable[..., bool]
+
+aten = torch.ops.aten
+
+_lib = torch.library.Library("funckpt", "DEF")  # noqa: TOR901 - the namespace is ours
+_lib.define("checkpoint_name(Tensor x, str name) -> Tensor")
+_lib.impl("checkpoint_name", lambda x, name: x.clone(), "CompositeExplicitAutograd")
+
+#: The operator a policy is asked about for a :func:`checkpoint_name`, with args ``(x, name)``.
+CHECKPOINT_NAME = torch.ops.funckpt.checkpoint_name.default
+
+
+def _packets(*names: str) -> frozenset[Any]:
+    return frozenset(getattr(aten, n) for n in names if hasattr(aten, n))
+
+
+_DOTS_NO_BATCH = _packets(
+    "mm", "addmm", "_addmm_activation", "mv", "addmv", "dot", "vdot", "linear", "_int_mm", "_scaled_mm"
+)
+_DOTS = _DOTS_NO_BATCH | _packets(
+    "bmm",
+    "baddbmm",
+    "addbmm",
+    "matmul",
+    "einsum",
+    "tensordot",
+    "convolution",
+    "_convolution",
+    "conv1d",
+    "conv2d",
+    "conv3d",
+    "conv_transpose1d",
+    "conv_transpose2d",
+    "conv_transpose3d",
+    "mkldnn_convolution",
+    "cudnn_convolution",
+    "miopen_convolution",
+    "scaled_dot_product_attention",
+    "_scaled_dot_product_attention_math",
+    "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_flash_attention_for_cpu",
+    "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_cudnn_attention",
+    "_flash_attention_forward",
+    "_efficient_attention_forward",
+)
+
+
+def everything_saveable(op: Any, *args: Any, **kwargs: Any) -> bool:
+    """Keep every operator's outputs: no recomputation at all (the most memory)."""
+    return True
+
+
+def nothing_saveable(op: Any, *args: Any, **kwargs: Any) -> bool:
+    """Keep nothing but the inputs; recompute everything (the default, the least memory)."""
+    return False
+
+
+def dots_saveable(op: Any, *args: Any, **kwargs: Any) -> bool:
+    """Keep the results of matrix multiplies (every ATen form), convolutions and attention.
+
+    Recomputation then redoes only the cheap elementwise work around them.
+    """
+    return getattr(op, "overloadpacket", None) in _DOTS
+
+
+def dots_with_no_batch_dims_saveable(op: Any, *args: Any, **kwargs: Any) -> bool:
+    """Keep the results of matrix multiplies without batch dimensions (``mm``, ``addmm``, ``mv``, ...).
+
+    Batched products (``bmm``, attention scores) are recomputed, as in JAX.
+    """
+    return getattr(op, "overloadpacket", None) in _DOTS_NO_BATCH
+
+
+def _names(names: Iterable[Any], who: str) -> frozenset[str]:
+    names = tuple(names)
+    bad = [n for n in names if not isinstance(n, str)]
+    if bad:
+        raise TypeError(f"{who}: names must be strings, got {bad!r}")
+    return frozenset(names)
+
+
+def save_only_these_names(*names: str) -> Policy:
+    """Keep only the values tagged by :func:`checkpoint_name` with one of ``names``."""
+    keep = _names(names, "save_only_these_names")
+
+    def policy(op: Any, *args: Any, **kwargs: Any) -> bool:
+        return op is CHECKPOINT_NAME and args[1] in keep
+
+    return policy
+
+
+def save_any_names_but_these(*names: str) -> Policy:
+    """Keep every value tagged by :func:`checkpoint_name` except those with one of ``names``."""
+    skip = _names(names, "save_any_names_but_these")
+
+    def policy(op: Any, *args: Any, **kwargs: Any) -> bool:
+        return op is CHECKPOINT_NAME and args[1] not in skip
+
+    return policy
+
+
+def save_anything_except_these_names(*names: str) -> Policy:
+    """Keep everything (like :func:`everything_saveable`) except the values named with ``names``."""
+    skip = _names(names, "save_anything_except_these_names")
+
+    def policy(op: Any, *args: Any, **kwargs: Any) -> bool:
+        return args[1] not in skip if op is CHECKPOINT_NAME else True
+
+    policy.excluded_names = skip  # type: ignore[attr-defined]
+    return policy
+
+
+def save_from_both_policies(policy_1: Policy, policy_2: Policy) -> Policy:
+    """Keep what either policy keeps."""
+    for arg, p in (("policy_1", policy_1), ("policy_2", policy_2)):
+        if not callable(p):
+            raise TypeError(f"save_from_both_policies: {arg} must be a callable policy, got {p!r}")
+
+    def policy(op: Any, *args: Any, **kwargs: Any) -> bool:
+        return bool(policy_1(op, *args, **kwargs) or policy_2(op, *args, **kwargs))
+
+    policy.excluded_names = excluded_names(policy_1) & excluded_names(policy_2)  # type: ignore[attr-defined]
+    return policy
+
+
+def excluded_names(policy: Policy) -> frozenset[str]:
+    """Names whose values ``policy`` explicitly refuses to keep."""
+    return frozenset(getattr(policy, "excluded_names", frozenset()))
+
+
+def from_torch(policy_fn_or_list: Callable[..., Any] | Iterable[Any]) -> Policy:
+    """Adapt a ``torch.utils.checkpoint`` selective-checkpointing policy.
+
+    Accepts what ``torch.utils.checkpoint.create_selective_checkpoint_contexts``
+    accepts: a function ``(ctx, op, *args, **kwargs) -> CheckpointPolicy`` (or
+    bool), where ``MUST_SAVE``/``PREFER_SAVE`` keep the output, or a list of
+    operators to keep (``OpOverload`` or ``OpOverloadPacket``).
+
+        >>> import torch
+        >>> from funckpt import policies
+        >>> keep_mm = policies.from_torch([torch.ops.aten.mm])
+        >>> keep_mm(torch.ops.aten.mm.default)
+        True
+    """
+    from torch.utils.checkpoint import CheckpointPolicy, SelectiveCheckpointContext
+
+    if callable(policy_fn_or_list):
+        torch_policy = policy_fn_or_list
+        context = SelectiveCheckpointContext(is_recompute=False)
+
+        def policy(op: Any, *args: Any, **kwargs: Any) -> bool:
+            if op is CHECKPOINT_NAME:
+                return False
+            verdict = torch_policy(context, op, *args, **kwargs)
+            if isinstance(verdict, bool):
+                return verdict
+            return verdict in (CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_SAVE)
+
+        return policy
+    try:
+        ops = list(policy_fn_or_list)
+    except TypeError:
+        raise TypeError(
+            f"from_torch: expected a policy function or a list of ops, got {policy_fn_or_list!r}"
+        ) from None
+    bad = [op for op in ops if not isinstance(op, (torch._ops.OpOverload, torch._ops.OpOverloadPacket))]
+    if bad:
+        raise TypeError(f"from_torch: the list must hold OpOverload or OpOverloadPacket objects, got {bad!r}")
+    overloads = frozenset(op for op in ops if isinstance(op, torch._ops.OpOverload))
+    packets = frozenset(op for op in ops if isinstance(op, torch._ops.OpOverloadPacket))
+
+    def policy(op: Any, *args: Any, **kwargs: Any) -> bool:
+        return op in overloads or getattr(op, "overloadpacket", None) in packets
+
+    return policy
+
+
+def checkpoint_name(x: torch.Tensor, name: str) -> torch.Tensor:
+    """Return ``x`` unchanged, tagged ``name`` for the name-based policies.
+
+    Inside a remat'd function whose policy keeps ``name``, the operator that
+    produced ``x`` is not executed again during recomputation. Outside remat
+    (or with a policy that ignores names) it does nothing. Gradients flow
+    through it unchanged.
+
+        >>> import torch, funckpt
+        >>> x = torch.ones(2)
+        >>> funckpt.checkpoint_name(x, "x") is x
+        True
+    """
+    if not isinstance(name, str):
+        raise TypeError(f"checkpoint_name: name must be a string, got {name!r}")
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"checkpoint_name: x must be a tensor, got {type(x).__name__}")
+    from ._saving import note_name
+
+    note_name(x, name)
+    return x

@@ -1,0 +1,203 @@
+"""Saving policies: gradients unchanged, and what they keep is really not recomputed."""
+
+import functools
+
+import pytest
+import torch
+import torch.func as tf
+import torch.utils.checkpoint as upstream
+from torch.testing import assert_close
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import funckpt
+from funckpt import CheckpointError, checkpoint_name, policies, remat
+
+D = torch.float64
+aten = torch.ops.aten
+W1 = torch.randn(6, 12, dtype=D, generator=torch.Generator().manual_seed(21))
+W2 = torch.randn(12, 6, dtype=D, generator=torch.Generator().manual_seed(22))
+X = torch.randn(4, 6, dtype=D, generator=torch.Generator().manual_seed(23))
+
+
+def block(w1, w2, x):
+    h = checkpoint_name(torch.tanh(x @ w1), "hidden")
+    return x + checkpoint_name(h.sin() @ w2, "out")
+
+
+def loss(fn):
+    return lambda w1, w2, x: fn(w1, w2, fn(w1, w2, x)).square().sum()
+
+
+class Count(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(func.overloadpacket)
+        return func(*args, **(kwargs or {}))
+
+    def count(self, *packets):
+        return sum(op in packets for op in self.ops)
+
+
+def grads_and_counts(fn, transform="grad"):
+    with Count() as counter:
+        if transform == "grad":
+            g = tf.grad(loss(fn), argnums=(0, 1))(W1, W2, X)
+        elif transform == "vmap_grad":
+            g = tf.vmap(tf.grad(loss(fn), argnums=(0, 1)), in_dims=(None, None, 0))(W1, W2, X)
+        elif transform == "vjp":
+            out, vjp_fn = tf.vjp(lambda a, b: loss(fn)(a, b, X), W1, W2)
+            g = vjp_fn(torch.ones_like(out))
+        else:
+            w1, w2 = W1.clone().requires_grad_(), W2.clone().requires_grad_()
+            loss(fn)(w1, w2, X).backward()
+            g = (w1.grad, w2.grad)
+    return g, counter
+
+
+POLICIES = {
+    "nothing_saveable": policies.nothing_saveable,
+    "everything_saveable": policies.everything_saveable,
+    "dots_saveable": policies.dots_saveable,
+    "dots_with_no_batch_dims_saveable": policies.dots_with_no_batch_dims_saveable,
+    "save_only_these_names": policies.save_only_these_names("hidden"),
+    "save_any_names_but_these": policies.save_any_names_but_these("out"),
+    "save_anything_except_these_names": policies.save_anything_except_these_names("hidden"),
+    "save_from_both_policies": policies.save_from_both_policies(
+        policies.dots_saveable, policies.save_only_these_names("hidden")
+    ),
+    "from_torch_fn": policies.from_torch(
+        lambda ctx, op, *a, **k: upstream.CheckpointPolicy.MUST_SAVE
+        if op == aten.mm.default
+        else upstream.CheckpointPolicy.PREFER_RECOMPUTE
+    ),
+    "from_torch_list": policies.from_torch([aten.mm, aten.tanh.default]),
+}
+
+
+@pytest.mark.parametrize("transform", ["grad", "vjp", "vmap_grad", "backward"])
+@pytest.mark.parametrize("name", list(POLICIES))
+def test_policy_gradients_equal_unremat(name, transform):
+    expected, _ = grads_and_counts(block, transform)
+    got, _ = grads_and_counts(remat(block, policy=POLICIES[name]), transform)
+    assert_close(got, expected)
+
+
+@pytest.mark.parametrize("transform", ["grad", "vjp", "vmap_grad", "backward"])
+def test_dots_saveable_recomputes_no_matmul(transform):
+    _, plain = grads_and_counts(block, transform)
+    _, nothing = grads_and_counts(remat(block), transform)
+    _, dots = grads_and_counts(remat(block, policy=policies.dots_saveable), transform)
+    mm = (aten.mm, aten.bmm, aten.addmm)
+    assert nothing.count(*mm) == plain.count(*mm) + 4  # two blocks, two matmuls each, recomputed
+    assert dots.count(*mm) == plain.count(*mm)  # none recomputed
+    assert dots.count(aten.tanh) == nothing.count(aten.tanh)  # the elementwise work still is
+
+
+def test_everything_saveable_recomputes_nothing():
+    _, plain = grads_and_counts(block, "backward")
+    _, everything = grads_and_counts(remat(block, policy=policies.everything_saveable), "backward")
+    assert everything.count(aten.mm, aten.tanh, aten.sin, aten.add) == plain.count(
+        aten.mm, aten.tanh, aten.sin, aten.add
+    )
+
+
+def test_name_policies_keep_exactly_the_named_producers():
+    _, nothing = grads_and_counts(remat(block), "grad")
+    _, hidden = grads_and_counts(remat(block, policy=policies.save_only_these_names("hidden")), "grad")
+    # the named tanh is kept (two calls: two fewer tanh), the matmuls are recomputed
+    assert hidden.count(aten.tanh) == nothing.count(aten.tanh) - 2
+    assert hidden.count(aten.mm) == nothing.count(aten.mm) - 0
+    _, but = grads_and_counts(remat(block, policy=policies.save_any_names_but_these("hidden")), "grad")
+    # "out" names the second matmul's result: kept; "hidden" is not
+    assert but.count(aten.tanh) == nothing.count(aten.tanh)
+    assert but.count(aten.mm) == nothing.count(aten.mm) - 2
+    _, except_ = grads_and_counts(
+        remat(block, policy=policies.save_anything_except_these_names("hidden")), "grad"
+    )
+    assert except_.count(aten.tanh) == nothing.count(aten.tanh)  # excluded: recomputed
+    assert except_.count(aten.mm) == nothing.count(aten.mm) - 4  # everything else kept
+
+
+def test_checkpoint_name_is_a_no_op_outside_remat_and_gradients_flow():
+    x = X.clone().requires_grad_()
+    y = checkpoint_name(x, "x")
+    assert y is x
+    assert_close(tf.grad(lambda x: checkpoint_name(x.sin(), "s").sum())(X), X.cos())
+    with pytest.raises(TypeError, match="name"):
+        checkpoint_name(x, 3)
+
+
+def test_random_ops_are_never_kept_so_replay_stays_in_step():
+    def noisy(w1, w2, x):
+        h = torch.nn.functional.dropout(torch.tanh(x @ w1), 0.5)
+        return h @ w2 + torch.rand_like(x)
+
+    def run(fn):
+        torch.manual_seed(5)
+        return tf.grad(lambda w: fn(w, W2, X).sum())(W1)
+
+    assert_close(run(remat(noisy, policy=policies.everything_saveable)), run(noisy))
+
+
+def test_kept_value_modified_after_forward_raises():
+    kept = {}
+
+    def f(w1, x):
+        y = x @ w1
+        kept["y"] = y
+        return y.sin()
+
+    w1 = W1.clone().requires_grad_()
+    out = remat(f, policy=policies.dots_saveable)(w1, X)
+    kept["y"].mul_(2)
+    with pytest.raises(CheckpointError, match="modified in place"):
+        out.sum().backward()
+
+
+def test_kept_value_modified_inside_the_forward_is_recomputed():
+    def f(w1, x):
+        y = x @ w1
+        y.mul_(2)
+        return y.sin()
+
+    w1 = W1.clone().requires_grad_()
+    remat(f, policy=policies.dots_saveable)(w1, X).sum().backward()
+    expected = tf.grad(lambda w: f(w, X).sum())(W1)
+    assert_close(w1.grad, expected)
+
+
+def test_divergent_recomputation_falls_back_to_recomputing():
+    def f(w1, x):
+        if torch.is_grad_enabled():  # the forward runs without grad, the recomputation with it
+            x = x * 1.0
+        return (x @ w1).tanh()
+
+    w1 = W1.clone().requires_grad_()
+    remat(f, policy=policies.dots_saveable)(w1, X).sum().backward()
+    assert_close(w1.grad, tf.grad(lambda w: f(w, X).sum())(W1))
+
+
+def test_torch_selective_checkpoint_context_fn_is_understood():
+    context_fn = functools.partial(upstream.create_selective_checkpoint_contexts, [aten.mm])
+
+    def run(ckpt):
+        with Count() as counter:
+            g = tf.grad(lambda w: ckpt(block, w, W2, X).square().sum())(W1)
+        return g, counter
+
+    got, counts = run(lambda *a: funckpt.checkpoint(*a, use_reentrant=False, context_fn=context_fn))
+    expected, plain = run(lambda f, *a: f(*a))
+    assert_close(got, expected)
+    assert counts.count(aten.mm) == plain.count(aten.mm)
+
+
+def test_policy_errors_name_the_argument():
+    with pytest.raises(TypeError, match="policy_2"):
+        policies.save_from_both_policies(policies.dots_saveable, "x")
+    with pytest.raises(TypeError, match="names must be strings"):
+        policies.save_only_these_names(1)
+    with pytest.raises(TypeError, match="from_torch"):
+        policies.from_torch([1])
