@@ -8,6 +8,7 @@ autograd. See the README for a tour.
 
 from ._compat import checkpoint, checkpoint_sequential, noop_context_fn
 from ._errors import CheckpointError, set_checkpoint_debug_enabled
+from ._residuals import Residual, print_saved_residuals, saved_residuals
 from ._transform import remat
 from . import policies
 from .policies import checkpoint_name
@@ -21,6 +22,9 @@ __all__ = [
     "checkpoint_sequential",
     "noop_context_fn",
     "policies",
+    "print_saved_residuals",
+    "Residual",
+    "saved_residuals",
     "remat",
     "set_checkpoint_debug_enabled",
 ]

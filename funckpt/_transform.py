@@ -38,6 +38,7 @@ from ._errors import (
 )
 from ._modules import Remat, RematSequential
 from ._pytree import ArgSpec, TreeSlots, flatten, flatten_args
+from ._residuals import notify
 from ._saving import Saved
 from .policies import nothing_saveable
 
@@ -234,6 +235,7 @@ def call(fn: Callable[..., Any], options: RematOptions, args: tuple[Any, ...], k
         captured_index,
         differentiable=[t.requires_grad for t in routed],
     )
+    notify(region, tuple(routed))
     outs = apply(region, routed)
     assert region.out_slots is not None
     return region.out_slots.fill(outs)

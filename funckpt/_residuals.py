@@ -1,0 +1,136 @@
+"""What remat keeps between the forward and the backward pass, listed (JAX's print_saved_residuals).
+
+:func:`saved_residuals` runs a function once on example arguments, watching
+every remat'd call inside it, and lists the tensors those calls keep for the
+backward pass: their inputs (arguments, captured tensors, module parameters)
+and the values their saving policies keep (with the operator, or the
+:func:`~funckpt.checkpoint_name`, that produced them). Memory held by the rest
+of the program (un-remat'd code) is not listed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import optree
+import torch
+from torch.utils._pytree import tree_leaves
+
+if TYPE_CHECKING:
+    from ._transform import UserRegion
+
+__all__ = ["Residual", "print_saved_residuals", "saved_residuals"]
+
+
+@dataclass(frozen=True)
+class Residual:
+    """One tensor a remat'd call keeps for the backward pass."""
+
+    region: str  #: the remat'd function's name
+    kind: str  #: ``"input"`` or ``"saved by policy"``
+    source: str  #: where it comes from: an argument path, a parameter name, an operator or a name
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    nbytes: int
+
+
+class _Observers(threading.local):
+    def __init__(self) -> None:
+        self.stack: list[list[tuple[UserRegion, tuple[torch.Tensor, ...]]]] = []
+
+
+_observers = _Observers()
+
+
+def notify(region: UserRegion, inputs: tuple[torch.Tensor, ...]) -> None:
+    """Called for every remat'd call; records it when a report is being made."""
+    if _observers.stack:
+        _observers.stack[-1].append((region, inputs))
+
+
+@contextlib.contextmanager
+def _observe() -> Iterator[list[tuple[UserRegion, tuple[torch.Tensor, ...]]]]:
+    seen: list[tuple[UserRegion, tuple[torch.Tensor, ...]]] = []
+    _observers.stack.append(seen)
+    try:
+        yield seen
+    finally:
+        _observers.stack.pop()
+
+
+def saved_residuals(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Residual]:
+    """Run ``fn(*args, **kwargs)`` once and list what its remat'd calls keep for the backward pass.
+
+    Example::
+
+        >>> import torch, funckpt
+        >>> from funckpt import policies
+        >>> f = funckpt.remat(lambda w, x: torch.tanh(x @ w) @ w, policy=policies.dots_saveable)
+        >>> for r in funckpt.saved_residuals(f, torch.randn(8, 8, requires_grad=True), torch.randn(4, 8)):
+        ...     print(r.kind, r.source, r.shape)
+        input args[0] (8, 8)
+        input args[1] (4, 8)
+        saved by policy aten.mm.default (4, 8)
+        saved by policy aten.mm.default (4, 8)
+    """
+    with _observe() as seen, torch.enable_grad():
+        fn(*args, **kwargs)
+    residuals = []
+    for region, inputs in seen:
+        sources = _input_sources(region)
+        for i, t in enumerate(inputs):
+            residuals.append(_residual(region.name, "input", sources.get(i, "input"), t))
+        if region.saved is not None:
+            for position, out in sorted(region.saved.kept.items()):
+                op = region.saved.trace[position][0]
+                label = region.saved.labels.get(position)
+                source = f"{op} named {label!r}" if label else str(op)
+                for t in tree_leaves(out):
+                    if isinstance(t, torch.Tensor):
+                        residuals.append(_residual(region.name, "saved by policy", source, t))
+    return residuals
+
+
+def _residual(region: str, kind: str, source: str, t: torch.Tensor) -> Residual:
+    return Residual(region, kind, source, tuple(t.shape), t.dtype, t.numel() * t.element_size())
+
+
+def _input_sources(region: UserRegion) -> dict[int, str]:
+    sources: dict[int, str] = {}
+    paths = optree.treespec_paths(region.argspec.dynamic.treespec)
+    dynamic_positions = [i for i in range(region.argspec.nargs) if i not in region.argspec.static]
+    for slot, position in zip(region.arg_index, region.argspec.dynamic.tensor_positions):
+        path = paths[position]
+        head = f"args[{dynamic_positions[path[1]]}]" if path[0] == 0 else f"kwargs[{path[1]!r}]"
+        sources.setdefault(slot, head + "".join(f"[{p!r}]" for p in path[2:]))
+    names = {id(t): name for _, named in region.captured.modules for name, t in named.items()}
+    for t, slot in zip(region.captured.tensors, region.captured_index):
+        sources.setdefault(slot, f"parameter/buffer {names[id(t)]!r}" if id(t) in names else "captured tensor")
+    return sources
+
+
+def print_saved_residuals(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
+    """Print :func:`saved_residuals` as a table, with the total (shared storage counted once)."""
+    residuals = saved_residuals(fn, *args, **kwargs)
+    rows = [
+        (r.region, r.kind, r.source, f"{list(r.shape)}", str(r.dtype).removeprefix("torch."), _size(r.nbytes))
+        for r in residuals
+    ]
+    header = ("remat'd call", "kind", "source", "shape", "dtype", "size")
+    widths = [max(len(str(c)) for c in column) for column in zip(header, *rows)]
+    for row in (header, *rows):
+        print("  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip())
+    total = sum(r.nbytes for r in residuals)
+    print(f"total: {_size(total)} in {len(residuals)} tensors")
+
+
+def _size(nbytes: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if nbytes < 1024 or unit == "GiB":
+            return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.1f} {unit}"
+        nbytes /= 1024  # type: ignore[assignment]
+    raise AssertionError
