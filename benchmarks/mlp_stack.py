@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from funckpt import checkpoint_name
+
 
 def init_params(depth: int, width: int, seed: int = 0, dtype: torch.dtype = torch.float32) -> list[dict[str, torch.Tensor]]:
     g = torch.Generator().manual_seed(seed)
@@ -34,6 +36,13 @@ def init_params(depth: int, width: int, seed: int = 0, dtype: torch.dtype = torc
 def block(p: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
     h = F.layer_norm(x, x.shape[-1:], p["ln_w"], p["ln_b"])
     return x + F.gelu(h @ p["w1"] + p["b1"]) @ p["w2"] + p["b2"]
+
+
+def named_block(p: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """``block`` with its first matmul's result named ``"up"`` for name-based policies."""
+    h = F.layer_norm(x, x.shape[-1:], p["ln_w"], p["ln_b"])
+    up = checkpoint_name(h @ p["w1"], "up")
+    return x + F.gelu(up + p["b1"]) @ p["w2"] + p["b2"]
 
 
 def loss_fn(params: list[dict[str, torch.Tensor]], x: torch.Tensor, block_fn=block) -> torch.Tensor:

@@ -22,11 +22,15 @@ So, at every call:
    tensor, by identity, with the region's input (unwrapped by functorch,
    detached for recomputation, batched by vmap ...), however ``fn`` reaches it:
    cell, global, partial argument or container.
-4. The same mode watches for *foreign* tensors: a plain tensor that requires
-   grad, or a functorch tensor of a transform level the region is not running
-   under, that was neither an input nor made inside ``fn``. Its gradient
-   cannot be routed, so remat raises :class:`~funckpt.CheckpointError` telling
-   the user to pass it as an argument.
+4. During the forward run the same mode watches for *foreign* tensors: a plain
+   tensor that requires grad, or a functorch tensor of a transform level the
+   region is not running under, that was neither an input nor made inside
+   ``fn``. Its gradient cannot be routed, so remat raises
+   :class:`~funckpt.CheckpointError` telling the user to pass it as an
+   argument. Recomputations run the guard too when there is something to
+   substitute; otherwise :func:`changed_captures` checks, once per
+   recomputation instead of once per operator, that ``fn`` still reaches the
+   tensors it reached at the call.
 """
 
 from __future__ import annotations
@@ -156,6 +160,30 @@ def find_captured(fn: Callable[..., Any]) -> Captured:
     return Captured(list(found.values()), list(generators.values()), modules)
 
 
+def changed_captures(fn: Callable[..., Any], before: Captured) -> list[torch.Tensor]:
+    """Differentiable leaves (or live functorch tensors) ``fn`` reaches now but did not at the call.
+
+    Between the forward pass and a recomputation, a closure cell, global or
+    partial argument may have been rebound to another tensor; the recomputation
+    would silently use it. Module tensors are left out (they are
+    re-parametrized to the call's), and so are results of computations, which
+    ``fn`` itself may have stored in a container it closes over.
+    """
+    now = find_captured(fn)
+    held = {id(t) for _, named in now.modules for t in named.values()}
+    seen = {id(t) for t in before.tensors}
+    return [
+        t
+        for t in now.tensors
+        if id(t) not in seen
+        and id(t) not in held
+        and (
+            (_C.is_functorch_wrapped_tensor(t) and not _C.is_dead_tensor_wrapper(t))
+            or (t.requires_grad and t.grad_fn is None)
+        )
+    ]
+
+
 def _named_tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Parameters, buffers and plain tensor attributes, by dotted name (aliases kept)."""
     named: dict[str, torch.Tensor] = dict(module.named_parameters(remove_duplicate=False))
@@ -227,7 +255,12 @@ class Substitute(TorchFunctionMode):
     """
 
     def __init__(
-        self, mapping: dict[int, torch.Tensor], inputs: tuple[torch.Tensor, ...], forward: bool, name: str
+        self,
+        mapping: dict[int, torch.Tensor],
+        inputs: tuple[torch.Tensor, ...],
+        forward: bool,
+        name: str,
+        first_node: int,
     ) -> None:
         super().__init__()
         self.mapping = mapping
@@ -235,6 +268,7 @@ class Substitute(TorchFunctionMode):
         self.name = name
         self.inside: set[int] = set()
         self.known = {id(t) for t in inputs}
+        self.first_node = first_node
 
     def __enter__(self) -> Substitute:
         _active.maps.append(self.mapping)
@@ -252,10 +286,12 @@ class Substitute(TorchFunctionMode):
 
     def _swap(self, value: Any) -> Any:
         if isinstance(value, torch.Tensor):
-            replacement = self.mapping.get(id(value))
+            key = id(value)
+            replacement = self.mapping.get(key)
             if replacement is not None:
                 return replacement
-            self._check(value)
+            if key not in self.known and key not in self.inside:
+                self._check(value)
             return value
         if isinstance(value, (list, tuple)) and value and any(isinstance(v, torch.Tensor) for v in value):
             swapped = [self._swap(v) for v in value]
@@ -267,14 +303,15 @@ class Substitute(TorchFunctionMode):
         if key in self.known or key in self.inside:
             return
         # functorch tensors are judged by their level alone: fn may use torch.func
-        # inside. A plain tensor is foreign if it requires grad: during the
-        # forward run (no-grad) nothing made inside does; during recomputation
-        # everything made inside does, but only foreign tensors are leaves.
+        # inside. A plain tensor is foreign if it requires grad and was not made
+        # inside this run: a leaf, or the result of an autograd node created
+        # before the run started (autograd numbers nodes in creation order).
         wrapped = _C.is_functorch_wrapped_tensor(t)
         if wrapped:
             foreign = _foreign_level(t)
         else:
-            foreign = t.requires_grad and (self.forward or t.grad_fn is None)
+            node = t.grad_fn
+            foreign = t.requires_grad and (node is None or node._sequence_nr() < self.first_node)
         if foreign:
             raise CheckpointError(
                 f"remat({self.name}): the function used a tensor of shape {tuple(t.shape)} and dtype "
@@ -287,14 +324,30 @@ class Substitute(TorchFunctionMode):
             )
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
-        args = tuple(self._swap(a) for a in args)
+        swap = self._swap
+        args = tuple([swap(a) for a in args])
         if kwargs:
-            kwargs = {k: self._swap(v) for k, v in kwargs.items()}
+            kwargs = {k: swap(v) for k, v in kwargs.items()}
         out = func(*args, **(kwargs or {}))
-        for o in out if isinstance(out, (tuple, list)) else (out,):
-            if isinstance(o, torch.Tensor) and (o.requires_grad or _C.is_functorch_wrapped_tensor(o)):
-                self.inside.add(id(o))
+        if isinstance(out, torch.Tensor):
+            if out.requires_grad or _C.is_functorch_wrapped_tensor(out):
+                self.inside.add(id(out))
+        elif isinstance(out, (tuple, list)):
+            for o in out:
+                if isinstance(o, torch.Tensor) and (o.requires_grad or _C.is_functorch_wrapped_tensor(o)):
+                    self.inside.add(id(o))
         return out
+
+
+def next_sequence_nr() -> int:
+    """The sequence number the next autograd node created on this thread will get (at least).
+
+    Call it before entering any user context: it runs two tiny operators.
+    """
+    with torch.enable_grad():
+        probe = torch.zeros((), requires_grad=True).clone()
+    assert probe.grad_fn is not None
+    return probe.grad_fn._sequence_nr() + 1
 
 
 def _foreign_level(t: torch.Tensor) -> bool:

@@ -45,7 +45,7 @@ def _options(
     debug: bool,
     preserve_rng_state: bool,
 ) -> RematOptions:
-    if use_reentrant not in (None, True, False):
+    if not (use_reentrant is None or use_reentrant is True or use_reentrant is False):
         raise TypeError(f"checkpoint: use_reentrant must be None, True or False, got {use_reentrant!r}")
     if not callable(context_fn):
         raise TypeError(f"checkpoint: context_fn must be callable, got {context_fn!r}")

@@ -107,6 +107,61 @@ def tensor_meta(t: torch.Tensor) -> tuple[Any, ...]:
     return (tuple(t.shape), t.dtype, t.device)
 
 
+def graph_fingerprint(outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor]) -> list[str]:
+    """The autograd nodes between ``inputs`` and ``outputs``, by type, in a fixed traversal order.
+
+    The walk stops at the inputs (their own history belongs to the caller) and
+    leaves out leaf accumulators.
+
+    Two runs of the same computation record the same graph; a recomputation
+    that computes something else records another one even when its outputs
+    have the same shapes (``torch.utils.checkpoint`` detects this through the
+    tensors saved for backward; saved-tensor hooks are not available under
+    ``torch.func``, so the graph itself serves).
+    """
+    names: list[str] = []
+    seen: set[int] = {id(t.grad_fn) for t in inputs if t.grad_fn is not None}
+    stack = [t.grad_fn for t in reversed(outputs) if t.grad_fn is not None]
+    while stack:
+        node = stack.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        if type(node).__name__ == "AccumulateGrad":
+            continue
+        names.append(node.name())
+        stack.extend(n for n, _ in reversed(node.next_functions) if n is not None)
+    return names
+
+
+def check_same_graph(
+    name: str,
+    forward: Sequence[str],
+    recomputed: Sequence[str],
+    traces: tuple[Sequence[str], Sequence[str]] | None,
+) -> None:
+    if list(forward) == list(recomputed):
+        return
+    if len(forward) != len(recomputed):
+        problem = (
+            f"autograd recorded {len(forward)} operations in the forward pass, "
+            f"{len(recomputed)} in the recomputation"
+        )
+    else:
+        i = next(i for i, (a, b) in enumerate(zip(forward, recomputed)) if a != b)
+        problem = f"autograd operation {i} was {forward[i]} in the forward pass, {recomputed[i]} in the recomputation"
+    message = (
+        f"remat({name}): the recomputation during the backward pass did not reproduce the forward pass: "
+        f"{problem}. The function must compute the same thing when called again with the same inputs. "
+        "Pass determinism_check='none' to skip this check."
+    )
+    if traces is not None:
+        message += "\n" + format_traces(*traces)
+    else:
+        message += " Pass debug=True to see the operators each run executed."
+    raise CheckpointError(message)
+
+
 def check_same_outputs(
     name: str,
     forward_meta: Sequence[tuple[Any, ...]],

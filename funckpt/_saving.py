@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves, tree_map_only
+from torch.utils._pytree import tree_map_only
 
 from ._errors import CheckpointError
 from .policies import CHECKPOINT_NAME, excluded_names
@@ -46,11 +46,26 @@ _C = torch._C._functorch
 _UNNUMBERED = frozenset({torch.ops.aten.detach.default})
 
 
+_CACHEABLE: dict[Any, bool] = {}
+
+
 def _cacheable(op: Any) -> bool:
     """Random operators and operators returning aliases of their inputs are never kept."""
-    if torch.Tag.nondeterministic_seeded in op.tags:
-        return False
-    return not any(r.alias_info is not None for r in op._schema.returns)
+    verdict = _CACHEABLE.get(op)
+    if verdict is None:
+        verdict = _CACHEABLE[op] = torch.Tag.nondeterministic_seeded not in op.tags and not any(
+            r.alias_info is not None for r in op._schema.returns
+        )
+    return verdict
+
+
+def _tensors(out: Any) -> tuple[torch.Tensor, ...]:
+    """The tensors an operator returned (a tensor, or a tuple or list of them)."""
+    if isinstance(out, torch.Tensor):
+        return (out,)
+    if isinstance(out, (tuple, list)):
+        return tuple(t for t in out if isinstance(t, torch.Tensor))
+    return ()
 
 
 def _meta(args: tuple[Any, ...]) -> tuple[Any, ...]:
@@ -74,7 +89,7 @@ class Saved:
 
     def keep(self, position: int, out: Any, label: str | None = None) -> None:
         self.kept[position] = out
-        self.versions[position] = [t._version for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+        self.versions[position] = _versions(out)
         if label is not None:
             self.labels[position] = label
 
@@ -87,8 +102,11 @@ class Saved:
             if position in self.kept:
                 self.labels[position] = name
                 return
+            if not _cacheable(op):
+                return
             refs = self._outputs.get(position)
-            if refs is None or not _cacheable(op):
+            if refs is None:  # a single-tensor output: the named tensor is that output
+                self.keep(position, _bottom(x), label=name)
                 return
             structure, weak = refs
             alive = [w() for w in weak]
@@ -108,8 +126,9 @@ class Saved:
         self._outputs.clear()
 
     def recorder(self) -> Recorder:
-        # position -> (structure, weak references to its tensors): enough to keep
-        # an output retroactively when it is named, without keeping every output alive.
+        # For operators with several outputs, position -> (structure, weak references):
+        # enough to keep all of them retroactively when one is named, without keeping
+        # every output alive. A single output needs nothing: the named tensor is it.
         self._outputs: dict[int, tuple[Any, list[weakref.ref[torch.Tensor]]]] = {}
         return Recorder(self)
 
@@ -118,17 +137,15 @@ class Saved:
 
 
 def _weak(out: Any) -> tuple[Any, list[weakref.ref[torch.Tensor]]]:
-    if isinstance(out, torch.Tensor):
-        return None, [weakref.ref(out)]
     return type(out), [weakref.ref(t) for t in out]
 
 
 def _rebuild(structure: Any, tensors: list[torch.Tensor]) -> Any:
-    return tensors[0] if structure is None else structure(tensors)
+    return structure(tensors)
 
 
 def _versions(out: Any) -> list[int]:
-    return [t._version for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+    return [t._version for t in _tensors(out)]
 
 
 def _bottom(x: torch.Tensor) -> torch.Tensor:
@@ -183,13 +200,10 @@ class Recorder(TorchDispatchMode):
         if _cacheable(func):
             if saved.policy(func, *args, **kwargs):
                 saved.keep(position, out)
-            elif isinstance(out, torch.Tensor) or (
-                isinstance(out, (tuple, list)) and all(isinstance(t, torch.Tensor) for t in out)
-            ):
+            elif isinstance(out, (tuple, list)) and all(isinstance(t, torch.Tensor) for t in out):
                 saved._outputs[position] = _weak(out)
-            for t in tree_leaves(out):
-                if isinstance(t, torch.Tensor):
-                    saved.producer[id(t)] = position
+            for t in _tensors(out):
+                saved.producer[id(t)] = position
         return out
 
 

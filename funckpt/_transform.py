@@ -24,16 +24,27 @@ from dataclasses import dataclass
 from typing import Any, TypeVar, overload
 
 import torch
+from torch._C._functorch import peek_interpreter_stack
 
 from . import _autocast, _rng
 from ._autograd import Phase, Region, apply
-from ._capture import Captured, Substitute, find_captured, reparametrized, route_through_enclosing
+from ._capture import (
+    Captured,
+    Substitute,
+    changed_captures,
+    find_captured,
+    next_sequence_nr,
+    reparametrized,
+    route_through_enclosing,
+)
 from ._errors import (
     DETERMINISM_CHECKS,
     CheckpointError,
     OpTrace,
+    check_same_graph,
     check_same_outputs,
     debug_enabled,
+    graph_fingerprint,
     tensor_meta,
 )
 from ._modules import Remat, RematSequential
@@ -270,6 +281,9 @@ class UserRegion(Region):
         self.captured, self.captured_index = captured, captured_index
         self.differentiable = differentiable
         self._originals = {id(t): t for t in captured.tensors}
+        # Like torch.utils.checkpoint, the forward run executes with the caller's grad mode.
+        self.caller_grad_enabled = torch.is_grad_enabled()
+        self.forward_graph: tuple[list[bool], list[str]] | None = None
         self.mutated: frozenset[int] = frozenset()
         self.out_slots: TreeSlots | None = None
         self.out_meta: list[tuple[Any, ...]] = []
@@ -298,6 +312,50 @@ class UserRegion(Region):
         self._recompute_context = None
         return context if context is not None else _two_contexts(self.options.context_fn, self.name)[1]
 
+    def _call_fn(self, args: tuple[Any, ...], kwargs: dict[str, Any], grad_forward: bool) -> Any:
+        try:
+            return self.fn(*args, **kwargs)
+        except RuntimeError as e:
+            if grad_forward and "leaf Variable that requires grad is being used in an in-place" in str(e):
+                raise CheckpointError(
+                    f"remat({self.name}): the function modified one of its differentiable inputs in place. "
+                    "The recomputation during the backward pass would start from the modified values and "
+                    "produce wrong gradients. Compute out of place (y = x + 1, not x.add_(1)) or move the "
+                    "in-place update outside the remat'd function."
+                ) from e
+            raise
+
+    def _check_same_graph(
+        self,
+        forward: bool,
+        plain_autograd: bool,
+        flat: tuple[torch.Tensor, ...],
+        outputs: list[torch.Tensor],
+        trace: OpTrace | None,
+    ) -> None:
+        """Compare the autograd graphs of the forward run and a recomputation (plain autograd only)."""
+        if self.options.determinism_check != "default" or not plain_autograd:
+            return
+        pattern = [t.requires_grad for t in flat]
+        if forward:
+            if any(pattern):
+                self.forward_graph = (pattern, graph_fingerprint(outputs, flat))
+        elif self.forward_graph is not None and self.forward_graph[0] == pattern:
+            traces = (self.forward_trace or [], trace.lines) if trace is not None else None
+            check_same_graph(self.name, self.forward_graph[1], graph_fingerprint(outputs, flat), traces)
+
+    def _check_captures_unchanged(self) -> None:
+        changed = changed_captures(self.fn, self.captured)
+        if changed:
+            shapes = ", ".join(str(tuple(t.shape)) for t in changed)
+            raise CheckpointError(
+                f"remat({self.name}): between the forward pass and its recomputation, the function came to "
+                f"reach other differentiable tensors than at the call (shapes {shapes}): a closure variable, "
+                "global or partial argument was rebound. The recomputation would use the new tensors and "
+                "the gradient would be wrong. Pass such tensors to the remat'd function as arguments, or "
+                "do not rebind them before the backward pass."
+            )
+
     def _original(self, key: int) -> torch.Tensor | None:
         return self._originals.get(key)
 
@@ -316,13 +374,28 @@ class UserRegion(Region):
 
     def run(self, flat: tuple[torch.Tensor, ...], phase: Phase) -> tuple[torch.Tensor, ...]:
         forward = phase is Phase.FORWARD
-        if not forward and self.mutated:
-            flat = tuple(t.clone() if i in self.mutated else t for i, t in enumerate(flat))
+        plain_autograd = peek_interpreter_stack() is None
+        # The forward run records a local graph (dropped when it ends) when the
+        # caller could differentiate, so fn can use autograd inside, as it can
+        # under torch.utils.checkpoint. Under torch.func it runs without one.
+        grad_forward = forward and plain_autograd and self.caller_grad_enabled
+        if grad_forward:
+            flat = tuple(
+                t.detach().requires_grad_(True) if d and (t.is_floating_point() or t.is_complex()) else t
+                for t, d in zip(flat, self.differentiable)
+            )
+        if not forward:
+            self._check_captures_unchanged()
+            if self.mutated:
+                flat = tuple(t.clone() if i in self.mutated else t for i, t in enumerate(flat))
         args, kwargs = self.argspec.rebuild([flat[i] for i in self.arg_index])
         replace = {id(orig): flat[i] for orig, i in zip(self.captured.tensors, self.captured_index)}
         mapping = {k: v for k, v in replace.items() if v is not self._original(k)}
         debug = debug_enabled(self.options.debug)
+        first_node = next_sequence_nr() if forward or mapping else 0
         with contextlib.ExitStack() as stack:
+            if grad_forward:
+                stack.enter_context(torch.enable_grad())
             if self.captured.modules:
                 stack.enter_context(reparametrized(self.captured.modules, replace))
             if self.options.context_fn is not None:
@@ -336,7 +409,8 @@ class UserRegion(Region):
                     self.rng = _rng.capture(flat, self.generators)
                 elif self.rng is not None:
                     stack.enter_context(_rng.replay(self.rng))
-            stack.enter_context(Substitute(mapping, flat, forward=forward, name=self.name))
+            if forward or mapping:
+                stack.enter_context(Substitute(mapping, flat, forward, self.name, first_node))
             if self.saved is not None:
                 stack.enter_context(
                     self.saved.recorder()
@@ -344,10 +418,13 @@ class UserRegion(Region):
                     else self.saved.replayer(getattr(self.options.policy, "allow_cache_entry_mutation", False))
                 )
             trace = stack.enter_context(OpTrace()) if debug else None
-            out = self.fn(*args, **kwargs)
+            out = self._call_fn(args, kwargs, grad_forward)
         if forward and self.saved is not None:
             self.saved.finish_forward()
         tensors, slots = flatten(out)
+        graph_outputs = tensors
+        if grad_forward:  # drop the forward run's local graph
+            tensors = [t.detach() if t.requires_grad else t for t in tensors]
         if forward:
             self.out_slots = slots
             self.out_meta = [tensor_meta(t) for t in tensors]
@@ -362,4 +439,5 @@ class UserRegion(Region):
                     "Pass determinism_check='none' to skip this check."
                 )
             check_same_outputs(self.name, self.out_meta, tensors, traces)
+        self._check_same_graph(forward, plain_autograd, flat, graph_outputs, trace)
         return tuple(tensors)

@@ -149,7 +149,7 @@ def test_closure_cell_rebound_between_forward_and_backward_raises():
 
     y = remat(f)(X)
     w = torch.randn(4, 4, dtype=D, requires_grad=True)  # noqa: F841 - rebinds f's cell
-    with pytest.raises(CheckpointError, match="requires grad"):
+    with pytest.raises(CheckpointError, match="was rebound"):
         y.sum().backward()
 
 
@@ -204,3 +204,17 @@ def test_fn_may_use_a_custom_autograd_function():
     w_ref = w.detach().clone().requires_grad_()
     f(w_ref, X).sum().backward()
     assert_close(w.grad, w_ref.grad)
+
+
+def test_fn_may_differentiate_its_own_intermediates_and_nest_checkpoints_with_grad_enabled():
+    def f(x):
+        with torch.enable_grad():
+            y = remat(torch.sin)(x)  # an autograd.Function output made inside
+            (g,) = torch.autograd.grad(y.sum(), x, create_graph=True)
+        return g * x
+
+    x = X.clone().requires_grad_()
+    remat(f)(x).sum().backward()
+    x_ref = X.clone().requires_grad_()
+    f(x_ref).sum().backward()
+    assert_close(x.grad, x_ref.grad)
