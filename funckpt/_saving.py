@@ -117,11 +117,20 @@ class Saved:
             self.versions.pop(position, None)
 
     def finish_forward(self) -> None:
-        """Drop values the forward run itself modified after they were kept; forget producers."""
+        """Drop values the forward run itself modified after they were kept; detach the rest.
+
+        Detached, a kept value no longer holds on to the forward run's local
+        autograd graph (and so to every activation that graph saved). This runs
+        after the dispatch modes have exited, on purpose: a detach issued inside
+        ``__torch_dispatch__`` runs below autograd and would not share the
+        version counter that the mutation check relies on.
+        """
         for position in list(self.kept):
             if _versions(self.kept[position]) != self.versions[position]:
                 del self.kept[position], self.versions[position]
                 self.labels.pop(position, None)
+            else:
+                self.kept[position] = tree_map_only(torch.Tensor, lambda t: t.detach(), self.kept[position])
         self.producer.clear()
         self._outputs.clear()
 

@@ -201,3 +201,16 @@ def test_policy_errors_name_the_argument():
         policies.save_only_these_names(1)
     with pytest.raises(TypeError, match="from_torch"):
         policies.from_torch([1])
+
+
+def test_kept_values_do_not_hold_the_forward_graph():
+    """Keeping a matmul's output keeps that output, not the activations of the whole forward run."""
+    from benchmarks._common import held_bytes
+
+    w1 = torch.randn(64, 256, dtype=D, requires_grad=True)
+    w2 = torch.randn(256, 64, dtype=D, requires_grad=True)
+    x = torch.randn(128, 64, dtype=D)
+    dots = held_bytes(lambda: remat(block, policy=policies.dots_saveable)(w1, w2, x))
+    nothing = held_bytes(lambda: remat(block)(w1, w2, x))
+    two_matmul_outputs = (128 * 256 + 128 * 64) * 8
+    assert dots - nothing <= two_matmul_outputs + 1024, (dots, nothing)
