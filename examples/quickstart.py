@@ -20,9 +20,9 @@ from benchmarks.mlp_stack import block, init_params, loss_fn  # noqa: E402
 from funckpt import remat  # noqa: E402
 
 
-def main() -> None:
-    params = init_params(depth=8, width=256)
-    x = torch.randn(512, 256)
+def main(depth: int = 8, width: int = 256, batch: int = 512) -> None:
+    params = init_params(depth=depth, width=width)
+    x = torch.randn(batch, width)
     activation = x.numel() * x.element_size()
 
     plain = tf.grad(loss_fn)(params, x)
