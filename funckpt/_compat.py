@@ -28,7 +28,12 @@ __all__ = ["checkpoint", "checkpoint_sequential", "noop_context_fn"]
 
 
 def noop_context_fn() -> tuple[contextlib.AbstractContextManager[None], contextlib.AbstractContextManager[None]]:
-    """The default ``context_fn``: two context managers that do nothing."""
+    """The default ``context_fn``: two context managers that do nothing.
+
+        >>> forward_context, recompute_context = noop_context_fn()
+        >>> with forward_context:
+        ...     pass
+    """
     return contextlib.nullcontext(), contextlib.nullcontext()
 
 

@@ -25,7 +25,20 @@ DETERMINISM_CHECKS = ("default", "none")
 
 
 class CheckpointError(RuntimeError):
-    """Raised when rematerialization cannot reproduce the forward pass faithfully."""
+    """Raised where remat cannot give the right gradient: the message says what to do.
+
+    For example when the recomputation does not reproduce the forward pass, or
+    when a differentiable tensor cannot be routed:
+
+        >>> import torch, funckpt
+        >>> class Holder:
+        ...     w = torch.ones(2, requires_grad=True)
+        >>> try:
+        ...     funckpt.remat(lambda x: x * Holder.w)(torch.ones(2))
+        ... except funckpt.CheckpointError as e:
+        ...     print("Pass the tensor" in str(e))
+        True
+    """
 
 
 # --------------------------------------------------------------------------- debug

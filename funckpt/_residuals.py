@@ -28,7 +28,13 @@ __all__ = ["Residual", "print_saved_residuals", "saved_residuals"]
 
 @dataclass(frozen=True)
 class Residual:
-    """One tensor a remat'd call keeps for the backward pass."""
+    """One tensor a remat'd call keeps for the backward pass (see :func:`saved_residuals`).
+
+        >>> import torch, funckpt
+        >>> (r,) = funckpt.saved_residuals(funckpt.remat(torch.sin), torch.ones(3, requires_grad=True))
+        >>> r.kind, r.source, r.shape, r.nbytes
+        ('input', 'args[0]', (3,), 12)
+    """
 
     region: str  #: the remat'd function's name
     kind: str  #: ``"input"`` or ``"saved by policy"``
@@ -114,7 +120,14 @@ def _input_sources(region: UserRegion) -> dict[int, str]:
 
 
 def print_saved_residuals(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
-    """Print :func:`saved_residuals` as a table, with the total (shared storage counted once)."""
+    """Print :func:`saved_residuals` as a table, with the total.
+
+        >>> import torch, funckpt
+        >>> funckpt.print_saved_residuals(funckpt.remat(torch.sin), torch.ones(3, requires_grad=True))
+        remat'd call  kind   source   shape  dtype    size
+        sin           input  args[0]  [3]    float32  12 B
+        total: 12 B in 1 tensors
+    """
     residuals = saved_residuals(fn, *args, **kwargs)
     rows = [
         (r.region, r.kind, r.source, f"{list(r.shape)}", str(r.dtype).removeprefix("torch."), _size(r.nbytes))

@@ -107,7 +107,7 @@ def _normalize_static_argnums(static_argnums: int | Sequence[int]) -> tuple[int,
 
 
 def _callable_name(fn: Any) -> str:
-    return getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or type(fn).__name__
+    return getattr(fn, "__name__", None) or type(fn).__name__
 
 
 @overload

@@ -65,7 +65,8 @@ _lib = torch.library.Library("funckpt", "DEF")  # noqa: TOR901 - the namespace i
 _lib.define("checkpoint_name(Tensor x, str name) -> Tensor")
 _lib.impl("checkpoint_name", lambda x, name: x.clone(), "CompositeExplicitAutograd")
 
-#: The operator a policy is asked about for a :func:`checkpoint_name`, with args ``(x, name)``.
+#: The operator a policy is asked about for a :func:`checkpoint_name`, with args ``(x, name)``:
+#: ``policy(CHECKPOINT_NAME, x, "hidden")``. A policy compares ``op is CHECKPOINT_NAME``.
 CHECKPOINT_NAME = torch.ops.funckpt.checkpoint_name.default
 
 
@@ -106,12 +107,22 @@ _DOTS = _DOTS_NO_BATCH | _packets(
 
 
 def everything_saveable(op: Any, *args: Any, **kwargs: Any) -> bool:
-    """Keep every operator's outputs: no recomputation at all (the most memory)."""
+    """Keep every operator's outputs: no recomputation at all (the most memory).
+
+        >>> import torch
+        >>> everything_saveable(torch.ops.aten.sin.default)
+        True
+    """
     return True
 
 
 def nothing_saveable(op: Any, *args: Any, **kwargs: Any) -> bool:
-    """Keep nothing but the inputs; recompute everything (the default, the least memory)."""
+    """Keep nothing but the inputs; recompute everything (the default, the least memory).
+
+        >>> import torch
+        >>> nothing_saveable(torch.ops.aten.mm.default)
+        False
+    """
     return False
 
 
@@ -119,6 +130,10 @@ def dots_saveable(op: Any, *args: Any, **kwargs: Any) -> bool:
     """Keep the results of matrix multiplies (every ATen form), convolutions and attention.
 
     Recomputation then redoes only the cheap elementwise work around them.
+
+        >>> import torch
+        >>> dots_saveable(torch.ops.aten.bmm.default), dots_saveable(torch.ops.aten.gelu.default)
+        (True, False)
     """
     return getattr(op, "overloadpacket", None) in _DOTS
 
@@ -127,6 +142,12 @@ def dots_with_no_batch_dims_saveable(op: Any, *args: Any, **kwargs: Any) -> bool
     """Keep the results of matrix multiplies without batch dimensions (``mm``, ``addmm``, ``mv``, ...).
 
     Batched products (``bmm``, attention scores) are recomputed, as in JAX.
+
+        >>> import torch
+        >>> dots_with_no_batch_dims_saveable(torch.ops.aten.mm.default)
+        True
+        >>> dots_with_no_batch_dims_saveable(torch.ops.aten.bmm.default)
+        False
     """
     return getattr(op, "overloadpacket", None) in _DOTS_NO_BATCH
 
@@ -140,7 +161,13 @@ def _names(names: Iterable[Any], who: str) -> frozenset[str]:
 
 
 def save_only_these_names(*names: str) -> Policy:
-    """Keep only the values tagged by :func:`checkpoint_name` with one of ``names``."""
+    """Keep only the values tagged by :func:`checkpoint_name` with one of ``names``.
+
+        >>> import torch
+        >>> policy = save_only_these_names("hidden")
+        >>> policy(CHECKPOINT_NAME, torch.ones(1), "hidden"), policy(CHECKPOINT_NAME, torch.ones(1), "other")
+        (True, False)
+    """
     keep = _names(names, "save_only_these_names")
 
     def policy(op: Any, *args: Any, **kwargs: Any) -> bool:
@@ -150,7 +177,13 @@ def save_only_these_names(*names: str) -> Policy:
 
 
 def save_any_names_but_these(*names: str) -> Policy:
-    """Keep every value tagged by :func:`checkpoint_name` except those with one of ``names``."""
+    """Keep every value tagged by :func:`checkpoint_name` except those with one of ``names``.
+
+        >>> import torch
+        >>> policy = save_any_names_but_these("big")
+        >>> policy(CHECKPOINT_NAME, torch.ones(1), "small"), policy(CHECKPOINT_NAME, torch.ones(1), "big")
+        (True, False)
+    """
     skip = _names(names, "save_any_names_but_these")
 
     def policy(op: Any, *args: Any, **kwargs: Any) -> bool:
@@ -160,7 +193,13 @@ def save_any_names_but_these(*names: str) -> Policy:
 
 
 def save_anything_except_these_names(*names: str) -> Policy:
-    """Keep everything (like :func:`everything_saveable`) except the values named with ``names``."""
+    """Keep everything (like :func:`everything_saveable`) except the values named with ``names``.
+
+        >>> import torch
+        >>> policy = save_anything_except_these_names("big")
+        >>> policy(torch.ops.aten.mm.default), policy(CHECKPOINT_NAME, torch.ones(1), "big")
+        (True, False)
+    """
     skip = _names(names, "save_anything_except_these_names")
 
     def policy(op: Any, *args: Any, **kwargs: Any) -> bool:
@@ -171,7 +210,13 @@ def save_anything_except_these_names(*names: str) -> Policy:
 
 
 def save_from_both_policies(policy_1: Policy, policy_2: Policy) -> Policy:
-    """Keep what either policy keeps."""
+    """Keep what either policy keeps.
+
+        >>> import torch
+        >>> policy = save_from_both_policies(dots_saveable, save_only_these_names("hidden"))
+        >>> policy(torch.ops.aten.mm.default), policy(CHECKPOINT_NAME, torch.ones(1), "hidden")
+        (True, True)
+    """
     for arg, p in (("policy_1", policy_1), ("policy_2", policy_2)):
         if not callable(p):
             raise TypeError(f"save_from_both_policies: {arg} must be a callable policy, got {p!r}")
