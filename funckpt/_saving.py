@@ -12,6 +12,9 @@ of the original computation.
 
 Safety:
 
+* Recomputations under forward-mode AD (``jvp``, ``jacfwd``, a dual level)
+  interleave tangent operators with the primal ones, so they do not replay:
+  they recompute everything (``UserRegion.run`` decides).
 * If a recomputation diverges from the forward's trace (another operator at
   some position, which can happen when an operator decomposes differently with
   and without grad tracking), caching stops for the rest of that run: the
@@ -49,6 +52,30 @@ _UNNUMBERED = frozenset({torch.ops.aten.detach.default})
 _CACHEABLE: dict[Any, bool] = {}
 
 
+_WRITTEN: dict[Any, tuple[int, ...]] = {}
+
+
+def _written_args(op: Any) -> tuple[int, ...]:
+    """Positions of the arguments whose values ``op`` writes (in-place and out= operators).
+
+    In-place view operators (``squeeze_``, ``t_``, ...) change metadata only.
+    """
+    positions = _WRITTEN.get(op)
+    if positions is None:
+        positions = _WRITTEN[op] = (
+            ()
+            if torch.Tag.inplace_view in op.tags
+            else tuple(
+                i for i, a in enumerate(op._schema.arguments) if a.alias_info is not None and a.alias_info.is_write
+            )
+        )
+    return positions
+
+
+def _storage(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
 def _cacheable(op: Any) -> bool:
     """Random operators and operators returning aliases of their inputs are never kept."""
     verdict = _CACHEABLE.get(op)
@@ -83,7 +110,11 @@ class Saved:
         self.kept: dict[int, Any] = {}  # position -> outputs (as the op returned them)
         self.versions: dict[int, list[int]] = {}
         self.labels: dict[int, str] = {}  # position -> the name that kept it, if any
-        self.producer: dict[int, int] = {}  # id(output tensor) -> position, forward run only
+        # id(output tensor) -> (weak reference, position), forward run only; the weak
+        # reference guards against a freed tensor's id being reused by another.
+        self.producer: dict[int, tuple[weakref.ref[torch.Tensor], int]] = {}
+        self.written: set[int] = set()  # storages written by in-place ops in the forward run
+        self._outputs: dict[int, tuple[Any, list[weakref.ref[torch.Tensor]]]] = {}
 
     # forward run
 
@@ -94,9 +125,11 @@ class Saved:
             self.labels[position] = label
 
     def name_value(self, x: torch.Tensor, name: str) -> None:
-        position = self.producer.get(id(_bottom(x)))
-        if position is None or position >= len(self.trace):
+        bottom = _bottom(x)
+        entry = self.producer.get(id(bottom))
+        if entry is None or entry[0]() is not bottom:
             return
+        position = entry[1]
         op = self.trace[position][0]
         if self.policy(CHECKPOINT_NAME, x, name):
             if position in self.kept:
@@ -116,8 +149,14 @@ class Saved:
             self.kept.pop(position, None)
             self.versions.pop(position, None)
 
-    def finish_forward(self) -> None:
-        """Drop values the forward run itself modified after they were kept; detach the rest.
+    def finish_forward(self, outputs: tuple[torch.Tensor, ...]) -> None:
+        """Drop the kept values that could have changed; detach the rest.
+
+        Dropped (recomputed instead): values whose version changed, values
+        whose storage an in-place operator wrote during the forward run (an
+        alias such as ``_unsafe_view`` does not share the version counter), and
+        values sharing storage with an output of the region other than
+        themselves (the caller could modify that output in place later).
 
         Detached, a kept value no longer holds on to the forward run's local
         autograd graph (and so to every activation that graph saved). This runs
@@ -125,20 +164,23 @@ class Saved:
         ``__torch_dispatch__`` runs below autograd and would not share the
         version counter that the mutation check relies on.
         """
+        exposed = {_storage(b): b for b in (_bottom(t) for t in outputs)}
         for position in list(self.kept):
-            if _versions(self.kept[position]) != self.versions[position]:
+            kept = _tensors(self.kept[position])
+            if (
+                _versions(self.kept[position]) != self.versions[position]
+                or any(_storage(t) in self.written for t in kept)
+                or any(_storage(t) in exposed and exposed[_storage(t)] is not t for t in kept)
+            ):
                 del self.kept[position], self.versions[position]
                 self.labels.pop(position, None)
             else:
                 self.kept[position] = tree_map_only(torch.Tensor, lambda t: t.detach(), self.kept[position])
         self.producer.clear()
         self._outputs.clear()
+        self.written.clear()
 
     def recorder(self) -> Recorder:
-        # For operators with several outputs, position -> (structure, weak references):
-        # enough to keep all of them retroactively when one is named, without keeping
-        # every output alive. A single output needs nothing: the named tensor is it.
-        self._outputs: dict[int, tuple[Any, list[weakref.ref[torch.Tensor]]]] = {}
         return Recorder(self)
 
     def replayer(self, allow_mutation: bool) -> Replayer:
@@ -202,8 +244,12 @@ class Recorder(TorchDispatchMode):
         if func in _UNNUMBERED:
             return func(*args, **kwargs)
         meta = _meta(args)  # before running: in-place ops change their arguments' shapes
-        out = func(*args, **kwargs)
         saved = self.saved
+        for i in _written_args(func):
+            target = args[i] if i < len(args) else kwargs.get(func._schema.arguments[i].name)
+            for t in _tensors(target):
+                saved.written.add(_storage(t))
+        out = func(*args, **kwargs)
         position = len(saved.trace)
         saved.trace.append((func, meta))
         if _cacheable(func):
@@ -212,7 +258,7 @@ class Recorder(TorchDispatchMode):
             elif isinstance(out, (tuple, list)) and all(isinstance(t, torch.Tensor) for t in out):
                 saved._outputs[position] = _weak(out)
             for t in _tensors(out):
-                saved.producer[id(t)] = position
+                saved.producer[id(t)] = (weakref.ref(t), position)
         return out
 
 

@@ -252,6 +252,14 @@ def call(fn: Callable[..., Any], options: RematOptions, args: tuple[Any, ...], k
     return region.out_slots.fill(outs)
 
 
+def _forward_mode_active() -> bool:
+    """Is forward-mode AD (a functorch jvp level or a dual level) computing tangents here?"""
+    import torch.autograd.forward_ad as fwAD
+
+    stack = torch._C._functorch.get_interpreter_stack() or []
+    return fwAD._current_level >= 0 or any(i.key() == torch._C._functorch.TransformType.Jvp for i in stack)
+
+
 def _two_contexts(context_fn: Callable[[], tuple[Any, Any]], name: str) -> tuple[Any, Any]:
     contexts = context_fn()
     if not (isinstance(contexts, tuple) and len(contexts) == 2):
@@ -411,7 +419,7 @@ class UserRegion(Region):
                     stack.enter_context(_rng.replay(self.rng))
             if forward or mapping:
                 stack.enter_context(Substitute(mapping, flat, forward, self.name, first_node))
-            if self.saved is not None:
+            if self.saved is not None and (forward or not _forward_mode_active()):
                 stack.enter_context(
                     self.saved.recorder()
                     if forward
@@ -420,7 +428,7 @@ class UserRegion(Region):
             trace = stack.enter_context(OpTrace()) if debug else None
             out = self._call_fn(args, kwargs, grad_forward)
         if forward and self.saved is not None:
-            self.saved.finish_forward()
+            self.saved.finish_forward(tuple(flatten(out)[0]))
         tensors, slots = flatten(out)
         graph_outputs = tensors
         if grad_forward:  # drop the forward run's local graph

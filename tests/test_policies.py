@@ -214,3 +214,43 @@ def test_kept_values_do_not_hold_the_forward_graph():
     nothing = held_bytes(lambda: remat(block)(w1, w2, x))
     two_matmul_outputs = (128 * 256 + 128 * 64) * 8
     assert dots - nothing <= two_matmul_outputs + 1024, (dots, nothing)
+
+
+def test_in_place_update_through_an_unsafe_view_of_a_kept_matmul_is_not_served():
+    """4-D matmul returns an _unsafe_view of the bmm output (no shared version counter)."""
+
+    def attention(q, k, v):
+        scores = q @ k.transpose(-2, -1)
+        scores.mul_(q.shape[-1] ** -0.5)
+        return scores.softmax(-1) @ v
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 3, 5, 4, dtype=D, generator=g) for _ in range(3))
+    for policy in (policies.dots_saveable, policies.everything_saveable):
+        expected = tf.grad(lambda q: attention(q, k, v).square().sum())(q)
+        got = tf.grad(lambda q: remat(attention, policy=policy)(q, k, v).square().sum())(q)
+        assert_close(got, expected)
+
+
+def test_names_are_matched_to_producers_by_identity_not_reused_ids():
+    def f(x):
+        out = x
+        for i in range(50):
+            t = out * 1.01  # freed at the next iteration: its id gets reused
+            out = t + 0.01
+            v = checkpoint_name(out[:], f"v{i}")  # a view: its producer is never recorded
+            out = out * v.cos()
+        return out
+
+    x = torch.linspace(0, 1, 4, dtype=D)
+    policy = policies.save_any_names_but_these()
+    expected = tf.grad(lambda x: f(x).sum())(x)
+    assert_close(tf.grad(lambda x: remat(f, policy=policy)(x).sum())(x), expected)
+
+
+@pytest.mark.parametrize("f", [lambda x: -(-x), lambda x: x.cumsum(0).cumsum(0), lambda x: x.flip(0).flip(0)])
+def test_forward_mode_recomputation_does_not_serve_kept_values_to_tangent_ops(f):
+    x, t = torch.tensor([1.0, 2.0], dtype=D), torch.tensor([10.0, 20.0], dtype=D)
+    expected = tf.jvp(f, (x,), (t,))
+    assert_close(tf.jvp(remat(f, policy=policies.everything_saveable), (x,), (t,)), expected)
+    assert_close(tf.jacfwd(remat(f, policy=policies.everything_saveable))(x), tf.jacfwd(f)(x))
