@@ -272,9 +272,12 @@ class _RematFunction(torch.autograd.Function):
         mutated = [i for i, (t, v) in enumerate(zip(flat, versions)) if v is not None and _version(t) != v]
         if mutated:
             region.note_mutated_inputs(mutated)
-        ids = {id(t) for t in flat}
-        # An input returned as-is must become a new tensor object for autograd.
-        return tuple(o.view_as(o) if id(o) in ids else o for o in outs)
+        # An output sharing storage with an input (the input itself, or a view of it)
+        # becomes a real view of that input, so autograd's rules for views made by
+        # a custom Function apply (an in-place update of it raises instead of
+        # changing the input behind autograd's back).
+        storages = {_storage(t): t for t in flat}
+        return tuple(_as_view_of(storages.get(_storage(o)), o) for o in outs)
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Tensors) -> None:
@@ -284,6 +287,7 @@ class _RematFunction(torch.autograd.Function):
         ctx.save_for_forward(*flat)
         top = peek_interpreter_stack()
         ctx.level = 0 if top is None else top.level()
+        ctx.output_differentiable = [_differentiable(o) for o in output]
         non_diff = [o for o in output if not _differentiable(o)]
         if non_diff:
             ctx.mark_non_differentiable(*non_diff)
@@ -320,18 +324,34 @@ class _RematFunction(torch.autograd.Function):
         # still see this computation (jvp of jvp), so turn it back on.
         if interpreter is None:
             with _set_fwd_grad_enabled(True):
-                return _jvp_here(region, primals, tangents)
-        level = interpreter.level()
-        lowered_p = tuple(_unwrap_for_grad(p, level) for p in primals)
-        lowered_t = tuple(_unwrap_for_grad(t, level) for t in tangents)
-        with interpreter.lower(), _set_fwd_grad_enabled(True):
-            out = _jvp_here(region, lowered_p, lowered_t)
-        return tuple(_wrap_for_grad(t, level) for t in out)
+                out = _jvp_here(region, primals, tangents)
+        else:
+            level = interpreter.level()
+            lowered_p = tuple(_unwrap_for_grad(p, level) for p in primals)
+            lowered_t = tuple(_unwrap_for_grad(t, level) for t in tangents)
+            with interpreter.lower(), _set_fwd_grad_enabled(True):
+                lowered_out = _jvp_here(region, lowered_p, lowered_t)
+            out = tuple(_wrap_for_grad(t, level) for t in lowered_out)
+        # Outputs marked non-differentiable (integer tensors) take no tangent.
+        return tuple(t if d else None for t, d in zip(out, ctx.output_differentiable))
 
     @staticmethod
     def vmap(info: Any, in_dims: tuple[Any, ...], region: Region, *flat: torch.Tensor) -> tuple[Tensors, tuple[int, ...]]:
         outs = apply(VmapRegion(region, in_dims[1:], info.randomness), flat)
         return outs, (0,) * len(outs)
+
+
+def _storage(t: torch.Tensor) -> int | None:
+    try:
+        return t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):  # no storage (e.g. some wrapper or sparse tensors)
+        return None
+
+
+def _as_view_of(base: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:
+    if base is None or _storage(out) is None:
+        return out
+    return base.as_strided(out.size(), out.stride(), out.storage_offset())
 
 
 def _version(t: torch.Tensor) -> int | None:

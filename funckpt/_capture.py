@@ -44,6 +44,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.autograd.forward_ad as fwAD
+from torch.autograd.forward_ad import _set_fwd_grad_enabled
 from torch.nn.utils.stateless import _reparametrize_module
 from torch.overrides import TorchFunctionMode
 
@@ -311,11 +313,11 @@ class Substitute(TorchFunctionMode):
             foreign = _foreign_level(t)
         else:
             node = t.grad_fn
-            foreign = t.requires_grad and (node is None or node._sequence_nr() < self.first_node)
+            foreign = (t.requires_grad and (node is None or node._sequence_nr() < self.first_node)) or has_tangent(t)
         if foreign:
             raise CheckpointError(
                 f"remat({self.name}): the function used a tensor of shape {tuple(t.shape)} and dtype "
-                f"{t.dtype} that {'belongs to an enclosing torch.func transform' if wrapped else 'requires grad'}"
+                f"{t.dtype} that {'belongs to an enclosing torch.func transform' if wrapped else 'requires grad or carries a forward-mode tangent'}"
                 " but is neither an argument nor reachable through the function's closure, its "
                 "functools.partial arguments, the globals its code names, or the parameters and "
                 "buffers of an nn.Module it is bound to. remat cannot route a gradient to it, and "
@@ -337,6 +339,49 @@ class Substitute(TorchFunctionMode):
                 if isinstance(o, torch.Tensor) and (o.requires_grad or _C.is_functorch_wrapped_tensor(o)):
                     self.inside.add(id(o))
         return out
+
+
+def differentiable_input(t: torch.Tensor) -> bool:
+    """Could a derivative flow into ``t``: does it require grad (at its torch.func level) or carry a tangent?"""
+    return t.requires_grad or has_tangent(t)
+
+
+def has_tangent(t: torch.Tensor) -> bool:
+    """Is ``t`` a forward-mode dual (plain ``forward_ad`` or ``torch.func.jvp``)?
+
+    Read with forward-mode AD enabled: a custom Function's forward runs with it
+    disabled, which hides tangents.
+    """
+    if fwAD._current_level < 0:
+        return False
+    with _set_fwd_grad_enabled(True):
+        return fwAD.unpack_dual(t).tangent is not None
+
+
+def foreign_in_graph(outputs: list[torch.Tensor], leaves: tuple[torch.Tensor, ...], first_node: int) -> bool:
+    """Does the forward run's local graph reach anything but the region's own leaves?
+
+    An ``autograd.Function.apply`` bypasses torch-function modes, so a captured
+    tensor passed straight to one escapes substitution; its edge then leads to
+    a leaf that is not the region's, or into graph built before the run.
+    """
+    known = {id(t) for t in leaves}
+    seen: set[int] = set()
+    stack = [t.grad_fn for t in outputs if t.grad_fn is not None]
+    while stack:
+        node = stack.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        variable = getattr(node, "variable", None)
+        if variable is not None:  # AccumulateGrad
+            if id(variable) not in known:
+                return True
+            continue
+        if node._sequence_nr() < first_node:
+            return True
+        stack.extend(n for n, _ in node.next_functions if n is not None)
+    return False
 
 
 def next_sequence_nr() -> int:

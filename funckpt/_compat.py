@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from ._modules import split
+from ._modules import run_in_segments
 from ._transform import RematOptions, call
 from .policies import from_torch
 
@@ -146,22 +146,4 @@ def checkpoint_sequential(
         kwargs.get("debug", False),
         kwargs.get("preserve_rng_state", True),
     )
-    ranges = split(len(layers), segments)
-    for a, b in ranges[:-1]:
-        input = call(_Chain(layers[a:b]), options, (input,), {})
-    for f in layers[ranges[-1][0] :] if ranges else ():
-        input = f(input)
-    return input
-
-
-class _Chain:
-    """Calls its layers in order; remat finds their parameters through ``layers``."""
-
-    def __init__(self, layers: list[Callable[[Any], Any]]) -> None:
-        self.layers = layers
-        self.__qualname__ = "checkpoint_sequential_segment"
-
-    def __call__(self, x: Any) -> Any:
-        for f in self.layers:
-            x = f(x)
-        return x
+    return run_in_segments(layers, segments, input, options)

@@ -74,23 +74,49 @@ def split(length: int, segments: int) -> list[tuple[int, int]]:
     return bounds + [((segments - 1) * size, length)]
 
 
+def run_in_segments(layers: Sequence[Any], segments: int, x: Any, options: RematOptions) -> Any:
+    """Run ``layers`` in order, remat'ing all but the last of ``segments`` chunks."""
+    from ._transform import call
+
+    ranges = split(len(layers), segments)
+    for a, b in ranges[:-1]:
+        x = call(_Chain(list(layers[a:b])), options, (x,), {})
+    for f in layers[ranges[-1][0] :] if ranges else ():
+        x = f(x)
+    return x
+
+
+class _Chain:
+    """Calls its layers in order; remat finds their parameters through ``layers``."""
+
+    def __init__(self, layers: list[Any]) -> None:
+        self.layers = layers
+        self.__name__ = "segment"
+
+    def __call__(self, x: Any) -> Any:
+        for f in self.layers:
+            x = f(x)
+        return x
+
+
 class RematSequential(Remat):
-    """An ``nn.Sequential`` checkpointed segment by segment (the last segment plainly)."""
+    """An ``nn.Sequential`` checkpointed segment by segment (the last segment plainly).
+
+    The layers are read at every call, so replacing a layer of the wrapped
+    ``Sequential`` afterwards is seen.
+    """
 
     def __init__(self, module: torch.nn.Sequential, options: RematOptions) -> None:
         super().__init__(module, dataclasses.replace(options, segments=None))
-        layers: Sequence[torch.nn.Module] = list(module)
-        k = options.segments if options.segments is not None else default_segments(len(layers))
-        # Plain lists, not registered: the layers are already the wrapped module's children.
-        object.__setattr__(self, "segments", [torch.nn.Sequential(*layers[a:b]) for a, b in split(len(layers), k)])
+        object.__setattr__(self, "requested_segments", options.segments)
+
+    @property
+    def num_segments(self) -> int:
+        n = len(self.wrapped)
+        return min(n, self.requested_segments or default_segments(n)) if n else 0
 
     def forward(self, x: Any) -> Any:
-        from ._transform import call
-
-        *checkpointed, last = self.segments or [torch.nn.Identity()]
-        for segment in checkpointed:
-            x = call(segment, self._remat_options, (x,), {})
-        return last(x)
+        return run_in_segments(list(self.wrapped), self.num_segments or 1, x, self._remat_options)
 
     def extra_repr(self) -> str:
-        return f"wrapped=Sequential, segments={len(self.segments)}"
+        return f"wrapped=Sequential, segments={self.num_segments}"

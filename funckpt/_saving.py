@@ -293,3 +293,22 @@ class Replayer(TorchDispatchMode):
                 self.served += 1
                 return tree_map_only(torch.Tensor, lambda t: t.detach(), out)
         return func(*args, **kwargs)
+
+
+class WriteWatch(TorchDispatchMode):
+    """Calls ``before_write(index)`` before any operator writes to input ``index``'s storage."""
+
+    def __init__(self, storages: dict[int, int], before_write: Callable[[int, torch.Tensor], None]) -> None:
+        super().__init__()
+        self.storages = storages
+        self.before_write = before_write
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+        kwargs = kwargs or {}
+        for i in _written_args(func):
+            target = args[i] if i < len(args) else kwargs.get(func._schema.arguments[i].name)
+            for t in _tensors(target):
+                index = self.storages.get(_storage(t))
+                if index is not None:
+                    self.before_write(index, t)
+        return func(*args, **kwargs)

@@ -32,7 +32,9 @@ from ._capture import (
     Captured,
     Substitute,
     changed_captures,
+    differentiable_input,
     find_captured,
+    foreign_in_graph,
     next_sequence_nr,
     reparametrized,
     route_through_enclosing,
@@ -50,7 +52,7 @@ from ._errors import (
 from ._modules import Remat, RematSequential
 from ._pytree import ArgSpec, TreeSlots, flatten, flatten_args
 from ._residuals import notify
-from ._saving import Saved
+from ._saving import Saved, WriteWatch
 from .policies import nothing_saveable
 
 __all__ = ["remat"]
@@ -244,12 +246,27 @@ def call(fn: Callable[..., Any], options: RematOptions, args: tuple[Any, ...], k
         arg_index,
         captured,
         captured_index,
-        differentiable=[t.requires_grad for t in routed],
+        differentiable=[differentiable_input(t) for t in routed],
     )
     notify(region, tuple(routed))
     outs = apply(region, routed)
     assert region.out_slots is not None
     return region.out_slots.fill(outs)
+
+
+def _in_place_error(name: str) -> CheckpointError:
+    return CheckpointError(
+        f"remat({name}): the function modified one of its differentiable inputs in place. The "
+        "recomputation during the backward pass would start from the modified values and produce "
+        "wrong gradients. Compute out of place (y = x + 1, not x.add_(1)) or move the in-place "
+        "update outside the remat'd function."
+    )
+
+
+def _bottom_storage(t: torch.Tensor) -> int:
+    while torch._C._functorch.is_functorch_wrapped_tensor(t):
+        t = torch._C._functorch.get_unwrapped(t)
+    return t.untyped_storage().data_ptr()
 
 
 def _forward_mode_active() -> bool:
@@ -293,6 +310,7 @@ class UserRegion(Region):
         self.caller_grad_enabled = torch.is_grad_enabled()
         self.forward_graph: tuple[list[bool], list[str]] | None = None
         self.mutated: frozenset[int] = frozenset()
+        self.snapshots: dict[int, torch.Tensor] = {}  # input index -> its value before the forward wrote it
         self.out_slots: TreeSlots | None = None
         self.out_meta: list[tuple[Any, ...]] = []
         self.forward_trace: list[str] | None = None
@@ -320,17 +338,40 @@ class UserRegion(Region):
         self._recompute_context = None
         return context if context is not None else _two_contexts(self.options.context_fn, self.name)[1]
 
+    def _write_watch(self, flat: tuple[torch.Tensor, ...], snapshots_possible: bool) -> WriteWatch:
+        """Snapshot each non-differentiable input before the forward run first writes it.
+
+        The recomputation must start from the values the forward run started
+        from (say a buffer that is updated and then read). Writing to a
+        differentiable input raises: the caller's graph would not know of it.
+        """
+        storages: dict[int, int] = {}
+        for i, t in enumerate(flat):
+            try:
+                storages.setdefault(_bottom_storage(t), i)
+            except (RuntimeError, NotImplementedError):
+                pass
+
+        def before_write(index: int, t: torch.Tensor) -> None:
+            if self.differentiable[index]:
+                raise _in_place_error(self.name)
+            if not snapshots_possible:
+                raise CheckpointError(
+                    f"remat({self.name}): the function modified one of its inputs in place under a "
+                    "torch.func transform that batches it (vmap); remat cannot restore its value for the "
+                    "recomputation. Compute out of place, or move the update outside the remat'd function."
+                )
+            if index not in self.snapshots:
+                self.snapshots[index] = t.clone()
+
+        return WriteWatch(storages, before_write)
+
     def _call_fn(self, args: tuple[Any, ...], kwargs: dict[str, Any], grad_forward: bool) -> Any:
         try:
             return self.fn(*args, **kwargs)
         except RuntimeError as e:
             if grad_forward and "leaf Variable that requires grad is being used in an in-place" in str(e):
-                raise CheckpointError(
-                    f"remat({self.name}): the function modified one of its differentiable inputs in place. "
-                    "The recomputation during the backward pass would start from the modified values and "
-                    "produce wrong gradients. Compute out of place (y = x + 1, not x.add_(1)) or move the "
-                    "in-place update outside the remat'd function."
-                ) from e
+                raise _in_place_error(self.name) from e
             raise
 
     def _check_same_graph(
@@ -368,14 +409,8 @@ class UserRegion(Region):
         return self._originals.get(key)
 
     def note_mutated_inputs(self, indices: list[int]) -> None:
-        bad = [i for i in indices if self.differentiable[i]]
-        if bad:
-            raise CheckpointError(
-                f"remat({self.name}): the function modified {len(bad)} of its differentiable inputs in "
-                "place. The recomputation during the backward pass would start from the modified "
-                "values and produce wrong gradients. Compute out of place (y = x + 1, not x.add_(1)) "
-                "or move the in-place update outside the remat'd function."
-            )
+        if any(self.differentiable[i] for i in indices):
+            raise _in_place_error(self.name)
         # Non-differentiable inputs (buffers such as BatchNorm's running statistics)
         # are updated once, by the forward run; recomputations update a copy.
         self.mutated = frozenset(indices)
@@ -395,7 +430,11 @@ class UserRegion(Region):
         if not forward:
             self._check_captures_unchanged()
             if self.mutated:
-                flat = tuple(t.clone() if i in self.mutated else t for i, t in enumerate(flat))
+                # Recompute from the values the forward run started from, on copies.
+                flat = tuple(
+                    self.snapshots[i].clone() if i in self.snapshots else t.clone() if i in self.mutated else t
+                    for i, t in enumerate(flat)
+                )
         args, kwargs = self.argspec.rebuild([flat[i] for i in self.arg_index])
         replace = {id(orig): flat[i] for orig, i in zip(self.captured.tensors, self.captured_index)}
         mapping = {k: v for k, v in replace.items() if v is not self._original(k)}
@@ -419,6 +458,8 @@ class UserRegion(Region):
                     stack.enter_context(_rng.replay(self.rng))
             if forward or mapping:
                 stack.enter_context(Substitute(mapping, flat, forward, self.name, first_node))
+            if forward:
+                stack.enter_context(self._write_watch(flat, plain_autograd))
             if self.saved is not None and (forward or not _forward_mode_active()):
                 stack.enter_context(
                     self.saved.recorder()
@@ -431,6 +472,13 @@ class UserRegion(Region):
             self.saved.finish_forward(tuple(flatten(out)[0]))
         tensors, slots = flatten(out)
         graph_outputs = tensors
+        if grad_forward and foreign_in_graph(tensors, flat, first_node):
+            raise CheckpointError(
+                f"remat({self.name}): a differentiable tensor reached the function's result without being "
+                "routed through remat: typically a closure or global tensor passed straight to a custom "
+                "autograd.Function (whose .apply remat cannot intercept). Its gradient would be missing. "
+                "Pass the tensor to the remat'd function as an argument."
+            )
         if grad_forward:  # drop the forward run's local graph
             tensors = [t.detach() if t.requires_grad else t for t in tensors]
         if forward:

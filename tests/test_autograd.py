@@ -227,3 +227,11 @@ def test_forward_keeps_nothing_but_its_output_under_backward():
     assert held <= out_bytes + rng_bytes, (held, out_bytes, rng_bytes)
     plain = held_bytes(lambda: block(w, x))
     assert plain > held
+
+
+def test_integer_outputs_under_forward_mode():
+    def f(x):
+        return x.sin(), x.argmax()
+
+    expected = tf.jvp(f, (X[0],), (torch.ones_like(X[0]),))
+    assert_close(tf.jvp(remat(f), (X[0],), (torch.ones_like(X[0]),)), expected)

@@ -218,3 +218,38 @@ def test_fn_may_differentiate_its_own_intermediates_and_nest_checkpoints_with_gr
     x_ref = X.clone().requires_grad_()
     f(x_ref).sum().backward()
     assert_close(x.grad, x_ref.grad)
+
+
+def test_closure_tensor_passed_straight_to_a_custom_function_raises():
+    class Double(torch.autograd.Function):
+        @staticmethod
+        def forward(x):
+            return x * 2
+
+        @staticmethod
+        def setup_context(ctx, inputs, output):
+            pass
+
+        @staticmethod
+        def backward(ctx, g):
+            return 2 * g
+
+    w = torch.tensor([[1.0], [2.0]], dtype=D, requires_grad=True)
+    x = torch.tensor([[0.5, -1.0]], dtype=D)
+    with pytest.raises(CheckpointError, match="custom autograd.Function"):
+        remat(lambda x: torch.tanh(x @ Double.apply(w)))(x)
+    with pytest.raises(CheckpointError):
+        tf.grad(lambda w: remat(lambda x: torch.tanh(x @ Double.apply(w)))(x).sum())(w.detach())
+
+
+def test_unreachable_forward_mode_dual_raises():
+    import torch.autograd.forward_ad as fwAD
+
+    class Holder:
+        __slots__ = ("weight",)  # not walked
+
+    with fwAD.dual_level():
+        h = Holder()
+        h.weight = fwAD.make_dual(torch.tensor([1.0, 2.0], dtype=D), torch.ones(2, dtype=D))
+        with pytest.raises(CheckpointError, match="forward-mode tangent"):
+            remat(lambda x: (x * h.weight).sin())(torch.tensor([0.5, 1.0], dtype=D))

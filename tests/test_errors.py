@@ -3,6 +3,7 @@
 import pytest
 import torch
 import torch.func as tf
+from torch.testing import assert_close
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from funckpt import CheckpointError, remat, set_checkpoint_debug_enabled
@@ -148,3 +149,35 @@ def test_checkpoint_sequential_with_a_misplaced_tensor_raises_type_error():
 
     with pytest.raises(TypeError, match="use_reentrant"):
         funckpt.checkpoint_sequential(torch.nn.Sequential(torch.nn.Tanh()), 1, X, X)
+
+
+def test_non_differentiable_input_updated_then_read_recomputes_from_its_original_value():
+    def f(x, buf):
+        buf.add_(1.0)
+        return (x * buf).sin().sum()
+
+    x = torch.tensor([0.1, 0.2, 0.3], dtype=D)
+    b = torch.tensor([1.0, 2.0, 3.0], dtype=D)
+    expected = tf.grad(f)(x, b.clone())
+    assert_close(tf.grad(remat(f))(x, b.clone()), expected)
+    xl = x.clone().requires_grad_()
+    buf = b.clone()
+    remat(f)(xl, buf).backward()
+    assert_close(xl.grad, expected)
+    assert_close(buf, b + 1)  # updated once
+
+
+def test_in_place_update_of_a_jvp_input_raises():
+    def f(x):
+        x.mul_(2)
+        return x.sin()
+
+    with pytest.raises(CheckpointError, match="differentiable inputs in place"):
+        tf.jvp(remat(f), (X.clone(),), (torch.ones_like(X),))
+
+
+def test_output_that_is_a_view_of_an_input_cannot_be_modified_behind_autograd():
+    x = torch.tensor([1.0, 2.0, 3.0], dtype=D, requires_grad=True)
+    y = remat(lambda a: a[:2])(x * 2)
+    with pytest.raises(RuntimeError, match="view"):
+        y.mul_(10)

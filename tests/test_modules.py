@@ -63,7 +63,7 @@ def test_sequential_in_segments_gives_the_same_gradients_and_recomputes():
     x = torch.randn(3, 4, dtype=D)
     params = dict(net.named_parameters())
     wrapped = remat(net, segments=4)
-    assert len(wrapped.segments) == 4
+    assert wrapped.num_segments == 4
     loss = lambda m: (lambda p: tf.functional_call(m, p, (x,)).square().sum())  # noqa: E731
     assert_close(tf.grad(loss(wrapped))(params), tf.grad(loss(net))(params))
 
@@ -140,3 +140,14 @@ def test_stack_module_state_ensemble_under_vmap():
     expected = tf.grad(lambda p: ensemble_loss(members[0], p))(params)
     got = tf.grad(lambda p: ensemble_loss(remat(members[0]), p))(params)
     assert_close(got, expected)
+
+
+def test_replacing_a_layer_after_wrapping_is_seen():
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(*[torch.nn.Linear(4, 4, dtype=D) for _ in range(4)])
+    wrapped = remat(net)
+    net[0] = torch.nn.Linear(4, 4, dtype=D)
+    x = torch.randn(2, 4, dtype=D)
+    assert_close(wrapped(x), net(x))
+    wrapped(x).sum().backward()
+    assert net[0].weight.grad is not None
