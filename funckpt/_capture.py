@@ -36,6 +36,7 @@ So, at every call:
 from __future__ import annotations
 
 import contextlib
+import dis
 import functools
 import threading
 import types
@@ -95,7 +96,7 @@ def find_captured(fn: Callable[..., Any]) -> Captured:
         if isinstance(obj, torch.Generator):
             generators.setdefault(id(obj), obj)
             return
-        if depth > _MAX_DEPTH or budget[0] <= 0 or obj is None or isinstance(obj, (str, bytes, int, float, bool)):
+        if depth > _MAX_DEPTH or budget[0] <= 0 or obj is None or isinstance(obj, (str, bytes, int, float)):
             return
         if id(obj) in seen:
             return
@@ -216,11 +217,18 @@ def _is_library(fn: types.FunctionType) -> bool:
     return module.split(".")[0] in _LIBRARY_ROOTS
 
 
-def _global_names(code: types.CodeType) -> Iterator[str]:
-    yield from code.co_names
+@functools.lru_cache(maxsize=4096)
+def _global_names(code: types.CodeType) -> tuple[str, ...]:
+    """Names the code (and the code nested in it) loads as globals.
+
+    Not ``co_names``, which also holds attribute names: ``self.weight`` must not
+    capture a global that happens to be called ``weight``.
+    """
+    names = {i.argval for i in dis.get_instructions(code) if i.opname in ("LOAD_GLOBAL", "LOAD_NAME")}
     for const in code.co_consts:
         if isinstance(const, types.CodeType):
-            yield from _global_names(const)
+            names.update(_global_names(const))
+    return tuple(sorted(names))
 
 
 # ------------------------------------------------------------------ substitution
@@ -301,9 +309,6 @@ class Substitute(TorchFunctionMode):
         return value
 
     def _check(self, t: torch.Tensor) -> None:
-        key = id(t)
-        if key in self.known or key in self.inside:
-            return
         # functorch tensors are judged by their level alone: fn may use torch.func
         # inside. A plain tensor is foreign if it requires grad and was not made
         # inside this run: a leaf, or the result of an autograd node created

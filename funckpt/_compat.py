@@ -19,6 +19,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+import torch.utils.checkpoint as upstream
 
 from ._modules import run_in_segments
 from ._transform import RematOptions, call
@@ -38,8 +39,6 @@ def noop_context_fn() -> tuple[contextlib.AbstractContextManager[None], contextl
 
 
 def _is_noop(context_fn: Callable[..., Any]) -> bool:
-    import torch.utils.checkpoint as upstream
-
     return context_fn is noop_context_fn or context_fn is upstream.noop_context_fn
 
 
@@ -71,8 +70,6 @@ def _selective_policy(context_fn: Callable[..., Any]) -> Callable[..., bool] | N
     caching modes depend on its checkpoint internals, so funckpt reads the
     policy out of the partial and applies it with its own machinery.
     """
-    import torch.utils.checkpoint as upstream
-
     if not (isinstance(context_fn, functools.partial) and context_fn.func is upstream.create_selective_checkpoint_contexts):
         return None
     bound = inspect.signature(upstream.create_selective_checkpoint_contexts).bind(*context_fn.args, **context_fn.keywords)

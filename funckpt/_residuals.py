@@ -18,7 +18,6 @@ from typing import TYPE_CHECKING, Any
 
 import optree
 import torch
-from torch.utils._pytree import tree_leaves
 
 if TYPE_CHECKING:
     from ._transform import UserRegion
@@ -95,7 +94,7 @@ def saved_residuals(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[R
                 op = region.saved.trace[position][0]
                 label = region.saved.labels.get(position)
                 source = f"{op} named {label!r}" if label else str(op)
-                for t in tree_leaves(out):
+                for t in optree.tree_leaves(out):
                     if isinstance(t, torch.Tensor):
                         residuals.append(_residual(region.name, "saved by policy", source, t))
     return residuals
@@ -141,9 +140,11 @@ def print_saved_residuals(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> 
     print(f"total: {_size(total)} in {len(residuals)} tensors")
 
 
-def _size(nbytes: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
+def _size(nbytes: float) -> str:
+    if nbytes < 1024:
+        return f"{nbytes:.0f} B"
+    for unit in ("KiB", "MiB", "GiB"):
+        nbytes /= 1024
         if nbytes < 1024 or unit == "GiB":
-            return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.1f} {unit}"
-        nbytes /= 1024  # type: ignore[assignment]
-    raise AssertionError
+            break
+    return f"{nbytes:.1f} {unit}"

@@ -35,7 +35,6 @@ from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_map_only
 
 from ._errors import CheckpointError
 from .policies import CHECKPOINT_NAME, excluded_names
@@ -118,6 +117,25 @@ class Saved:
 
     # forward run
 
+    def ask(self, op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+        """The policy's verdict on ``op``: a bool, or a clear error."""
+        try:
+            verdict = self.policy(op, *args, **kwargs)
+        except Exception as e:
+            raise CheckpointError(
+                f"remat({self.name}): the saving policy {self.policy!r} raised {type(e).__name__}: {e} "
+                f"when asked about {op}. A policy is called as policy(op, *args, **kwargs) and returns a "
+                "bool (factories such as save_only_these_names must be called: "
+                "save_only_these_names('name'))."
+            ) from e
+        if not isinstance(verdict, bool):
+            raise CheckpointError(
+                f"remat({self.name}): the saving policy {self.policy!r} returned {verdict!r} for {op}; a "
+                "policy returns True (keep) or False (recompute). For a torch.utils.checkpoint policy "
+                "returning CheckpointPolicy values, use funckpt.policies.from_torch(policy)."
+            )
+        return verdict
+
     def keep(self, position: int, out: Any, label: str | None = None) -> None:
         self.kept[position] = out
         self.versions[position] = _versions(out)
@@ -131,7 +149,7 @@ class Saved:
             return
         position = entry[1]
         op = self.trace[position][0]
-        if self.policy(CHECKPOINT_NAME, x, name):
+        if self.ask(CHECKPOINT_NAME, (x, name), {}):
             if position in self.kept:
                 self.labels[position] = name
                 return
@@ -144,7 +162,7 @@ class Saved:
             structure, weak = refs
             alive = [w() for w in weak]
             if all(t is not None for t in alive):  # else: recompute that op, never serve part of it
-                self.keep(position, _rebuild(structure, alive), label=name)
+                self.keep(position, structure(alive), label=name)
         elif name in self.excluded:
             self.kept.pop(position, None)
             self.versions.pop(position, None)
@@ -175,7 +193,7 @@ class Saved:
                 del self.kept[position], self.versions[position]
                 self.labels.pop(position, None)
             else:
-                self.kept[position] = tree_map_only(torch.Tensor, lambda t: t.detach(), self.kept[position])
+                self.kept[position] = _detached(self.kept[position])
         self.producer.clear()
         self._outputs.clear()
         self.written.clear()
@@ -187,12 +205,11 @@ class Saved:
         return Replayer(self, allow_mutation)
 
 
-def _weak(out: Any) -> tuple[Any, list[weakref.ref[torch.Tensor]]]:
-    return type(out), [weakref.ref(t) for t in out]
-
-
-def _rebuild(structure: Any, tensors: list[torch.Tensor]) -> Any:
-    return structure(tensors)
+def _detached(out: Any) -> Any:
+    """``out`` (a tensor, or a tuple or list of them and other values) with detached tensors."""
+    if isinstance(out, torch.Tensor):
+        return out.detach()
+    return type(out)(t.detach() if isinstance(t, torch.Tensor) else t for t in out)
 
 
 def _versions(out: Any) -> list[int]:
@@ -253,10 +270,10 @@ class Recorder(TorchDispatchMode):
         position = len(saved.trace)
         saved.trace.append((func, meta))
         if _cacheable(func):
-            if saved.policy(func, *args, **kwargs):
+            if saved.ask(func, args, kwargs):
                 saved.keep(position, out)
             elif isinstance(out, (tuple, list)) and all(isinstance(t, torch.Tensor) for t in out):
-                saved._outputs[position] = _weak(out)
+                saved._outputs[position] = (type(out), [weakref.ref(t) for t in out])
             for t in _tensors(out):
                 saved.producer[id(t)] = (weakref.ref(t), position)
         return out
@@ -291,7 +308,7 @@ class Replayer(TorchDispatchMode):
                         "does not keep this operator."
                     )
                 self.served += 1
-                return tree_map_only(torch.Tensor, lambda t: t.detach(), out)
+                return _detached(out)
         return func(*args, **kwargs)
 
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import operator
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar, overload
@@ -222,7 +221,7 @@ def call(fn: Callable[..., Any], options: RematOptions, args: tuple[Any, ...], k
                 f"remat({name}): static_argnums={options.static_argnums} names argument {i}, "
                 f"but the function was called with {len(args)} positional arguments"
             )
-        static.append(operator.index(i) % len(args))
+        static.append(i % len(args))
     arg_tensors, argspec = flatten_args(args, kwargs, tuple(static))
 
     flat: list[torch.Tensor] = []
@@ -405,9 +404,6 @@ class UserRegion(Region):
                 "do not rebind them before the backward pass."
             )
 
-    def _original(self, key: int) -> torch.Tensor | None:
-        return self._originals.get(key)
-
     def note_mutated_inputs(self, indices: list[int]) -> None:
         if any(self.differentiable[i] for i in indices):
             raise _in_place_error(self.name)
@@ -437,7 +433,7 @@ class UserRegion(Region):
                 )
         args, kwargs = self.argspec.rebuild([flat[i] for i in self.arg_index])
         replace = {id(orig): flat[i] for orig, i in zip(self.captured.tensors, self.captured_index)}
-        mapping = {k: v for k, v in replace.items() if v is not self._original(k)}
+        mapping = {k: v for k, v in replace.items() if v is not self._originals.get(k)}
         debug = debug_enabled(self.options.debug)
         first_node = next_sequence_nr() if forward or mapping else 0
         with contextlib.ExitStack() as stack:

@@ -253,3 +253,17 @@ def test_unreachable_forward_mode_dual_raises():
         h.weight = fwAD.make_dual(torch.tensor([1.0, 2.0], dtype=D), torch.ones(2, dtype=D))
         with pytest.raises(CheckpointError, match="forward-mode tangent"):
             remat(lambda x: (x * h.weight).sin())(torch.tensor([0.5, 1.0], dtype=D))
+
+
+weight = torch.zeros(1)  # a global sharing its name with an attribute used below
+
+
+def test_attribute_names_are_not_mistaken_for_globals():
+    from funckpt._capture import find_captured
+
+    net = torch.nn.Linear(4, 4, dtype=D)
+
+    def f(x):
+        return x @ net.weight.T
+
+    assert all(t is not weight for t in find_captured(f).tensors)

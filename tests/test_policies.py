@@ -254,3 +254,10 @@ def test_forward_mode_recomputation_does_not_serve_kept_values_to_tangent_ops(f)
     expected = tf.jvp(f, (x,), (t,))
     assert_close(tf.jvp(remat(f, policy=policies.everything_saveable), (x,), (t,)), expected)
     assert_close(tf.jacfwd(remat(f, policy=policies.everything_saveable))(x), tf.jacfwd(f)(x))
+
+
+def test_policy_results_must_be_bools_and_policy_errors_are_explained():
+    with pytest.raises(CheckpointError, match="from_torch"):
+        remat(block, policy=lambda op, *a, **k: upstream.CheckpointPolicy.PREFER_RECOMPUTE)(W1, W2, X)
+    with pytest.raises(CheckpointError, match=r"must be called: save_only_these_names\('name'\)"):
+        remat(block, policy=policies.save_only_these_names)(W1, W2, X)
