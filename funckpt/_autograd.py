@@ -43,15 +43,18 @@ from typing import Any
 import torch
 from torch._C._functorch import (
     TransformType,
+    _add_batch_dim,
+    _unwrap_batched,
     _unwrap_for_grad,
     _wrap_for_grad,
+    is_batchedtensor,
     is_dead_tensor_wrapper,
     maybe_get_level,
     peek_interpreter_stack,
     unwrap_if_dead,
 )
 from torch._functorch.autograd_function import custom_function_call
-from torch._functorch.pyfunctorch import GradInterpreter, JvpInterpreter
+from torch._functorch.pyfunctorch import GradInterpreter, JvpInterpreter, VmapInterpreter
 from torch._functorch.utils import enable_single_level_autograd_function
 import torch.autograd.forward_ad as fwAD
 from torch.autograd.forward_ad import _set_fwd_grad_enabled
@@ -236,10 +239,55 @@ def _local_leaf(p: torch.Tensor, wrt: bool, create_graph: bool) -> torch.Tensor:
 
 def _vjp_here(region: Region, primals: Tensors, cotangents: Tensors, needs: Sequence[bool]) -> list[Any]:
     """The vjp at the current stack; itself remat'd when it must be differentiable."""
+    top = peek_interpreter_stack()
+    if top is not None and top.key() == TransformType.Vmap and not any(_batched_at(p, top.level()) for p in primals):
+        return _vjp_of_batched_cotangents(region, primals, cotangents, needs, VmapInterpreter(top))
     if _needs_graph((*primals, *cotangents)):
         grads = iter(apply(VjpRegion(region, len(primals), needs), (*primals, *cotangents)))
         return [next(grads) if need else None for need in needs]
     return vjp(region, primals, cotangents, needs, create_graph=False)
+
+
+def _batched_at(t: torch.Tensor, level: int) -> bool:
+    return is_batchedtensor(t) and maybe_get_level(t) == level
+
+
+def _vjp_of_batched_cotangents(
+    region: Region, primals: Tensors, cotangents: Tensors, needs: Sequence[bool], interpreter: Any
+) -> list[Any]:
+    """Unbatched primals, batched cotangents (``jacrev``, ``is_grads_batched``): recompute once.
+
+    The forward is recomputed once, below the vmap level, where random
+    operators may run (the vmap may forbid them); only the vjp is batched.
+    """
+    level = interpreter.level()
+    unwrapped = [_unwrap_batched(c, level) for c in cotangents]
+    wrt = [i for i, need in enumerate(needs) if need]
+    differentiable: list[bool] = []
+
+    def f(*xs: torch.Tensor) -> Tensors:
+        full = list(primals)
+        for i, x in zip(wrt, xs):
+            full[i] = x
+        outs = region.run(tuple(full), Phase.RECOMPUTE)
+        differentiable[:] = [_differentiable(o) for o in outs]
+        return tuple(o for o, d in zip(outs, differentiable) if d)
+
+    with interpreter.lower():
+        outs, vjp_fn = torch.func.vjp(f, *(primals[i] for i in wrt))
+        cts = tuple(c for (c, _), d in zip(unwrapped, differentiable) if d)
+        dims = tuple(b for (_, b), d in zip(unwrapped, differentiable) if d)
+        if not outs:
+            return [None] * len(primals)
+        batched = any(b is not None for b in dims)
+        if batched:
+            grads = torch.func.vmap(vjp_fn, in_dims=(dims,), randomness=interpreter.randomness())(cts)
+        else:
+            grads = vjp_fn(cts)
+    result: list[Any] = [None] * len(primals)
+    for i, g in zip(wrt, grads):
+        result[i] = _add_batch_dim(g, 0, level) if batched else g
+    return result
 
 
 def _jvp_here(region: Region, primals: Tensors, tangents: Tensors) -> Tensors:
