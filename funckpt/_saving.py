@@ -37,7 +37,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ._errors import CheckpointError
-from .policies import CHECKPOINT_NAME, excluded_names
+from .policies import CHECKPOINT_NAME, excluded_names, uses_names
 
 _C = torch._C._functorch
 
@@ -105,6 +105,7 @@ class Saved:
         self.policy = policy
         self.name = name
         self.excluded = excluded_names(policy)
+        self.track_producers = uses_names(policy)
         self.trace: list[tuple[Any, tuple[Any, ...]]] = []
         self.kept: dict[int, Any] = {}  # position -> outputs (as the op returned them)
         self.versions: dict[int, list[int]] = {}
@@ -198,8 +199,8 @@ class Saved:
         self._outputs.clear()
         self.written.clear()
 
-    def recorder(self) -> Recorder:
-        return Recorder(self)
+    def recorder(self, watch: WriteWatch) -> Recorder:
+        return Recorder(self, watch.storages, watch.before_write)
 
     def replayer(self, allow_mutation: bool) -> Replayer:
         return Replayer(self, allow_mutation)
@@ -237,9 +238,30 @@ def note_name(x: torch.Tensor, name: str) -> None:
         _active.stack[-1].name_value(x, name)
 
 
-class Recorder(TorchDispatchMode):
-    def __init__(self, saved: Saved) -> None:
+class WriteWatch(TorchDispatchMode):
+    """Calls ``before_write(index)`` before any operator writes to input ``index``'s storage."""
+
+    def __init__(self, storages: dict[int, int], before_write: Callable[[int, torch.Tensor], None]) -> None:
         super().__init__()
+        self.storages = storages
+        self.before_write = before_write
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+        kwargs = kwargs or {}
+        for i in _written_args(func):
+            target = args[i] if i < len(args) else kwargs.get(func._schema.arguments[i].name)
+            for t in _tensors(target):
+                index = self.storages.get(_storage(t))
+                if index is not None:
+                    self.before_write(index, t)
+        return func(*args, **kwargs)
+
+
+class Recorder(WriteWatch):
+    """Records the forward run for a policy (and watches input writes, as WriteWatch does)."""
+
+    def __init__(self, saved: Saved, storages: dict[int, int], before_write: Callable[[int, torch.Tensor], None]) -> None:
+        super().__init__(storages, before_write)
         self.saved = saved
 
     def __enter__(self) -> Recorder:
@@ -265,17 +287,24 @@ class Recorder(TorchDispatchMode):
         for i in _written_args(func):
             target = args[i] if i < len(args) else kwargs.get(func._schema.arguments[i].name)
             for t in _tensors(target):
-                saved.written.add(_storage(t))
+                storage = _storage(t)
+                saved.written.add(storage)
+                index = self.storages.get(storage)
+                if index is not None:
+                    self.before_write(index, t)
         out = func(*args, **kwargs)
         position = len(saved.trace)
         saved.trace.append((func, meta))
         if _cacheable(func):
             if saved.ask(func, args, kwargs):
                 saved.keep(position, out)
-            elif isinstance(out, (tuple, list)) and all(isinstance(t, torch.Tensor) for t in out):
-                saved._outputs[position] = (type(out), [weakref.ref(t) for t in out])
-            for t in _tensors(out):
-                saved.producer[id(t)] = (weakref.ref(t), position)
+            if saved.track_producers:  # for checkpoint_name: which op made which value
+                if position not in saved.kept and isinstance(out, (tuple, list)) and all(
+                    isinstance(t, torch.Tensor) for t in out
+                ):
+                    saved._outputs[position] = (type(out), [weakref.ref(t) for t in out])
+                for t in _tensors(out):
+                    saved.producer[id(t)] = (weakref.ref(t), position)
         return out
 
 
@@ -309,23 +338,4 @@ class Replayer(TorchDispatchMode):
                     )
                 self.served += 1
                 return _detached(out)
-        return func(*args, **kwargs)
-
-
-class WriteWatch(TorchDispatchMode):
-    """Calls ``before_write(index)`` before any operator writes to input ``index``'s storage."""
-
-    def __init__(self, storages: dict[int, int], before_write: Callable[[int, torch.Tensor], None]) -> None:
-        super().__init__()
-        self.storages = storages
-        self.before_write = before_write
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
-        kwargs = kwargs or {}
-        for i in _written_args(func):
-            target = args[i] if i < len(args) else kwargs.get(func._schema.arguments[i].name)
-            for t in _tensors(target):
-                index = self.storages.get(_storage(t))
-                if index is not None:
-                    self.before_write(index, t)
         return func(*args, **kwargs)

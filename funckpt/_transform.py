@@ -455,12 +455,17 @@ class UserRegion(Region):
             if forward or mapping:
                 stack.enter_context(Substitute(mapping, flat, forward, self.name, first_node))
             if forward:
-                stack.enter_context(self._write_watch(flat, plain_autograd))
-            if self.saved is not None and (forward or not _forward_mode_active()):
+                # With a policy, the recorder watches input writes too: one dispatch mode, not two.
+                # Without one, a watch is needed only for non-differentiable inputs (writes to
+                # differentiable ones are caught by their version counters after the run).
+                watch = self._write_watch(flat, plain_autograd)
+                if self.saved is not None:
+                    stack.enter_context(self.saved.recorder(watch))
+                elif not all(self.differentiable):
+                    stack.enter_context(watch)
+            elif self.saved is not None and not _forward_mode_active():
                 stack.enter_context(
-                    self.saved.recorder()
-                    if forward
-                    else self.saved.replayer(getattr(self.options.policy, "allow_cache_entry_mutation", False))
+                    self.saved.replayer(getattr(self.options.policy, "allow_cache_entry_mutation", False))
                 )
             trace = stack.enter_context(OpTrace()) if debug else None
             out = self._call_fn(args, kwargs, grad_forward)

@@ -152,6 +152,17 @@ def dots_with_no_batch_dims_saveable(op: Any, *args: Any, **kwargs: Any) -> bool
     return getattr(op, "overloadpacket", None) in _DOTS_NO_BATCH
 
 
+# These decide by operator alone: naming a value changes nothing for them, so
+# remat need not track which operator produced each value.
+for _policy in (everything_saveable, nothing_saveable, dots_saveable, dots_with_no_batch_dims_saveable):
+    _policy.uses_names = False  # type: ignore[attr-defined]
+
+
+def uses_names(policy: Policy) -> bool:
+    """Can naming a value (``checkpoint_name``) change what ``policy`` keeps?"""
+    return bool(getattr(policy, "uses_names", True))
+
+
 def _names(names: Iterable[Any], who: str) -> frozenset[str]:
     names = tuple(names)
     bad = [n for n in names if not isinstance(n, str)]
