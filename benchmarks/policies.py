@@ -191,6 +191,14 @@ def run(rounds: int = 15) -> str:
             "- `dots_saveable` recomputes zero matrix multiplies: checked by operator counts in "
             "`tests/test_policies.py::test_dots_saveable_recomputes_no_matmul`.",
             "",
+            "Why the `dots_saveable` step-time target is not met. No matmul is recomputed (the operator",
+            "counts prove it), so what remains is funckpt's per-call machinery rather than recomputation: the",
+            "forward run records a local autograd graph and runs under a torch-function mode and the policy's",
+            "dispatch mode, and the backward rebuilds the graph from the kept values through a second autograd",
+            "pass. Timing one block's forward and backward separately shows overhead on both sides, larger than",
+            "the elementwise work recomputed. Closing the gap means moving the per-operator bookkeeping out of",
+            "Python; the per-operator figures below show its cost.",
+            "",
             per_op_section(),
         ]
     )
