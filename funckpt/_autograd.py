@@ -37,7 +37,7 @@ plain autograd, the vjp runs at the current stack.
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -211,15 +211,7 @@ def vjp(
     else:
         # Under torch.func transforms: a fresh vjp level on top of the current stack.
         differentiable: list[bool] = []
-
-        def f(*xs: torch.Tensor) -> Tensors:
-            full = list(primals)
-            for i, x in zip(wrt, xs):
-                full[i] = x
-            outs = region.run(tuple(full), Phase.RECOMPUTE)
-            differentiable[:] = [_differentiable(o) for o in outs]
-            return tuple(o for o, d in zip(outs, differentiable) if d)
-
+        f = _recompute_of(region, primals, wrt, differentiable)
         outs, vjp_fn = torch.func.vjp(f, *(primals[i] for i in wrt))
         if not outs:
             return [None] * len(primals)
@@ -228,6 +220,26 @@ def vjp(
     for i, g in zip(wrt, grads):
         result[i] = g
     return result
+
+
+def _recompute_of(
+    region: Region, primals: Tensors, wrt: Sequence[int], differentiable: list[bool]
+) -> Callable[..., Tensors]:
+    """The recomputation as a function of the primals at positions ``wrt``, for ``torch.func.vjp``.
+
+    It returns the differentiable outputs only and records in ``differentiable``
+    which outputs those were, so the caller can pick the matching cotangents.
+    """
+
+    def f(*xs: torch.Tensor) -> Tensors:
+        full = list(primals)
+        for i, x in zip(wrt, xs):
+            full[i] = x
+        outs = region.run(tuple(full), Phase.RECOMPUTE)
+        differentiable[:] = [_differentiable(o) for o in outs]
+        return tuple(o for o, d in zip(outs, differentiable) if d)
+
+    return f
 
 
 def _local_leaf(p: torch.Tensor, wrt: bool, create_graph: bool) -> torch.Tensor:
@@ -264,15 +276,7 @@ def _vjp_of_batched_cotangents(
     unwrapped = [_unwrap_batched(c, level) for c in cotangents]
     wrt = [i for i, need in enumerate(needs) if need]
     differentiable: list[bool] = []
-
-    def f(*xs: torch.Tensor) -> Tensors:
-        full = list(primals)
-        for i, x in zip(wrt, xs):
-            full[i] = x
-        outs = region.run(tuple(full), Phase.RECOMPUTE)
-        differentiable[:] = [_differentiable(o) for o in outs]
-        return tuple(o for o, d in zip(outs, differentiable) if d)
-
+    f = _recompute_of(region, primals, wrt, differentiable)
     with interpreter.lower():
         outs, vjp_fn = torch.func.vjp(f, *(primals[i] for i in wrt))
         cts = tuple(c for (c, _), d in zip(unwrapped, differentiable) if d)
