@@ -458,20 +458,19 @@ class UserRegion(Region):
                 # With a policy, the recorder watches input writes too: one dispatch mode, not two.
                 # Without one, a watch is needed only for non-differentiable inputs (writes to
                 # differentiable ones are caught by their version counters after the run).
-                watch = self._write_watch(flat, plain_autograd)
                 if self.saved is not None:
-                    stack.enter_context(self.saved.recorder(watch))
+                    stack.enter_context(self.saved.recorder(self._write_watch(flat, plain_autograd)))
                 elif not all(self.differentiable):
-                    stack.enter_context(watch)
+                    stack.enter_context(self._write_watch(flat, plain_autograd))
             elif self.saved is not None and not _forward_mode_active():
                 stack.enter_context(
                     self.saved.replayer(getattr(self.options.policy, "allow_cache_entry_mutation", False))
                 )
             trace = stack.enter_context(OpTrace()) if debug else None
             out = self._call_fn(args, kwargs, grad_forward)
-        if forward and self.saved is not None:
-            self.saved.finish_forward(tuple(flatten(out)[0]))
         tensors, slots = flatten(out)
+        if forward and self.saved is not None:
+            self.saved.finish_forward(tuple(tensors))
         graph_outputs = tensors
         if grad_forward and foreign_in_graph(tensors, flat, first_node):
             raise CheckpointError(
