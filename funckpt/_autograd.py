@@ -60,6 +60,7 @@ import torch.autograd.forward_ad as fwAD
 from torch.autograd.forward_ad import _set_fwd_grad_enabled
 
 from ._errors import CheckpointError
+from ._saving import storage_of
 
 Tensors = tuple[torch.Tensor, ...]
 
@@ -328,8 +329,9 @@ class _RematFunction(torch.autograd.Function):
         # becomes a real view of that input, so autograd's rules for views made by
         # a custom Function apply (an in-place update of it raises instead of
         # changing the input behind autograd's back).
-        storages = {_storage(t): t for t in flat}
-        return tuple(_as_view_of(storages.get(_storage(o)), o) for o in outs)
+        storages = {storage_of(t): t for t in flat}
+        storages.pop(None, None)
+        return tuple(_as_view_of(storages.get(storage_of(o)), o) for o in outs)
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Tensors) -> None:
@@ -393,15 +395,8 @@ class _RematFunction(torch.autograd.Function):
         return outs, (0,) * len(outs)
 
 
-def _storage(t: torch.Tensor) -> int | None:
-    try:
-        return t.untyped_storage().data_ptr()
-    except (RuntimeError, NotImplementedError):  # no storage (e.g. some wrapper or sparse tensors)
-        return None
-
-
 def _as_view_of(base: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:
-    if base is None or _storage(out) is None:
+    if base is None:
         return out
     return base.as_strided(out.size(), out.stride(), out.storage_offset())
 

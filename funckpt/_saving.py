@@ -71,8 +71,12 @@ def _written_args(op: Any) -> tuple[int, ...]:
     return positions
 
 
-def _storage(t: torch.Tensor) -> int:
-    return t.untyped_storage().data_ptr()
+def storage_of(t: torch.Tensor) -> int | None:
+    """Identity of ``t``'s storage (``None`` for tensors without one, such as batched ones)."""
+    try:
+        return t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return None
 
 
 def _cacheable(op: Any) -> bool:
@@ -144,9 +148,9 @@ class Saved:
             self.labels[position] = label
 
     def name_value(self, x: torch.Tensor, name: str) -> None:
-        bottom = _bottom(x)
-        entry = self.producer.get(id(bottom))
-        if entry is None or entry[0]() is not bottom:
+        value = bottom(x)
+        entry = self.producer.get(id(value))
+        if entry is None or entry[0]() is not value:
             return
         position = entry[1]
         op = self.trace[position][0]
@@ -158,7 +162,7 @@ class Saved:
                 return
             refs = self._outputs.get(position)
             if refs is None:  # a single-tensor output: the named tensor is that output
-                self.keep(position, _bottom(x), label=name)
+                self.keep(position, value, label=name)
                 return
             structure, weak = refs
             alive = [w() for w in weak]
@@ -183,13 +187,13 @@ class Saved:
         ``__torch_dispatch__`` runs below autograd and would not share the
         version counter that the mutation check relies on.
         """
-        exposed = {_storage(b): b for b in (_bottom(t) for t in outputs)}
+        exposed = {storage_of(b): b for b in (bottom(t) for t in outputs)}
         for position in list(self.kept):
             kept = _tensors(self.kept[position])
             if (
                 _versions(self.kept[position]) != self.versions[position]
-                or any(_storage(t) in self.written for t in kept)
-                or any(_storage(t) in exposed and exposed[_storage(t)] is not t for t in kept)
+                or any(storage_of(t) in self.written for t in kept)
+                or any(storage_of(t) in exposed and exposed[storage_of(t)] is not t for t in kept)
             ):
                 del self.kept[position], self.versions[position]
                 self.labels.pop(position, None)
@@ -217,7 +221,7 @@ def _versions(out: Any) -> list[int]:
     return [t._version for t in _tensors(out)]
 
 
-def _bottom(x: torch.Tensor) -> torch.Tensor:
+def bottom(x: torch.Tensor) -> torch.Tensor:
     """The plain tensor under any functorch wrappers (what dispatch modes see)."""
     while _C.is_functorch_wrapped_tensor(x):
         x = _C.get_unwrapped(x)
@@ -251,7 +255,7 @@ class WriteWatch(TorchDispatchMode):
         for i in _written_args(func):
             target = args[i] if i < len(args) else kwargs.get(func._schema.arguments[i].name)
             for t in _tensors(target):
-                index = self.storages.get(_storage(t))
+                index = self.storages.get(storage_of(t))
                 if index is not None:
                     self.before_write(index, t)
         return func(*args, **kwargs)
@@ -287,7 +291,7 @@ class Recorder(WriteWatch):
         for i in _written_args(func):
             target = args[i] if i < len(args) else kwargs.get(func._schema.arguments[i].name)
             for t in _tensors(target):
-                storage = _storage(t)
+                storage = storage_of(t)
                 saved.written.add(storage)
                 index = self.storages.get(storage)
                 if index is not None:

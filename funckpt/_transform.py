@@ -10,7 +10,7 @@ This module turns a call into a *region* for the autograd machinery in
 (``_pytree.py``), adds the tensors ``fn`` reaches through closures, partials
 and modules (``_capture.py``) as inputs, and rebuilds the outputs. The region
 also owns the per-call state a recomputation must replay: the random-number
-generators (``_rng.py``), the inputs ``fn`` mutated in place, and the output
+generators (``_rng.py``), snapshots of the inputs ``fn`` writes in place, and the output
 metadata the determinism check compares against (``_errors.py``).
 """
 
@@ -51,7 +51,7 @@ from ._errors import (
 from ._modules import Remat, RematSequential
 from ._pytree import ArgSpec, TreeSlots, flatten, flatten_args
 from ._residuals import notify
-from ._saving import Saved, WriteWatch
+from ._saving import Saved, WriteWatch, bottom, storage_of
 from .policies import nothing_saveable
 
 __all__ = ["remat"]
@@ -262,12 +262,6 @@ def _in_place_error(name: str) -> CheckpointError:
     )
 
 
-def _bottom_storage(t: torch.Tensor) -> int:
-    while torch._C._functorch.is_functorch_wrapped_tensor(t):
-        t = torch._C._functorch.get_unwrapped(t)
-    return t.untyped_storage().data_ptr()
-
-
 def _forward_mode_active() -> bool:
     """Is forward-mode AD (a functorch jvp level or a dual level) computing tangents here?"""
     import torch.autograd.forward_ad as fwAD
@@ -308,7 +302,6 @@ class UserRegion(Region):
         # Like torch.utils.checkpoint, the forward run executes with the caller's grad mode.
         self.caller_grad_enabled = torch.is_grad_enabled()
         self.forward_graph: tuple[list[bool], list[str]] | None = None
-        self.mutated: frozenset[int] = frozenset()
         self.snapshots: dict[int, torch.Tensor] = {}  # input index -> its value before the forward wrote it
         self.out_slots: TreeSlots | None = None
         self.out_meta: list[tuple[Any, ...]] = []
@@ -346,10 +339,9 @@ class UserRegion(Region):
         """
         storages: dict[int, int] = {}
         for i, t in enumerate(flat):
-            try:
-                storages.setdefault(_bottom_storage(t), i)
-            except (RuntimeError, NotImplementedError):
-                pass
+            key = storage_of(bottom(t))
+            if key is not None:
+                storages.setdefault(key, i)
 
         def before_write(index: int, t: torch.Tensor) -> None:
             if self.differentiable[index]:
@@ -408,8 +400,17 @@ class UserRegion(Region):
         if any(self.differentiable[i] for i in indices):
             raise _in_place_error(self.name)
         # Non-differentiable inputs (buffers such as BatchNorm's running statistics)
-        # are updated once, by the forward run; recomputations update a copy.
-        self.mutated = frozenset(indices)
+        # are updated once, by the forward run; the write watch snapshotted them
+        # before the first write and recomputations start from a copy of that.
+        # One changed without a snapshot (an in-place view such as unsqueeze_, or
+        # through a storage the watch cannot see) cannot be restored.
+        missed = [i for i in indices if i not in self.snapshots]
+        if missed:
+            raise CheckpointError(
+                f"remat({self.name}): the function modified {len(missed)} of its inputs in place in a way "
+                "remat cannot undo for the recomputation (for example an in-place view such as "
+                "unsqueeze_). Compute out of place, or move the update outside the remat'd function."
+            )
 
     def run(self, flat: tuple[torch.Tensor, ...], phase: Phase) -> tuple[torch.Tensor, ...]:
         forward = phase is Phase.FORWARD
@@ -425,12 +426,9 @@ class UserRegion(Region):
             )
         if not forward:
             self._check_captures_unchanged()
-            if self.mutated:
+            if self.snapshots:
                 # Recompute from the values the forward run started from, on copies.
-                flat = tuple(
-                    self.snapshots[i].clone() if i in self.snapshots else t.clone() if i in self.mutated else t
-                    for i, t in enumerate(flat)
-                )
+                flat = tuple(self.snapshots[i].clone() if i in self.snapshots else t for i, t in enumerate(flat))
         args, kwargs = self.argspec.rebuild([flat[i] for i in self.arg_index])
         replace = {id(orig): flat[i] for orig, i in zip(self.captured.tensors, self.captured_index)}
         mapping = {k: v for k, v in replace.items() if v is not self._originals.get(k)}

@@ -181,3 +181,13 @@ def test_output_that_is_a_view_of_an_input_cannot_be_modified_behind_autograd():
     y = remat(lambda a: a[:2])(x * 2)
     with pytest.raises(RuntimeError, match="view"):
         y.mul_(10)
+
+
+def test_input_changed_by_an_in_place_view_raises():
+    def f(w, x):
+        x.unsqueeze_(0)  # metadata-only: no snapshot is taken, so it cannot be undone
+        return (x @ w).sum()
+
+    w = torch.randn(4, 4, dtype=D, requires_grad=True)
+    with pytest.raises(CheckpointError, match="cannot undo"):
+        remat(f)(w, X.clone())
