@@ -117,7 +117,7 @@ class Saved:
         # id(output tensor) -> (weak reference, position), forward run only; the weak
         # reference guards against a freed tensor's id being reused by another.
         self.producer: dict[int, tuple[weakref.ref[torch.Tensor], int]] = {}
-        self.written: set[int] = set()  # storages written by in-place ops in the forward run
+        self.written: set[int | None] = set()  # storages written by in-place ops in the forward run
         self._outputs: dict[int, tuple[Any, list[weakref.ref[torch.Tensor]]]] = {}
 
     # forward run
@@ -250,14 +250,22 @@ class WriteWatch(TorchDispatchMode):
         self.storages = storages
         self.before_write = before_write
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
-        kwargs = kwargs or {}
+    def _watch(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[int | None]:
+        """Call ``before_write`` for the inputs ``func`` is about to write; return the storages written."""
+        written = []
         for i in _written_args(func):
             target = args[i] if i < len(args) else kwargs.get(func._schema.arguments[i].name)
             for t in _tensors(target):
-                index = self.storages.get(storage_of(t))
+                storage = storage_of(t)
+                written.append(storage)
+                index = self.storages.get(storage)
                 if index is not None:
                     self.before_write(index, t)
+        return written
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+        kwargs = kwargs or {}
+        self._watch(func, args, kwargs)
         return func(*args, **kwargs)
 
 
@@ -288,14 +296,7 @@ class Recorder(WriteWatch):
             return func(*args, **kwargs)
         meta = _meta(args)  # before running: in-place ops change their arguments' shapes
         saved = self.saved
-        for i in _written_args(func):
-            target = args[i] if i < len(args) else kwargs.get(func._schema.arguments[i].name)
-            for t in _tensors(target):
-                storage = storage_of(t)
-                saved.written.add(storage)
-                index = self.storages.get(storage)
-                if index is not None:
-                    self.before_write(index, t)
+        saved.written.update(self._watch(func, args, kwargs))
         out = func(*args, **kwargs)
         position = len(saved.trace)
         saved.trace.append((func, meta))
@@ -319,7 +320,6 @@ class Replayer(TorchDispatchMode):
         self.allow_mutation = allow_mutation
         self.position = 0
         self.diverged = False
-        self.served = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
         kwargs = kwargs or {}
@@ -340,6 +340,5 @@ class Replayer(TorchDispatchMode):
                         "wrong. Do not modify saved values in place (clone them first), or use a policy that "
                         "does not keep this operator."
                     )
-                self.served += 1
                 return _detached(out)
         return func(*args, **kwargs)
