@@ -32,6 +32,13 @@ wrong answer.
 When the backward is called on a dead level (the ``vjp_fn`` of
 ``torch.func.vjp``/``jacrev``, called after the transform returned) or by
 plain autograd, the vjp runs at the current stack.
+
+Under ``torch.compile``, Dynamo does not trace any of this: :func:`apply` and
+the backward are ``torch.compiler.disable``d, so a remat'd call is a graph break
+and its forward, recomputation and vjp run eagerly (the backward is called by
+the autograd engine, possibly from a frame Dynamo is compiling, such as the
+eager fallback of a compiled ``torch.func.grad``). ``_transform.call`` is too,
+so Dynamo does not trace the argument flattening and closure discovery either.
 """
 
 from __future__ import annotations
@@ -63,6 +70,14 @@ from ._errors import CheckpointError
 from ._saving import storage_of
 
 Tensors = tuple[torch.Tensor, ...]
+
+eager_under_compile = torch.compiler.disable(
+    reason=(
+        "funckpt.remat runs eagerly under torch.compile (one graph break per remat'd call), "
+        "so torch.compile(fullgraph=True) cannot include it: compile without fullgraph=True, "
+        "or use torch.utils.checkpoint inside a fullgraph region"
+    )
+)
 
 
 class Phase(enum.Enum):
@@ -96,6 +111,7 @@ def _needs_graph(tensors: Sequence[torch.Tensor]) -> bool:
     return torch.is_grad_enabled() and (_grad_levels_active() or any(t.requires_grad for t in tensors))
 
 
+@eager_under_compile
 def apply(region: Region, flat: Sequence[torch.Tensor]) -> Tensors:
     """Run ``region`` checkpointed: differentiable, keeping only its inputs.
 
@@ -347,6 +363,7 @@ class _RematFunction(torch.autograd.Function):
             ctx.mark_non_differentiable(*non_diff)
 
     @staticmethod
+    @eager_under_compile
     def backward(ctx: Any, *cotangents: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         needs = ctx.needs_input_grad[1:]
         primals = ctx.saved_tensors

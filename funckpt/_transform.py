@@ -26,7 +26,7 @@ import torch
 from torch._C._functorch import peek_interpreter_stack
 
 from . import _autocast, _rng
-from ._autograd import Phase, Region, apply
+from ._autograd import Phase, Region, apply, eager_under_compile
 from ._capture import (
     Captured,
     Substitute,
@@ -211,8 +211,14 @@ def _decorate(fn: Callable[..., Any], *, options: RematOptions) -> Any:
     return remat_wrapper
 
 
+@eager_under_compile
 def call(fn: Callable[..., Any], options: RematOptions, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """One checkpointed call of ``fn(*args, **kwargs)``."""
+    """One checkpointed call of ``fn(*args, **kwargs)``.
+
+    Under ``torch.compile`` this is a graph break: the region (``fn`` included)
+    runs eagerly, so its recomputation is exactly the forward it replays, and the
+    code around it is compiled as usual.
+    """
     name = _callable_name(fn)
     static = []
     for i in options.static_argnums:
