@@ -38,6 +38,7 @@ from __future__ import annotations
 import contextlib
 import dis
 import functools
+import sys
 import threading
 import types
 from collections.abc import Callable, Iterator, Sequence
@@ -191,11 +192,27 @@ def _named_tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Parameters, buffers and plain tensor attributes, by dotted name (aliases kept)."""
     named: dict[str, torch.Tensor] = dict(module.named_parameters(remove_duplicate=False))
     named.update(module.named_buffers(remove_duplicate=False))
+    sharded = _sharded_types()
     for prefix, m in module.named_modules(remove_duplicate=False):
+        if sharded and isinstance(m, sharded):
+            raise CheckpointError(
+                f"remat: {type(m).__name__}{f' (at {prefix!r})' if prefix else ''} is already sharded by "
+                "FSDP, whose hooks swap its parameters during the call, so remat cannot route or "
+                "recompute them. Apply remat first and shard the result: "
+                "fully_shard(remat(block)), not remat(fully_shard(block))."
+            )
         for key, value in vars(m).items():
             if isinstance(value, torch.Tensor) and not key.startswith("_"):
                 named[f"{prefix}.{key}" if prefix else key] = value
     return named
+
+
+def _sharded_types() -> tuple[type, ...]:
+    """FSDP's module types, if FSDP was imported (else no module can be one)."""
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    if fsdp is None:
+        return ()
+    return tuple(t for t in (getattr(fsdp, "FSDPModule", None), getattr(fsdp, "FullyShardedDataParallel", None)) if t)
 
 
 @contextlib.contextmanager

@@ -1,0 +1,188 @@
+"""remat'd blocks under DistributedDataParallel and FSDP2, two processes on gloo (CPU).
+
+Each scenario trains a small residual model for two SGD steps on two ranks, each
+rank holding half the batch, and compares the gradients and parameters with one
+process training the same model *without remat* on the whole batch. Spawning
+the processes costs seconds, so one pair of processes runs every scenario
+(``results`` fixture) and each test reads its scenario's outcome.
+"""
+
+from __future__ import annotations
+
+import traceback
+from collections.abc import Callable
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn as nn
+import torch.nn.functional as F
+
+from funckpt import CheckpointError, checkpoint_name, policies, remat
+
+pytestmark = pytest.mark.skipif(
+    not (dist.is_available() and dist.is_gloo_available()), reason="needs torch.distributed with gloo"
+)
+
+D = 8
+WORLD = 2
+BATCH = 8
+
+
+class Block(nn.Module):
+    calls = 0  # forward runs in this process, recomputations included
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ln = nn.LayerNorm(D)
+        self.up = nn.Linear(D, 4 * D)
+        self.down = nn.Linear(4 * D, D)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        Block.calls += 1
+        return x + self.down(F.gelu(checkpoint_name(self.up(self.ln(x)), "up")))
+
+
+class Net(nn.Module):
+    def __init__(self, depth: int = 4) -> None:
+        super().__init__()
+        self.blocks = nn.Sequential(*(Block() for _ in range(depth)))
+        self.head = nn.Linear(D, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.blocks(x)).squeeze(-1)
+
+
+def _data() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(BATCH, D, generator=g, dtype=torch.double), torch.randn(BATCH, generator=g, dtype=torch.double)
+
+
+def _train(model: nn.Module, x: torch.Tensor, y: torch.Tensor, steps: int = 2) -> None:
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(steps):
+        opt.zero_grad()
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if hasattr(t, "full_tensor") else t  # FSDP2 holds DTensor shards
+
+
+def _state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Parameters and their last gradients, gathered, by the un-wrapped names."""
+    out = {}
+    for name, p in model.named_parameters():
+        name = name.removeprefix("module.")
+        out[name] = _full(p.detach())
+        out[name + ".grad"] = _full(p.grad)
+    return out
+
+
+# --------------------------------------------------------------- scenarios
+
+
+def _remat_blocks(model: Net, **options) -> Net:
+    model.blocks = nn.Sequential(*(remat(b, **options) for b in model.blocks))
+    return model
+
+
+def _ddp(model: Net) -> nn.Module:
+    return nn.parallel.DistributedDataParallel(_remat_blocks(model))
+
+
+def _ddp_policy(model: Net) -> nn.Module:
+    return nn.parallel.DistributedDataParallel(_remat_blocks(model, policy=policies.dots_saveable))
+
+
+def _ddp_segments(model: Net) -> nn.Module:
+    model.blocks = remat(model.blocks, segments=2)
+    return nn.parallel.DistributedDataParallel(model)
+
+
+def _fsdp2(model: Net, **options) -> nn.Module:
+    from torch.distributed.fsdp import fully_shard
+
+    model = _remat_blocks(model, **options)
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    return model
+
+
+def _fsdp2_names(model: Net) -> nn.Module:
+    return _fsdp2(model, policy=policies.save_only_these_names("up"))
+
+
+SCENARIOS: dict[str, Callable[[Net], nn.Module]] = {
+    "ddp": _ddp,
+    "ddp_policy": _ddp_policy,
+    "ddp_segments": _ddp_segments,
+    "fsdp2": _fsdp2,
+    "fsdp2_names": _fsdp2_names,
+}
+# Block forwards over two steps of four blocks: each remat'd block runs twice a
+# step; with two segments, the last segment's two blocks run plainly.
+BLOCK_CALLS = {"ddp": 16, "ddp_policy": 16, "ddp_segments": 12, "fsdp2": 16, "fsdp2_names": 16}
+
+
+def _remat_of_fully_sharded_is_refused() -> str:
+    from torch.distributed.fsdp import fully_shard
+
+    block = fully_shard(Block().double())
+    try:
+        remat(block)(torch.randn(2, D, dtype=torch.double))
+    except CheckpointError as e:
+        return str(e)
+    return "no error"
+
+
+def _worker(rank: int, store: str, results: dict) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD)
+    try:
+        x, y = _data()
+        torch.manual_seed(0)
+        reference = Net().double()
+        initial = {k: v.clone() for k, v in reference.state_dict().items()}
+        _train(reference, x, y)
+        expected = _state(reference)
+        for name, build in SCENARIOS.items():
+            try:
+                model = Net().double()
+                model.load_state_dict(initial)
+                wrapped = build(model)
+                Block.calls = 0
+                _train(wrapped, x.chunk(WORLD)[rank], y.chunk(WORLD)[rank])
+                assert Block.calls == BLOCK_CALLS[name], f"{Block.calls} block forwards, not {BLOCK_CALLS[name]}"
+                got = _state(wrapped)
+                assert got.keys() == expected.keys(), sorted(set(got) ^ set(expected))
+                for key in expected:
+                    torch.testing.assert_close(got[key], expected[key], msg=lambda m, k=key: f"{k}: {m}")
+                results[(name, rank)] = "ok"
+            except Exception:
+                results[(name, rank)] = traceback.format_exc()
+        results[("refused", rank)] = _remat_of_fully_sharded_is_refused()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory) -> dict:
+    store = tmp_path_factory.mktemp("dist") / "store"
+    with mp.Manager() as manager:
+        shared = manager.dict()
+        mp.spawn(_worker, args=(str(store), shared), nprocs=WORLD, join=True)
+        return dict(shared)
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_two_ranks_with_remat_match_one_process_without(results, scenario):
+    for rank in range(WORLD):
+        assert results[(scenario, rank)] == "ok", results[(scenario, rank)]
+
+
+def test_remat_of_an_already_sharded_module_says_which_order_works(results):
+    for rank in range(WORLD):
+        assert "fully_shard(remat(block))" in results[("refused", rank)]
