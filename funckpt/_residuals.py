@@ -82,6 +82,8 @@ def saved_residuals(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[R
         saved by policy aten.mm.default (4, 8)
         saved by policy aten.mm.default (4, 8)
     """
+    if not callable(fn):
+        raise TypeError(f"saved_residuals: fn must be callable, got {fn!r}")
     with _observe() as seen, torch.enable_grad():
         fn(*args, **kwargs)
     residuals = []

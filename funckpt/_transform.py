@@ -52,7 +52,7 @@ from ._modules import Remat, RematSequential
 from ._pytree import ArgSpec, TreeSlots, flatten, flatten_args
 from ._residuals import notify
 from ._saving import Saved, WriteWatch, bottom, storage_of
-from .policies import nothing_saveable
+from .policies import is_policy_factory, nothing_saveable
 
 __all__ = ["remat"]
 
@@ -76,6 +76,12 @@ class RematOptions:
             raise TypeError(
                 f"remat: policy must be a callable policy(op, *args, **kwargs) -> bool "
                 f"(see funckpt.policies) or None, got {self.policy!r}"
+            )
+        if is_policy_factory(self.policy):
+            name = self.policy.__name__  # type: ignore[union-attr]
+            raise TypeError(
+                f"remat: policy=policies.{name} makes a policy, it is not one: call it, "
+                f"for example policy=policies.{name}(...)"
             )
         if not isinstance(self.preserve_rng_state, bool):
             raise TypeError(f"remat: preserve_rng_state must be a bool, got {self.preserve_rng_state!r}")
@@ -191,6 +197,11 @@ def remat(
 def _decorate(fn: Callable[..., Any], *, options: RematOptions) -> Any:
     if not callable(fn):
         raise TypeError(f"remat: fn must be callable (a function or an nn.Module), got {fn!r}")
+    if isinstance(fn, type) and issubclass(fn, torch.nn.Module):
+        raise TypeError(
+            f"remat: fn is the class {fn.__name__}, not a module: remat an instance, "
+            f"for example remat({fn.__name__}(...))"
+        )
     if options.segments is not None and not isinstance(fn, torch.nn.Sequential):
         raise ValueError(
             f"remat: segments applies to an nn.Sequential only, got segments={options.segments} "
@@ -418,6 +429,31 @@ class UserRegion(Region):
                 "unsqueeze_). Compute out of place, or move the update outside the remat'd function."
             )
 
+    def _refuse_hidden_tensors(self, leaves: tuple[Any, ...], flat: tuple[torch.Tensor, ...]) -> None:
+        """Raise if a non-tensor output leaf holds a floating tensor the call computed.
+
+        optree does not look inside types it does not know, so such a tensor is not
+        an output of the autograd Function: its gradient would be silently missing.
+        """
+        known = {id(t) for t in flat} | {id(t) for t in self.captured.tensors}
+        for leaf in leaves:
+            if leaf is None or isinstance(leaf, (str, bytes, int, float, complex, torch.dtype, torch.device)):
+                continue
+            hidden = [
+                t
+                for t in find_captured(leaf).tensors
+                if id(t) not in known and (t.is_floating_point() or t.is_complex())
+            ]
+            if hidden:
+                kind = type(leaf).__qualname__
+                raise CheckpointError(
+                    f"remat({self.name}): the function returned a tensor of shape {tuple(hidden[0].shape)} "
+                    f"inside a {kind}, a type optree does not flatten, so its gradient would be silently "
+                    f"missing. Register {kind} as a pytree node (optree.register_pytree_node({kind}, "
+                    "flatten_fn, unflatten_fn, namespace='funckpt')), or return the tensor in a tuple, "
+                    "list, dict or namedtuple."
+                )
+
     def run(self, flat: tuple[torch.Tensor, ...], phase: Phase) -> tuple[torch.Tensor, ...]:
         forward = phase is Phase.FORWARD
         plain_autograd = peek_interpreter_stack() is None
@@ -473,6 +509,8 @@ class UserRegion(Region):
             trace = stack.enter_context(OpTrace()) if debug else None
             out = self._call_fn(args, kwargs, grad_forward)
         tensors, slots = flatten(out)
+        if forward:
+            self._refuse_hidden_tensors(slots.leaves, flat)
         if forward and self.saved is not None:
             self.saved.finish_forward(tuple(tensors))
         graph_outputs = tensors

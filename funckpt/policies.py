@@ -291,6 +291,17 @@ def from_torch(policy_fn_or_list: Callable[..., Any] | Iterable[Any]) -> Policy:
     return policy
 
 
+def is_policy_factory(obj: Any) -> bool:
+    """Is ``obj`` one of the functions above that *make* a policy (a common slip: passing it uncalled)?"""
+    return obj in (
+        save_only_these_names,
+        save_any_names_but_these,
+        save_anything_except_these_names,
+        save_from_both_policies,
+        from_torch,
+    )
+
+
 def checkpoint_name(x: torch.Tensor, name: str) -> torch.Tensor:
     """Return ``x`` unchanged, tagged ``name`` for the name-based policies.
 

@@ -259,5 +259,8 @@ def test_forward_mode_recomputation_does_not_serve_kept_values_to_tangent_ops(f)
 def test_policy_results_must_be_bools_and_policy_errors_are_explained():
     with pytest.raises(CheckpointError, match="from_torch"):
         remat(block, policy=lambda op, *a, **k: upstream.CheckpointPolicy.PREFER_RECOMPUTE)(W1, W2, X)
-    with pytest.raises(CheckpointError, match=r"must be called: save_only_these_names\('name'\)"):
-        remat(block, policy=policies.save_only_these_names)(W1, W2, X)
+    with pytest.raises(TypeError, match=r"call it, for example policy=policies.save_only_these_names\(...\)"):
+        remat(block, policy=policies.save_only_these_names)  # caught at decoration, before any call
+    my_factory = lambda *names: (lambda op, *a, **k: False)  # noqa: E731
+    with pytest.raises(CheckpointError, match=r"returned <function .*a policy returns True \(keep\) or False"):
+        remat(block, policy=my_factory)(W1, W2, X)
