@@ -34,8 +34,9 @@ When the backward is called on a dead level (the ``vjp_fn`` of
 plain autograd, the vjp runs at the current stack.
 
 Under ``torch.compile``, Dynamo does not trace any of this: :func:`apply` and
-the backward are ``torch.compiler.disable``d, so a remat'd call is a graph break
-and its forward, recomputation and vjp run eagerly (the backward is called by
+the backward are ``torch.compiler.disable``d, so a remat'd call that reaches them
+(see ``_compile.py`` for the calls that do not) is a graph break and its
+forward, recomputation and vjp run eagerly (the backward is called by
 the autograd engine, possibly from a frame Dynamo is compiling, such as the
 eager fallback of a compiled ``torch.func.grad``). ``_transform.call`` is too,
 so Dynamo does not trace the argument flattening and closure discovery either.
@@ -73,9 +74,10 @@ Tensors = tuple[torch.Tensor, ...]
 
 eager_under_compile = torch.compiler.disable(
     reason=(
-        "funckpt.remat runs eagerly under torch.compile (one graph break per remat'd call), "
-        "so torch.compile(fullgraph=True) cannot include it: compile without fullgraph=True, "
-        "or use torch.utils.checkpoint inside a fullgraph region"
+        "funckpt.remat runs eagerly under torch.compile when it cannot become the compiler's "
+        "checkpoint region: with a policy that uses checkpoint_name, a context_fn, debug=True, "
+        "or inside a torch.func transform. Such a call is a graph break, so fullgraph=True cannot "
+        "include it: use an operator-based policy (dots_saveable, ...), or compile without fullgraph=True"
     )
 )
 

@@ -27,6 +27,7 @@ from torch._C._functorch import peek_interpreter_stack
 
 from . import _autocast, _rng
 from ._autograd import Phase, Region, apply, eager_under_compile
+from ._compile import can_lower, lowered_call, skip_as_frame
 from ._capture import (
     Captured,
     Substitute,
@@ -222,14 +223,23 @@ def _decorate(fn: Callable[..., Any], *, options: RematOptions) -> Any:
     return remat_wrapper
 
 
-@eager_under_compile
 def call(fn: Callable[..., Any], options: RematOptions, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """One checkpointed call of ``fn(*args, **kwargs)``.
 
-    Under ``torch.compile`` this is a graph break: the region (``fn`` included)
-    runs eagerly, so its recomputation is exactly the forward it replays, and the
-    code around it is compiled as usual.
+    Under ``torch.compile`` the call becomes the compiler's checkpoint region
+    where it can, and otherwise a graph break around the eager call below
+    (``_compile.py`` says which and why).
     """
+    if torch.compiler.is_compiling() and can_lower(options):
+        return lowered_call(fn, options, args, kwargs)
+    return _call_eagerly(fn, options, args, kwargs)
+
+
+skip_as_frame(call)
+
+
+@eager_under_compile
+def _call_eagerly(fn: Callable[..., Any], options: RematOptions, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     name = _callable_name(fn)
     static = []
     for i in options.static_argnums:

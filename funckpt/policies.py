@@ -272,6 +272,7 @@ def from_torch(policy_fn_or_list: Callable[..., Any] | Iterable[Any]) -> Policy:
                 return verdict
             return verdict in (CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_SAVE)
 
+        policy.uses_names = False  # type: ignore[attr-defined]
         return policy
     try:
         ops = list(policy_fn_or_list)
@@ -288,6 +289,7 @@ def from_torch(policy_fn_or_list: Callable[..., Any] | Iterable[Any]) -> Policy:
     def policy(op: Any, *args: Any, **kwargs: Any) -> bool:
         return op in overloads or getattr(op, "overloadpacket", None) in packets
 
+    policy.uses_names = False  # type: ignore[attr-defined]
     return policy
 
 

@@ -1,8 +1,10 @@
-"""remat inside torch.compile: a graph break, correct gradients, memory still saved.
+"""remat inside torch.compile: compiled checkpoint regions or graph breaks, never a wrong gradient.
 
-A remat'd call is ``torch.compiler.disable``d: Dynamo compiles the code around
-it and the region (forward, recomputation, vjp) runs eagerly. Every test compares
-against the same program without remat, run eagerly.
+A remat'd call that Dynamo can trace becomes the compiler's checkpoint region
+(``tag_activation_checkpoint``, recomputed by the partitioner); one it cannot
+(a names policy, a torch.func transform around it, a graph break inside it) runs
+funckpt's eager remat between two graphs. Every test compares against the same
+program without remat, run eagerly.
 
 ``aot_eager`` exercises Dynamo and AOTAutograd without code generation, so it
 covers most cases; ``inductor`` (code generation, a C++ compiler on CPU: about 40 s
@@ -52,10 +54,10 @@ class Net(nn.Module):
         return x.sin().sum()
 
 
-def _nets(wrap, depth: int = 3) -> tuple[nn.Module, nn.Module]:
+def _nets(wrap, depth: int = 3, train: bool = True) -> tuple[nn.Module, nn.Module]:
     torch.manual_seed(0)
-    plain = Net(depth).double()
-    rematted = Net(depth, wrap).double()
+    plain = Net(depth).double().train(train)
+    rematted = Net(depth, wrap).double().train(train)
     rematted.load_state_dict(plain.state_dict())
     return plain, rematted
 
@@ -68,9 +70,14 @@ def _grads(net: nn.Module, x: torch.Tensor, seed: int = 1) -> list[torch.Tensor]
     return [x.grad, *(p.grad for p in net.parameters())]
 
 
-def _assert_same_backward(wrap, backend: str, x: torch.Tensor | None = None) -> None:
-    plain, rematted = _nets(wrap)
-    x = torch.randn(5, D, dtype=torch.double) if x is None else x
+def _assert_same_backward(wrap, backend: str, train: bool = True) -> None:
+    """Gradients of the compiled remat'd model equal the eager plain model's.
+
+    With dropout on (``train``) this relies on the compiled code drawing the same
+    random numbers as eager code, true of ``aot_eager`` but not of ``inductor``.
+    """
+    plain, rematted = _nets(wrap, train=train)
+    x = torch.randn(5, D, dtype=torch.double)
     compiled = torch.compile(rematted, backend=backend)
     for _ in range(2):  # the second call runs the cached graphs
         torch.testing.assert_close(_grads(compiled, x), _grads(plain, x))
@@ -89,15 +96,23 @@ def test_remat_blocks_in_a_compiled_model_give_eager_gradients_with_aot_eager(wr
 
 
 def test_remat_blocks_in_a_compiled_model_give_eager_gradients_with_inductor():
-    _assert_same_backward(remat, "inductor")
+    _assert_same_backward(remat, "inductor", train=False)
 
 
-def test_dropout_inside_remat_replays_under_inductor():
-    plain, rematted = _nets(remat)
-    plain.train(), rematted.train()
-    x = torch.randn(5, D, dtype=torch.double)
-    compiled = torch.compile(rematted, backend="inductor")
-    torch.testing.assert_close(_grads(compiled, x, seed=3), _grads(plain, x, seed=3))
+@pytest.mark.parametrize("policy", [None, policies.save_only_these_names("up")], ids=["lowered", "eager"])
+def test_dropout_masks_of_forward_and_backward_agree_under_inductor(policy):
+    """Inductor draws its own random numbers, so compare the gradient with the value it came from.
+
+    ``f(w) = sum(dropout(tanh(x) * w))`` is linear in ``w``, so ``<grad f(w), w> = f(w)``
+    exactly when the backward used the forward's dropout mask.
+    """
+    x = torch.randn(64, D, dtype=torch.double)
+    w = torch.randn(D, dtype=torch.double, requires_grad=True)
+    block = remat(lambda x, w: F.dropout(checkpoint_name(torch.tanh(x) * w, "up"), 0.5), policy=policy)
+    out = torch.compile(lambda x, w: block(x, w).sum(), backend="inductor")(x, w)
+    (grad,) = torch.autograd.grad(out, w)
+    torch.testing.assert_close((grad * w).sum(), out)
+    assert 0 < (grad != 0).sum()
 
 
 def test_remat_function_between_compiled_code_gives_eager_gradients():
@@ -170,37 +185,63 @@ def test_compiled_function_inside_remat_is_correct():
     torch.testing.assert_close(tf.grad(lambda x: inner(x).sin().sum())(x), expected)
 
 
-def test_each_remat_call_is_a_graph_break_and_the_code_between_is_compiled():
-    w = torch.randn(D, D, dtype=torch.double, requires_grad=True)
-    plain = lambda x: torch.tanh(x @ w)  # noqa: E731
+def _count_graphs(program, *args, fullgraph: bool = False) -> tuple[list[torch.fx.GraphModule], object]:
     graphs = []
 
     def counting_backend(gm, example_inputs):
         graphs.append(gm)
         return gm.forward
 
+    out = torch.compile(program, backend=counting_backend, fullgraph=fullgraph)(*args)
+    return graphs, out
+
+
+@pytest.mark.parametrize("policy", [None, policies.dots_saveable], ids=["default", "dots_saveable"])
+def test_operator_policies_compile_to_one_graph_with_checkpoint_regions(policy):
+    w = torch.randn(D, D, dtype=torch.double, requires_grad=True)
+    plain = lambda x: torch.tanh(x @ w)  # noqa: E731
+
     def program(x, block):
-        y = block(x.cos())
-        z = block(y.sin())
-        return z.exp().sum()
+        return block(block(x.cos()).sin()).exp().sum()
 
     x = torch.randn(4, D, dtype=torch.double, requires_grad=True)
-    out = torch.compile(program, backend=counting_backend)(x, remat(plain))
+    graphs, out = _count_graphs(program, x, remat(plain, policy=policy), fullgraph=True)
+    assert len(graphs) == 1
+    regions = [n for n in graphs[0].graph.nodes if n.target is torch.ops.higher_order.tag_activation_checkpoint]
+    assert len(regions) == 2
+    torch.testing.assert_close(torch.autograd.grad(out, (x, w)), torch.autograd.grad(program(x, plain), (x, w)))
+
+
+def test_a_names_policy_is_a_graph_break_and_the_code_between_is_compiled():
+    w = torch.randn(D, D, dtype=torch.double, requires_grad=True)
+    plain = lambda x: checkpoint_name(torch.tanh(x @ w), "h") * 2  # noqa: E731
+
+    def program(x, block):
+        return block(block(x.cos()).sin()).exp().sum()
+
+    x = torch.randn(4, D, dtype=torch.double, requires_grad=True)
+    graphs, out = _count_graphs(program, x, remat(plain, policy=policies.save_only_these_names("h")))
     assert len(graphs) == 3  # cos | remat | sin | remat | exp, sum
-    expected = torch.autograd.grad(program(x, plain), x)
-    torch.testing.assert_close(torch.autograd.grad(out, x), expected)
+    torch.testing.assert_close(torch.autograd.grad(out, x), torch.autograd.grad(program(x, plain), x))
 
 
-def test_fullgraph_compile_refuses_remat_with_a_reason():
+def test_fullgraph_compile_refuses_an_eager_only_remat_with_a_reason():
     w = torch.randn(D, D)
-    f = remat(lambda x: torch.tanh(x @ w))
-    with pytest.raises(Exception, match="funckpt.remat runs eagerly under torch.compile"):
+    f = remat(lambda x: torch.tanh(x @ w), policy=policies.save_only_these_names("h"))
+    with pytest.raises(Exception, match="funckpt.remat runs eagerly under torch.compile when it cannot"):
         torch.compile(lambda x: f(x).sum(), backend="aot_eager", fullgraph=True)(torch.randn(2, D))
 
 
-def test_remat_keeps_only_block_inputs_inside_a_compiled_model():
+@pytest.mark.parametrize(
+    "wrap",
+    [
+        pytest.param(remat, id="lowered"),
+        pytest.param(lambda b: remat(b, policy=policies.save_only_these_names("none")), id="eager"),
+    ],
+)
+def test_remat_keeps_only_block_inputs_inside_a_compiled_model(wrap):
     torch.manual_seed(0)
-    plain, rematted = _nets(remat, depth=4)
+    plain, rematted = _nets(wrap, depth=4)
     plain.float(), rematted.float()
     x = torch.randn(256, D)
     compiled_plain = torch.compile(plain, backend="aot_eager")
@@ -209,3 +250,54 @@ def test_remat_keeps_only_block_inputs_inside_a_compiled_model():
     kept_plain = held_bytes(lambda: compiled_plain(x))
     kept_remat = held_bytes(lambda: compiled_remat(x))
     assert kept_remat < 0.4 * kept_plain, (kept_remat, kept_plain)
+
+
+def test_lowered_calls_keep_remat_argument_handling():
+    """static_argnums, tensor keyword arguments, pytree outputs and nn.Sequential, all fullgraph."""
+    torch.manual_seed(0)
+    x = torch.randn(4, D, dtype=torch.double, requires_grad=True)
+    seq = nn.Sequential(*(nn.Linear(D, D) for _ in range(4))).double()
+
+    def body(x, n, *, scale):
+        return {"a": x.pow(n) * scale, "b": (x.cos(), 3)}
+
+    def program(x, body, seq):
+        out = body(x, 3, scale=x)
+        return out["a"].sum() + out["b"][0].sum() * out["b"][1] + seq(x).sum()
+
+    compiled = torch.compile(program, backend="aot_eager", fullgraph=True)
+    got = compiled(x, remat(body, static_argnums=1), remat(seq))
+    expected = program(x, body, seq)
+    torch.testing.assert_close(got, expected)
+    torch.testing.assert_close(torch.autograd.grad(got, x), torch.autograd.grad(expected, x))
+
+
+@pytest.mark.parametrize("where", ["argument", "closure"])
+def test_a_graph_break_inside_a_region_falls_back_to_eager_remat(where):
+    """Dynamo cannot trace an op with an explicit generator, so the region cannot be lowered.
+
+    The call must then run funckpt's eager remat, which replays the generator, and not
+    torch.utils.checkpoint, which would recompute from the advanced generator.
+    """
+    g = torch.Generator().manual_seed(0)
+
+    def noisy(x, gen=None):
+        return x * torch.rand(x.shape, generator=g if gen is None else gen, dtype=x.dtype)
+
+    extra = (g,) if where == "argument" else ()
+    x = torch.randn(4, D, dtype=torch.double, requires_grad=True)
+    g.manual_seed(0)
+    out = torch.compile(lambda x: remat(noisy)(x, *extra).sum(), backend="aot_eager")(x)
+    got = torch.autograd.grad(out, x)
+    g.manual_seed(0)
+    expected = noisy(x, *extra).sum()
+    torch.testing.assert_close(out, expected)
+    torch.testing.assert_close(got, torch.autograd.grad(expected, x))
+
+
+def test_torch_func_transform_of_a_compiled_function_with_remat():
+    w = torch.randn(D, D, dtype=torch.double)
+    block = lambda x: torch.tanh(x @ w)  # noqa: E731
+    x = torch.randn(4, D, dtype=torch.double)
+    compiled = torch.compile(lambda x: remat(block)(x).sin().sum(), backend="aot_eager")
+    torch.testing.assert_close(tf.grad(compiled)(x), tf.grad(lambda x: block(x).sin().sum())(x))

@@ -1,0 +1,93 @@
+"""remat under ``torch.compile``: the compiler's own checkpoint where it can, eager elsewhere.
+
+Inside a function Dynamo is compiling, a remat'd call takes one of two paths.
+
+* **Lowered** (no graph break): the call becomes
+  ``torch.utils.checkpoint.checkpoint(fn, ..., use_reentrant=False)``, which
+  Dynamo traces into a ``tag_activation_checkpoint`` region of the graph;
+  AOTAutograd's partitioner then recomputes the region's operators in the
+  compiled backward instead of saving them, and a policy becomes a
+  selective-checkpoint policy (``True`` -> ``MUST_SAVE``, ``False`` ->
+  ``PREFER_RECOMPUTE``). The region is compiled and fused like the code around
+  it, and ``fullgraph=True`` works. Taken when:
+
+  - no ``torch.func`` transform is being traced around the call (the
+    compiler's checkpoint uses saved-tensor hooks, which those refuse);
+  - the policy decides by operator alone (``checkpoint_name`` tags are a
+    funckpt mechanism the compiler does not see);
+  - no ``context_fn`` and no ``debug`` (both are eager-mode features).
+
+* **Eager** (a graph break): the call runs funckpt's eager remat, whose entry
+  points are ``torch.compiler.disable``d (see ``_autograd.py``). Dynamo compiles
+  the code before and after it; the region itself is not compiled. Everything
+  works as without ``torch.compile``.
+
+A lowered region Dynamo cannot trace (say an op given an explicit
+``torch.Generator``) must also end up eager, and not in ``torch.utils.checkpoint``
+run eagerly, which does not replay explicit generators: Dynamo would graph-break
+at the innermost frame that calls ``checkpoint`` and run that call as is. So the
+frame that chooses, ``_transform.call``, is :func:`skip_as_frame`: Dynamo inlines
+it into a caller's graph, but when it must run a call of it on its own (after a
+graph break) it runs it uncompiled, where ``torch.compiler.is_compiling()`` is
+false and the eager path is taken.
+
+Outside ``torch.compile`` none of this runs.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+from ._errors import debug_enabled
+from .policies import Policy, uses_names
+
+if TYPE_CHECKING:
+    from ._transform import RematOptions
+
+__all__ = ["can_lower", "lowered_call", "skip_as_frame"]
+
+
+def skip_as_frame(fn: Callable[..., Any]) -> None:
+    """Dynamo may inline ``fn`` into a graph but never compiles a call of it on its own."""
+    from torch._dynamo.eval_frame import skip_code
+
+    skip_code(fn.__code__)
+
+
+def can_lower(options: RematOptions) -> bool:
+    """Can this call, now being traced by Dynamo, become a compiled checkpoint region?"""
+    return (
+        options.context_fn is None
+        and not debug_enabled(options.debug)
+        and (options.policy is None or not uses_names(options.policy))
+        # Last: Dynamo records this call in the graph rather than folding it.
+        and not torch._C._are_functorch_transforms_active()
+    )
+
+
+def _selective(policy: Policy) -> Callable[..., CheckpointPolicy]:
+    def torch_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        return CheckpointPolicy.MUST_SAVE if policy(op, *args, **kwargs) else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return torch_policy
+
+
+def lowered_call(fn: Callable[..., Any], options: RematOptions, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``fn(*args, **kwargs)`` as the compiler's checkpoint region (see the module docstring)."""
+    extra: dict[str, Any] = {}
+    if options.policy is not None:
+        extra["context_fn"] = functools.partial(create_selective_checkpoint_contexts, _selective(options.policy))
+    return checkpoint(
+        fn,
+        *args,
+        use_reentrant=False,
+        preserve_rng_state=options.preserve_rng_state,
+        determinism_check=options.determinism_check,
+        **extra,
+        **kwargs,
+    )
