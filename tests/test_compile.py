@@ -301,3 +301,22 @@ def test_torch_func_transform_of_a_compiled_function_with_remat():
     x = torch.randn(4, D, dtype=torch.double)
     compiled = torch.compile(lambda x: remat(block)(x).sin().sum(), backend="aot_eager")
     torch.testing.assert_close(tf.grad(compiled)(x), tf.grad(lambda x: block(x).sin().sum())(x))
+
+
+def test_remat_applied_inside_the_compiled_function_does_not_recompile():
+    w = torch.randn(D, D, dtype=torch.double, requires_grad=True)
+
+    def program(x):
+        return remat(lambda x: torch.tanh(x @ w))(x).sum()  # a new wrapper at every call
+
+    graphs = []
+
+    def counting_backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    compiled = torch.compile(program, backend=counting_backend)
+    for _ in range(3):
+        x = torch.randn(4, D, dtype=torch.double, requires_grad=True)
+        torch.testing.assert_close(torch.autograd.grad(compiled(x), x), torch.autograd.grad(torch.tanh(x @ w).sum(), x))
+    assert len(graphs) == 1
