@@ -98,6 +98,9 @@ class Region:
     def note_mutated_inputs(self, indices: list[int]) -> None:
         """Called after the forward run with the inputs it modified in place."""
 
+    def release_kept(self) -> None:
+        """Drop the values a saving policy kept; a later recomputation computes them again."""
+
 
 def _differentiable(t: torch.Tensor) -> bool:
     return t.is_floating_point() or t.is_complex()
@@ -137,6 +140,9 @@ class VmapRegion(Region):
         self.base, self.in_dims, self.randomness = base, tuple(in_dims), randomness
         self.name = base.name
 
+    def release_kept(self) -> None:
+        self.base.release_kept()
+
     def run(self, flat: Tensors, phase: Phase) -> Tensors:
         def body(*xs: torch.Tensor) -> Tensors:
             return self.base.run(xs, phase)
@@ -154,6 +160,9 @@ class VjpRegion(Region):
         self.base, self.n, self.needs = base, n_primals, tuple(needs)
         self.name = base.name
 
+    def release_kept(self) -> None:
+        self.base.release_kept()
+
     def run(self, flat: Tensors, phase: Phase) -> Tensors:
         primals, cotangents = flat[: self.n], flat[self.n :]
         grads = vjp(self.base, primals, cotangents, self.needs, create_graph=_needs_graph(flat))
@@ -170,6 +179,9 @@ class JvpRegion(Region):
     def __init__(self, base: Region, n_primals: int) -> None:
         self.base, self.n = base, n_primals
         self.name = base.name
+
+    def release_kept(self) -> None:
+        self.base.release_kept()
 
     def run(self, flat: Tensors, phase: Phase) -> Tensors:
         primals, tangents = flat[: self.n], flat[self.n :]
@@ -376,12 +388,16 @@ class _RematFunction(torch.autograd.Function):
         if interpreter is None:
             primals = tuple(unwrap_if_dead(p) for p in primals)
             cotangents = tuple(unwrap_if_dead(c) for c in cotangents)
-            return (None, *_vjp_here(region, primals, cotangents, needs))
+            grads = _vjp_here(region, primals, cotangents, needs)
+            if not torch._C._autograd._get_current_graph_task_keep_graph():
+                region.release_kept()  # no second backward through this node: free them now
+            return (None, *grads)
         level = interpreter.level()
         lowered_p = tuple(_unwrap_for_grad(p, level) for p in primals)
         lowered_c = tuple(_unwrap_for_grad(c, level) for c in cotangents)
         with interpreter.lower():
             grads = _vjp_here(region, lowered_p, lowered_c, needs)
+        region.release_kept()  # this level's backward runs once
         wrapped = [None if g is None else _wrap_for_grad(g, level) for g in grads]
         if torch.is_grad_enabled():
             wrapped = _guard_same_level(region, wrapped, primals)

@@ -203,6 +203,12 @@ class Saved:
         self._outputs.clear()
         self.written.clear()
 
+    def release(self) -> None:
+        """Forget the kept values (the backward through them ended): replays recompute them."""
+        self.kept.clear()
+        self.versions.clear()
+        self.labels.clear()
+
     def recorder(self, watch: WriteWatch) -> Recorder:
         return Recorder(self, watch.storages, watch.before_write)
 

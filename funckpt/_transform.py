@@ -423,6 +423,10 @@ class UserRegion(Region):
                 "do not rebind them before the backward pass."
             )
 
+    def release_kept(self) -> None:
+        if self.saved is not None:
+            self.saved.release()
+
     def note_mutated_inputs(self, indices: list[int]) -> None:
         if any(self.differentiable[i] for i in indices):
             raise _in_place_error(self.name)
