@@ -72,14 +72,16 @@ from ._saving import storage_of
 
 Tensors = tuple[torch.Tensor, ...]
 
-eager_under_compile = torch.compiler.disable(
-    reason=(
-        "funckpt.remat runs eagerly under torch.compile when it cannot become the compiler's "
-        "checkpoint region: with a policy that uses checkpoint_name, a context_fn, debug=True, "
-        "or inside a torch.func transform. Such a call is a graph break, so fullgraph=True cannot "
-        "include it: use an operator-based policy (dots_saveable, ...), or compile without fullgraph=True"
-    )
+_EAGER_REASON = (
+    "funckpt.remat runs eagerly under torch.compile when it cannot become the compiler's "
+    "checkpoint region: with a policy that uses checkpoint_name, a context_fn, debug=True, "
+    "or inside a torch.func transform. Such a call is a graph break, so fullgraph=True cannot "
+    "include it: use an operator-based policy (dots_saveable, ...), or compile without fullgraph=True"
 )
+try:
+    eager_under_compile = torch.compiler.disable(reason=_EAGER_REASON)
+except TypeError:  # torch < 2.8: no reason argument
+    eager_under_compile = torch.compiler.disable
 
 
 class Phase(enum.Enum):

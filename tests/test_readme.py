@@ -1,4 +1,8 @@
-"""Every Python example in the README runs."""
+"""Every ```python example in the README runs.
+
+Fragments that need outside set-up (an initialised process group) are fenced as
+```py instead; tests/test_distributed.py runs what they show.
+"""
 
 import re
 from pathlib import Path
