@@ -77,9 +77,16 @@ def plot(peak: dict[str, float], times: dict[str, float]) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for name in peak:
-        ax.scatter(times[name] * 1e3, peak[name], s=40)
-        ax.annotate(name, (times[name] * 1e3, peak[name]), textcoords="offset points", xytext=(6, 4), fontsize=8)
+    xs = [times[n] * 1e3 for n in peak]
+    ys = list(peak.values())
+    near_x, near_y = 0.04 * (max(xs) - min(xs) or 1), 0.04 * (max(ys) - min(ys) or 1)
+    placed: list[tuple[float, float]] = []
+    for name, x, y in zip(peak, xs, ys):
+        ax.scatter(x, y, s=40)
+        # Points that (nearly) coincide get their labels stacked, not overprinted.
+        below = sum(abs(x - px) < near_x and abs(y - py) < near_y for px, py in placed)
+        placed.append((x, y))
+        ax.annotate(name, (x, y), textcoords="offset points", xytext=(6, 4 - 11 * below), fontsize=8)
     ax.set_xlabel("median step time (ms), .backward()")
     ax.set_ylabel("peak memory (activation-sizes)")
     ax.set_title("funckpt policies: memory vs time, 8-block MLP stack")
