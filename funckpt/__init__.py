@@ -2,8 +2,8 @@
 
 ``remat(fn)`` keeps only ``fn``'s inputs between the forward and the backward
 pass and recomputes the rest, under ``torch.func.grad``, ``vjp``, ``jvp``,
-``jacrev``, ``jacfwd``, ``hessian``, ``vmap``, their nestings, and plain
-autograd. See the README for a tour.
+``jacrev``, ``jacfwd``, ``hessian``, ``vmap``, their nestings, plain
+autograd, ``torch.compile`` and DDP/FSDP2. See the README for a tour.
 """
 
 from ._compat import checkpoint, checkpoint_sequential, noop_context_fn

@@ -153,6 +153,10 @@ def remat(
     arguments, globals) get their gradients too; one remat cannot route raises
     :class:`~funckpt.CheckpointError` instead of silently getting none.
 
+    Inside ``torch.compile``, a call with no policy or an operator-based one is
+    compiled as the compiler's own checkpoint region; any other runs eagerly
+    between two graphs (see the README's "Under torch.compile").
+
     Example::
 
         >>> import torch, funckpt
