@@ -11,6 +11,8 @@ covers most cases; ``inductor`` (code generation, a C++ compiler on CPU: about 4
 on a cold cache) is tested on the two cases users hit first.
 """
 
+from collections.abc import Callable
+
 import pytest
 import torch
 import torch._dynamo
@@ -185,14 +187,20 @@ def test_compiled_function_inside_remat_is_correct():
     torch.testing.assert_close(tf.grad(lambda x: inner(x).sin().sum())(x), expected)
 
 
-def _count_graphs(program, *args, fullgraph: bool = False) -> tuple[list[torch.fx.GraphModule], object]:
+def _counting_compile(program, fullgraph: bool = False) -> tuple[Callable, list[torch.fx.GraphModule]]:
+    """``program`` compiled eagerly (no code generation), and the list of graphs it compiles."""
     graphs = []
 
     def counting_backend(gm, example_inputs):
         graphs.append(gm)
         return gm.forward
 
-    out = torch.compile(program, backend=counting_backend, fullgraph=fullgraph)(*args)
+    return torch.compile(program, backend=counting_backend, fullgraph=fullgraph), graphs
+
+
+def _count_graphs(program, *args, fullgraph: bool = False) -> tuple[list[torch.fx.GraphModule], object]:
+    compiled, graphs = _counting_compile(program, fullgraph)
+    out = compiled(*args)
     return graphs, out
 
 
@@ -309,13 +317,7 @@ def test_remat_applied_inside_the_compiled_function_does_not_recompile():
     def program(x):
         return remat(lambda x: torch.tanh(x @ w))(x).sum()  # a new wrapper at every call
 
-    graphs = []
-
-    def counting_backend(gm, example_inputs):
-        graphs.append(gm)
-        return gm.forward
-
-    compiled = torch.compile(program, backend=counting_backend)
+    compiled, graphs = _counting_compile(program)
     for _ in range(3):
         x = torch.randn(4, D, dtype=torch.double, requires_grad=True)
         torch.testing.assert_close(torch.autograd.grad(compiled(x), x), torch.autograd.grad(torch.tanh(x @ w).sum(), x))
