@@ -22,6 +22,11 @@ Inside a function Dynamo is compiling, a remat'd call takes one of two paths.
   the code before and after it; the region itself is not compiled. Everything
   works as without ``torch.compile``.
 
+A lowered region that writes one of its inputs in place (an argument, a global,
+a module buffer: BatchNorm's counter) is not lowered either: the compiler's
+checkpoint recomputes it from the written value, a wrong gradient. The region
+checks its own graph at trace time and, if so, graph-breaks on purpose.
+
 A lowered region Dynamo cannot trace (say an op given an explicit
 ``torch.Generator``) must also end up eager, and not in ``torch.utils.checkpoint``
 run eagerly, which does not replay explicit generators: Dynamo would graph-break
@@ -37,10 +42,13 @@ Outside ``torch.compile`` none of this runs.
 from __future__ import annotations
 
 import functools
+import operator
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch._dynamo.comptime import comptime
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from ._errors import debug_enabled
@@ -82,12 +90,71 @@ def lowered_call(fn: Callable[..., Any], options: RematOptions, args: tuple[Any,
     extra: dict[str, Any] = {}
     if options.policy is not None:
         extra["context_fn"] = functools.partial(create_selective_checkpoint_contexts, _selective(options.policy))
+    n, names = len(args), tuple(kwargs)
+
+    def region(*flat: Any) -> Any:
+        # All arguments positional: checkpoint() would take a keyword of fn's that
+        # shares a name with one of its own (debug, context_fn, ...) for itself.
+        out = fn(*flat[:n], **dict(zip(names, flat[n:])))
+        comptime(_fall_back_if_an_input_was_written)
+        return out
+
     return checkpoint(
-        fn,
+        region,
         *args,
+        *kwargs.values(),
         use_reentrant=False,
         preserve_rng_state=options.preserve_rng_state,
         determinism_check=options.determinism_check,
         **extra,
-        **kwargs,
     )
+
+
+_IN_PLACE_OPERATORS = frozenset(
+    {operator.setitem, operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv,
+     operator.imod, operator.ipow, operator.iand, operator.ior, operator.ixor, operator.ilshift,
+     operator.irshift, operator.imatmul}
+)
+
+
+def _writes(node: torch.fx.Node) -> bool:
+    """Does this node of a Dynamo graph write its first argument in place?"""
+    if node.op not in ("call_function", "call_method"):
+        return False
+    if node.target in _IN_PLACE_OPERATORS or "out" in node.kwargs:
+        return True
+    name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
+    return name.endswith("_") and not name.startswith("_") and name != "requires_grad_"
+
+
+def _storage(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return StorageWeakRef(value.untyped_storage())
+    return None
+
+
+def _input_written(graph: torch.fx.Graph) -> bool:
+    inputs = {_storage(n.meta.get("example_value")) for n in graph.nodes if n.op == "placeholder"} - {None}
+    for node in graph.nodes:
+        if _writes(node) and node.args and isinstance(node.args[0], torch.fx.Node):
+            if _storage(node.args[0].meta.get("example_value")) in inputs:
+                return True
+    return False
+
+
+def _fall_back_if_an_input_was_written(ctx: Any) -> None:
+    """At trace time, end of a lowered region: did it write one of its inputs in place?
+
+    The region's inputs here are its arguments and every tensor it reads from
+    outside (closures, globals, module state), which Dynamo lifts into inputs.
+    The compiler's checkpoint recomputes such a region from the inputs as they
+    are after the write, which gives a wrong gradient; funckpt's eager remat
+    snapshots them (or raises). A graph break here makes Dynamo give up on the
+    region, and the call runs eagerly (see the module docstring).
+    """
+    try:
+        written = _input_written(ctx.graph())
+    except Exception:  # a Dynamo internal changed: be safe, run the region eagerly
+        written = True
+    if written:
+        ctx.graph_break("funckpt: the remat'd region writes one of its inputs in place; it runs eagerly")

@@ -322,3 +322,56 @@ def test_remat_applied_inside_the_compiled_function_does_not_recompile():
         x = torch.randn(4, D, dtype=torch.double, requires_grad=True)
         torch.testing.assert_close(torch.autograd.grad(compiled(x), x), torch.autograd.grad(torch.tanh(x @ w).sum(), x))
     assert len(graphs) == 1
+
+
+def test_keyword_arguments_named_like_checkpoint_options_reach_fn():
+    def f(x, debug=True, preserve_rng_state=True, use_reentrant=True, determinism_check=1.0):
+        return x * (3.0 if debug else 2.0) * (5.0 if preserve_rng_state else 1.0) * (7.0 if use_reentrant else 1.0) * determinism_check
+
+    def program(fn, x):
+        return fn(x, debug=False, preserve_rng_state=False, use_reentrant=False, determinism_check=x).sum()
+
+    x = torch.arange(4, dtype=torch.double, requires_grad=True)
+    got = torch.compile(program, backend="aot_eager", fullgraph=True)(remat(f), x)
+    expected = program(f, x)
+    torch.testing.assert_close(got, expected)
+    torch.testing.assert_close(torch.autograd.grad(got, x), torch.autograd.grad(expected, x))
+
+
+STEP = torch.ones(4, dtype=torch.double)
+
+
+@pytest.mark.parametrize("where", ["argument", "global"])
+def test_a_region_that_writes_an_input_runs_eagerly_and_recomputes_from_the_old_value(where):
+    """The compiler's checkpoint would recompute from the written value: a wrong gradient."""
+
+    def f(x, y=None):
+        counter = STEP if y is None else y
+        counter.add_(1)
+        return x.sin() * counter
+
+    def program(fn, x, *y):
+        return fn(x, *y).sum()
+
+    def run(fn, compiled):
+        STEP.fill_(1)
+        x = torch.linspace(0.1, 1, 4, dtype=torch.double, requires_grad=True)
+        y = (torch.ones(4, dtype=torch.double),) if where == "argument" else ()
+        out = (torch.compile(program, backend="aot_eager") if compiled else program)(fn, x, *y)
+        return out, torch.autograd.grad(out, x), (y[0] if y else STEP).clone()
+
+    torch.testing.assert_close(run(remat(f), compiled=True), run(f, compiled=False))
+
+
+def test_batch_norm_statistics_under_compile_match_the_plain_model():
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(D, D), nn.BatchNorm1d(D), nn.Tanh()).double()
+    rematted = remat(nn.Sequential(nn.Linear(D, D), nn.BatchNorm1d(D), nn.Tanh()).double(), segments=1)
+    rematted.load_state_dict(plain.state_dict())
+    compiled = torch.compile(rematted, backend="aot_eager")
+    for _ in range(2):
+        x = torch.randn(6, D, dtype=torch.double, requires_grad=True)
+        got = torch.autograd.grad(compiled(x).sin().sum(), (x, *rematted.parameters()))
+        torch.testing.assert_close(got, torch.autograd.grad(plain(x).sin().sum(), (x, *plain.parameters())))
+    for (name, a), b in zip(rematted.state_dict().items(), plain.state_dict().values()):
+        torch.testing.assert_close(a, b, msg=name)
