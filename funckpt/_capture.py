@@ -164,6 +164,60 @@ def find_captured(fn: Callable[..., Any]) -> Captured:
     return Captured(list(found.values()), list(generators.values()), modules)
 
 
+def tensors_inside(obj: Any) -> list[torch.Tensor]:
+    """Every tensor reachable from ``obj``, a value a function returned.
+
+    Unlike :func:`find_captured` (which looks for what a function *uses*), this
+    looks at data: containers, ``__dict__`` and ``__slots__`` attributes (all of a
+    module's, private ones included), closure cells and defaults of returned
+    functions, bound methods, partials, the frames of generators and the
+    contents of built-in iterators. No depth or size limit: a cycle is visited once.
+    """
+    found: dict[int, torch.Tensor] = {}
+    seen: set[int] = set()
+    stack = [obj]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, torch.Tensor):
+            found.setdefault(id(item), item)
+            continue
+        if item is None or isinstance(item, (str, bytes, int, float, complex, type, types.ModuleType)):
+            continue
+        if id(item) in seen:
+            continue
+        seen.add(id(item))
+        if isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple, set, frozenset)):
+            stack.extend(item)
+        elif isinstance(item, functools.partial):
+            stack.extend((item.func, item.args, item.keywords))
+        elif isinstance(item, types.MethodType):
+            stack.extend((item.__self__, item.__func__))
+        elif isinstance(item, types.FunctionType):
+            for cell in item.__closure__ or ():
+                try:
+                    stack.append(cell.cell_contents)
+                except ValueError:  # an empty cell
+                    pass
+            stack.extend((item.__defaults__, item.__kwdefaults__))
+        elif isinstance(item, types.GeneratorType):
+            if item.gi_frame is not None:
+                stack.extend(item.gi_frame.f_locals.values())
+        else:
+            stack.extend(getattr(item, "__dict__", {}).values())
+            for klass in type(item).__mro__:
+                for slot in getattr(klass, "__slots__", ()):
+                    if isinstance(slot, str) and slot not in ("__dict__", "__weakref__") and hasattr(item, slot):
+                        stack.append(getattr(item, slot))
+            if type(item).__module__ == "builtins" and hasattr(item, "__next__"):
+                try:
+                    stack.append(item.__reduce__())  # a built-in iterator: (iter, (container,), position)
+                except Exception:  # pragma: no cover - not all iterators reduce
+                    pass
+    return list(found.values())
+
+
 def changed_captures(fn: Callable[..., Any], before: Captured) -> list[torch.Tensor]:
     """Differentiable leaves (or live functorch tensors) ``fn`` reaches now but did not at the call.
 

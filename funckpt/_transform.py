@@ -35,6 +35,7 @@ from ._capture import (
     differentiable_input,
     find_captured,
     foreign_in_graph,
+    tensors_inside,
     next_sequence_nr,
     reparametrized,
     route_through_enclosing,
@@ -277,6 +278,7 @@ def _call_eagerly(fn: Callable[..., Any], options: RematOptions, args: tuple[Any
         captured,
         captured_index,
         differentiable=[differentiable_input(t) for t in routed],
+        outer=flat,
     )
     notify(region, tuple(routed))
     outs = apply(region, routed)
@@ -324,8 +326,11 @@ class UserRegion(Region):
         captured: Captured,
         captured_index: list[int],
         differentiable: list[bool],
+        outer: Sequence[torch.Tensor],
     ) -> None:
         self.fn, self.name, self.options = fn, name, options
+        # The caller's tensors (arguments and captures), by id: alive for the whole forward run.
+        self.outer_ids = frozenset(id(t) for t in outer)
         self.argspec, self.arg_index = argspec, arg_index
         self.captured, self.captured_index = captured, captured_index
         self.differentiable = differentiable
@@ -447,29 +452,43 @@ class UserRegion(Region):
                 "unsqueeze_). Compute out of place, or move the update outside the remat'd function."
             )
 
-    def _refuse_hidden_tensors(self, leaves: tuple[Any, ...], flat: tuple[torch.Tensor, ...]) -> None:
-        """Raise if a non-tensor output leaf holds a floating tensor the call computed.
+    def _refuse_hidden_tensors(self, leaves: tuple[Any, ...], plain_autograd: bool) -> None:
+        """Raise if a non-tensor output leaf holds a tensor whose gradient would be lost.
 
-        optree does not look inside types it does not know, so such a tensor is not
-        an output of the autograd Function: its gradient would be silently missing.
+        optree does not look inside types it does not know (a plain class, a
+        returned closure), so a tensor held there is not an output of the autograd
+        Function: a gradient through it would be silently missing, or would reach
+        remat's own copy of an input instead of the caller's tensor. Tensors the
+        caller passed in or fn captured are fine (returned as they are), and so are
+        tensors no gradient can flow through: integer ones, and under plain autograd
+        those that do not require grad. Under a torch.func transform the forward
+        run cannot tell, so every other floating-point tensor is refused.
         """
-        known = {id(t) for t in flat} | {id(t) for t in self.captured.tensors}
         for leaf in leaves:
             if leaf is None or isinstance(leaf, (str, bytes, int, float, complex, torch.dtype, torch.device)):
                 continue
             hidden = [
                 t
-                for t in find_captured(leaf).tensors
-                if id(t) not in known and (t.is_floating_point() or t.is_complex())
+                for t in tensors_inside(leaf)
+                if id(t) not in self.outer_ids
+                and (t.is_floating_point() or t.is_complex())
+                and (t.requires_grad or not plain_autograd)
             ]
             if hidden:
-                kind = type(leaf).__qualname__
+                shape, kind = tuple(hidden[0].shape), type(leaf).__qualname__
+                if callable(leaf) and not isinstance(leaf, torch.nn.Module):
+                    raise CheckpointError(
+                        f"remat({self.name}): the function returned a callable ({kind}) that holds a tensor "
+                        f"of shape {shape} computed or received inside the remat'd call; a gradient through "
+                        "it would be silently missing or reach remat's internal copy of an input. Return "
+                        "the tensor itself, or have the callable take it as an argument."
+                    )
                 raise CheckpointError(
-                    f"remat({self.name}): the function returned a tensor of shape {tuple(hidden[0].shape)} "
-                    f"inside a {kind}, a type optree does not flatten, so its gradient would be silently "
-                    f"missing. Register {kind} as a pytree node (optree.register_pytree_node({kind}, "
-                    "flatten_fn, unflatten_fn, namespace='funckpt')), or return the tensor in a tuple, "
-                    "list, dict or namedtuple."
+                    f"remat({self.name}): the function returned a tensor of shape {shape} inside a {kind}, "
+                    f"a type optree does not flatten, so a gradient through it would be silently missing. "
+                    f"Register {kind} as a pytree node (optree.register_pytree_node({kind}, flatten_fn, "
+                    "unflatten_fn, namespace='funckpt')), return the tensor in a tuple, list, dict or "
+                    "namedtuple, or detach it if no gradient should flow through it."
                 )
 
     def run(self, flat: tuple[torch.Tensor, ...], phase: Phase) -> tuple[torch.Tensor, ...]:
@@ -528,7 +547,7 @@ class UserRegion(Region):
             out = self._call_fn(args, kwargs, grad_forward)
         tensors, slots = flatten(out)
         if forward:
-            self._refuse_hidden_tensors(slots.leaves, flat)
+            self._refuse_hidden_tensors(slots.leaves, plain_autograd)
         if forward and self.saved is not None:
             self.saved.finish_forward(tuple(tensors))
         graph_outputs = tensors

@@ -39,6 +39,11 @@ class Box:
         self.t = t
 
 
+@dataclass(slots=True)
+class SlotsBox:
+    t: torch.Tensor
+
+
 class Holder:
     w = torch.randn(3, requires_grad=True)  # reachable only through a class attribute
 
@@ -48,6 +53,12 @@ class Row:
     call: Callable[[], object]
     error: type[BaseException]
     says: str  # a regular expression the message must match
+
+
+def _module_holding(t: torch.Tensor) -> nn.Module:
+    m = nn.Module()
+    m._cache = t
+    return m
 
 
 def _mutated_between_forward_and_backward() -> None:
@@ -147,6 +158,15 @@ ROWS: dict[str, Row] = {
     "same, under torch.func.grad": Row(
         lambda: tf.grad(lambda t: remat(lambda u: Box(u.sin()))(t).t.sum())(x), CheckpointError, r"inside a Box"
     ),
+    "tensor output in a slots dataclass": Row(lambda: remat(lambda t: SlotsBox(t.sin()))(x), CheckpointError, r"inside a SlotsBox"),
+    "tensor output in an iterator": Row(lambda: remat(lambda t: iter([t.sin()]))(x), CheckpointError, r"inside a list_iterator"),
+    "tensor output in a module's private attribute": Row(
+        lambda: remat(lambda t: _module_holding(t.sin()))(x), CheckpointError, r"inside a Module"
+    ),
+    "returned closure over an argument": Row(
+        lambda: remat(lambda t: (t.sin(), lambda z: z * t))(x), CheckpointError, r"returned a callable \(function\)"
+    ),
+    "object holding an argument": Row(lambda: remat(lambda t: (t.sin(), Box(t)))(x), CheckpointError, r"inside a Box"),
     "output aliasing an input, modified in place": Row(
         _output_aliasing_an_input_modified_in_place, RuntimeError, r"is a view and is being modified inplace"
     ),

@@ -177,3 +177,21 @@ def test_context_fn_must_return_two_contexts():
 def test_segments_only_for_sequential():
     with pytest.raises(ValueError, match="segments"):
         remat(f, segments=2)
+
+
+def test_objects_returned_next_to_the_outputs_may_hold_tensors_no_gradient_flows_through():
+    """Logging statistics and constants in unregistered classes are fine under plain autograd."""
+
+    class Stats:
+        def __init__(self, mean):
+            self.mean = mean
+
+    def f(x):
+        h = torch.tanh(x)
+        prior = torch.distributions.Normal(torch.zeros(3, dtype=x.dtype), torch.ones(3, dtype=x.dtype))
+        return h, Stats(h.detach().mean()), prior, torch.arange(3)
+
+    x = torch.randn(3, dtype=torch.double, requires_grad=True)
+    h, stats, prior, idx = remat(f)(x)
+    torch.testing.assert_close(stats.mean, torch.tanh(x).mean().detach())
+    torch.testing.assert_close(torch.autograd.grad(h.sum(), x), torch.autograd.grad(torch.tanh(x).sum(), x))
