@@ -248,12 +248,14 @@ def _named_tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     named.update(module.named_buffers(remove_duplicate=False))
     sharded = _sharded_types()
     for prefix, m in module.named_modules(remove_duplicate=False):
-        if sharded and isinstance(m, sharded):
+        if sharded and isinstance(m, sharded) and _sharded_now(m):
             raise CheckpointError(
-                f"remat: {type(m).__name__}{f' (at {prefix!r})' if prefix else ''} is already sharded by "
-                "FSDP, whose hooks swap its parameters during the call, so remat cannot route or "
-                "recompute them. Apply remat first and shard the result: "
-                "fully_shard(remat(block)), not remat(fully_shard(block))."
+                f"remat: {type(m).__name__}{f' (at {prefix!r})' if prefix else ''} is sharded by FSDP "
+                "right now, and calling it inside the remat'd function would let FSDP's hooks swap its "
+                "parameters during the call, so remat cannot route or recompute them. Apply remat "
+                "first and shard the result: fully_shard(remat(block)), not remat(fully_shard(block)); "
+                "and do not fully_shard the layers inside a remat'd nn.Sequential (remat each layer "
+                "and shard that instead)."
             )
         for key, value in vars(m).items():
             if isinstance(value, torch.Tensor) and not key.startswith("_"):
@@ -267,6 +269,20 @@ def _sharded_types() -> tuple[type, ...]:
     if fsdp is None:
         return ()
     return tuple(t for t in (getattr(fsdp, "FSDPModule", None), getattr(fsdp, "FullyShardedDataParallel", None)) if t)
+
+
+def _sharded_now(module: torch.nn.Module) -> bool:
+    """Are ``module``'s parameters FSDP shards at this moment?
+
+    FSDP2 registers DTensor shards between calls and the gathered tensors during
+    its forward: ``remat(self.inner)`` inside a sharded block's own forward sees
+    gathered tensors and is fine. FSDP1 (flat parameters) is always refused.
+    """
+    fsdp = sys.modules["torch.distributed.fsdp"]
+    if isinstance(module, getattr(fsdp, "FullyShardedDataParallel", ())):
+        return True
+    dtensor = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
+    return dtensor is not None and any(isinstance(p, dtensor) for p in module.parameters())
 
 
 @contextlib.contextmanager

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -117,6 +117,16 @@ class RematSequential(Remat):
 
     def forward(self, x: Any) -> Any:
         return run_in_segments(list(self.wrapped), self.num_segments or 1, x, self._remat_options)
+
+    # Read like the Sequential it wraps: len(m), m[i], for layer in m.
+    def __len__(self) -> int:
+        return len(self.wrapped)
+
+    def __iter__(self) -> Iterator[torch.nn.Module]:
+        return iter(self.wrapped)
+
+    def __getitem__(self, index: int | slice) -> Any:
+        return self.wrapped[index]
 
     def extra_repr(self) -> str:
         return f"wrapped=Sequential, segments={self.num_segments}"

@@ -44,6 +44,17 @@ class Block(nn.Module):
         return x + self.down(F.gelu(checkpoint_name(self.up(self.ln(x)), "up")))
 
 
+class MethodBlock(Block):
+    """remat of a bound method inside the block's own forward: runs while FSDP has gathered it."""
+
+    def _mlp(self, x: torch.Tensor) -> torch.Tensor:
+        Block.calls += 1
+        return self.down(F.gelu(checkpoint_name(self.up(self.ln(x)), "up")))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + remat(self._mlp)(x)
+
+
 class Net(nn.Module):
     def __init__(self, depth: int = 4) -> None:
         super().__init__()
@@ -116,27 +127,45 @@ def _fsdp2_names(model: Net) -> nn.Module:
     return _fsdp2(model, policy=policies.save_only_these_names("up"))
 
 
+def _fsdp2_method(model: Net) -> nn.Module:
+    from torch.distributed.fsdp import fully_shard
+
+    for block in model.blocks:
+        block.__class__ = MethodBlock
+        fully_shard(block)
+    fully_shard(model)
+    return model
+
+
 SCENARIOS: dict[str, Callable[[Net], nn.Module]] = {
     "ddp": _ddp,
     "ddp_policy": _ddp_policy,
     "ddp_segments": _ddp_segments,
     "fsdp2": _fsdp2,
     "fsdp2_names": _fsdp2_names,
+    "fsdp2_method": _fsdp2_method,
 }
 # Block forwards over two steps of four blocks: each remat'd block runs twice a
 # step; with two segments, the last segment's two blocks run plainly.
-BLOCK_CALLS = {"ddp": 16, "ddp_policy": 16, "ddp_segments": 12, "fsdp2": 16, "fsdp2_names": 16}
+BLOCK_CALLS = {"ddp": 16, "ddp_policy": 16, "ddp_segments": 12, "fsdp2": 16, "fsdp2_names": 16, "fsdp2_method": 16}
 
 
-def _remat_of_fully_sharded_is_refused() -> str:
+def _sharded_modules_inside_remat_are_refused() -> list[str]:
+    """remat(fully_shard(block)), and fully_shard'ed layers inside a remat'd nn.Sequential."""
     from torch.distributed.fsdp import fully_shard
 
-    block = fully_shard(Block().double())
-    try:
-        remat(block)(torch.randn(2, D, dtype=torch.double))
-    except CheckpointError as e:
-        return str(e)
-    return "no error"
+    x = torch.randn(2, D, dtype=torch.double)
+    messages = []
+    seq = remat(nn.Sequential(Block(), Block()).double(), segments=2)
+    for layer in seq:
+        fully_shard(layer)
+    for program in (lambda: remat(fully_shard(Block().double()))(x), lambda: seq(x)):
+        try:
+            program()
+            messages.append("no error")
+        except CheckpointError as e:
+            messages.append(str(e))
+    return messages
 
 
 def _worker(rank: int, store: str, results: dict) -> None:
@@ -163,7 +192,7 @@ def _worker(rank: int, store: str, results: dict) -> None:
                 results[(name, rank)] = "ok"
             except Exception:
                 results[(name, rank)] = traceback.format_exc()
-        results[("refused", rank)] = _remat_of_fully_sharded_is_refused()
+        results[("refused", rank)] = _sharded_modules_inside_remat_are_refused()
     finally:
         dist.destroy_process_group()
 
@@ -185,4 +214,5 @@ def test_two_ranks_with_remat_match_one_process_without(results, scenario):
 
 def test_remat_of_an_already_sharded_module_says_which_order_works(results):
     for rank in range(WORLD):
-        assert "fully_shard(remat(block))" in results[("refused", rank)]
+        for message in results[("refused", rank)]:
+            assert "fully_shard(remat(block))" in message

@@ -2,6 +2,7 @@
 
 import torch
 import torch.func as tf
+import torch.nn as nn
 from torch.testing import assert_close
 
 from funckpt import remat
@@ -151,3 +152,10 @@ def test_replacing_a_layer_after_wrapping_is_seen():
     assert_close(wrapped(x), net(x))
     wrapped(x).sum().backward()
     assert net[0].weight.grad is not None
+
+
+def test_remat_of_a_sequential_reads_like_the_sequential():
+    seq = nn.Sequential(nn.Linear(2, 2), nn.Tanh(), nn.Linear(2, 2))
+    wrapped = remat(seq)
+    assert len(wrapped) == 3 and wrapped[1] is seq[1] and list(wrapped) == list(seq)
+    assert list(wrapped[1:]) == list(seq[1:])
