@@ -41,6 +41,7 @@ import functools
 import sys
 import threading
 import types
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -164,58 +165,68 @@ def find_captured(fn: Callable[..., Any]) -> Captured:
     return Captured(list(found.values()), list(generators.values()), modules)
 
 
+_OPAQUE_DATA = (str, bytes, bytearray, memoryview, int, float, complex, type, types.ModuleType)
+
+
 def tensors_inside(obj: Any) -> list[torch.Tensor]:
     """Every tensor reachable from ``obj``, a value a function returned.
 
     Unlike :func:`find_captured` (which looks for what a function *uses*), this
     looks at data: containers, ``__dict__`` and ``__slots__`` attributes (all of a
     module's, private ones included), closure cells and defaults of returned
-    functions, bound methods, partials, the frames of generators and the
-    contents of built-in iterators. No depth or size limit: a cycle is visited once.
+    functions, bound methods (built-in ones too), partials, the frames of
+    generators, and, for objects implemented in C (iterators, ``itertools``,
+    ``operator.methodcaller``), the state their pickling protocol exposes. No
+    depth or size limit: a cycle is visited once.
     """
     found: dict[int, torch.Tensor] = {}
-    seen: set[int] = set()
+    seen: dict[int, Any] = {}  # holds what it saw: a temporary's id must not be reused meanwhile
     stack = [obj]
     while stack:
         item = stack.pop()
         if isinstance(item, torch.Tensor):
             found.setdefault(id(item), item)
             continue
-        if item is None or isinstance(item, (str, bytes, int, float, complex, type, types.ModuleType)):
-            continue
-        if id(item) in seen:
-            continue
-        seen.add(id(item))
-        if isinstance(item, dict):
-            stack.extend(item.values())
-        elif isinstance(item, (list, tuple, set, frozenset)):
-            stack.extend(item)
-        elif isinstance(item, functools.partial):
-            stack.extend((item.func, item.args, item.keywords))
-        elif isinstance(item, types.MethodType):
-            stack.extend((item.__self__, item.__func__))
-        elif isinstance(item, types.FunctionType):
-            for cell in item.__closure__ or ():
-                try:
-                    stack.append(cell.cell_contents)
-                except ValueError:  # an empty cell
-                    pass
-            stack.extend((item.__defaults__, item.__kwdefaults__))
-        elif isinstance(item, types.GeneratorType):
-            if item.gi_frame is not None:
-                stack.extend(item.gi_frame.f_locals.values())
-        else:
-            stack.extend(getattr(item, "__dict__", {}).values())
-            for klass in type(item).__mro__:
-                for slot in getattr(klass, "__slots__", ()):
-                    if isinstance(slot, str) and slot not in ("__dict__", "__weakref__") and hasattr(item, slot):
-                        stack.append(getattr(item, slot))
-            if type(item).__module__ == "builtins" and hasattr(item, "__next__"):
-                try:
-                    stack.append(item.__reduce__())  # a built-in iterator: (iter, (container,), position)
-                except Exception:  # pragma: no cover - not all iterators reduce
-                    pass
+        if item is None or id(item) in seen or isinstance(item, weakref.ProxyTypes):
+            continue  # a weakref.proxy does not keep anything alive
+        seen[id(item)] = item
+        if not isinstance(item, _OPAQUE_DATA):
+            stack.extend(_parts(item))
     return list(found.values())
+
+
+def _parts(item: Any) -> list[Any]:
+    """What ``item`` holds, for :func:`tensors_inside`."""
+    if isinstance(item, dict):
+        return list(item.values())
+    if isinstance(item, (list, tuple, set, frozenset)):
+        return list(item)
+    if isinstance(item, functools.partial):
+        return [item.func, item.args, item.keywords]
+    if isinstance(item, types.MethodType):
+        return [item.__self__, item.__func__]
+    if isinstance(item, types.BuiltinMethodType):  # (x * 2).mul: a method of a tensor
+        return [item.__self__]
+    if isinstance(item, types.CellType):
+        try:
+            return [item.cell_contents]
+        except ValueError:  # an empty cell
+            return []
+    if isinstance(item, types.FunctionType):
+        return [*(item.__closure__ or ()), item.__defaults__, item.__kwdefaults__]
+    if isinstance(item, types.GeneratorType):
+        return list(item.gi_frame.f_locals.values()) if item.gi_frame is not None else []
+    parts: list[Any] = list(getattr(item, "__dict__", {}).values())
+    for klass in type(item).__mro__:
+        for slot in getattr(klass, "__slots__", ()):
+            if isinstance(slot, str) and slot not in ("__dict__", "__weakref__") and hasattr(item, slot):
+                parts.append(getattr(item, slot))
+    if not hasattr(item, "__dict__") and not type(item).__module__.startswith("numpy"):
+        try:  # an object implemented in C: its pickled state names what it holds
+            parts.append(item.__reduce_ex__(4))
+        except Exception:
+            pass
+    return parts
 
 
 def changed_captures(fn: Callable[..., Any], before: Captured) -> list[torch.Tensor]:
@@ -250,8 +261,8 @@ def _named_tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     for prefix, m in module.named_modules(remove_duplicate=False):
         if sharded and isinstance(m, sharded) and _sharded_now(m):
             raise CheckpointError(
-                f"remat: {type(m).__name__}{f' (at {prefix!r})' if prefix else ''} is sharded by FSDP "
-                "right now, and calling it inside the remat'd function would let FSDP's hooks swap its "
+                f"remat: {type(m).__name__}{f' (at {prefix!r})' if prefix else ''} is managed by FSDP, "
+                "and calling it inside the remat'd function would let FSDP's hooks swap its "
                 "parameters during the call, so remat cannot route or recompute them. Apply remat "
                 "first and shard the result: fully_shard(remat(block)), not remat(fully_shard(block)); "
                 "and do not fully_shard the layers inside a remat'd nn.Sequential (remat each layer "
@@ -272,17 +283,23 @@ def _sharded_types() -> tuple[type, ...]:
 
 
 def _sharded_now(module: torch.nn.Module) -> bool:
-    """Are ``module``'s parameters FSDP shards at this moment?
+    """Would calling ``module`` inside remat run FSDP's hooks on it?
 
-    FSDP2 registers DTensor shards between calls and the gathered tensors during
-    its forward: ``remat(self.inner)`` inside a sharded block's own forward sees
-    gathered tensors and is fine. FSDP1 (flat parameters) is always refused.
+    Not while FSDP2 is inside the module's own forward, or gathering it for a
+    recomputation in the backward (its state says ``FORWARD`` or ``PRE_BACKWARD``):
+    ``remat(self.inner)`` there sees the gathered parameters and is fine, with or
+    without tensor parallelism. At any other time it would (even
+    with ``reshard_after_forward=False``, where the parameters stay gathered
+    between calls). FSDP1 (flat parameters) is always refused, and so is a state
+    this code cannot read.
     """
     fsdp = sys.modules["torch.distributed.fsdp"]
     if isinstance(module, getattr(fsdp, "FullyShardedDataParallel", ())):
         return True
-    dtensor = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
-    return dtensor is not None and any(isinstance(p, dtensor) for p in module.parameters())
+    try:
+        return module._get_fsdp_state()._training_state.name not in ("FORWARD", "PRE_BACKWARD")  # type: ignore[operator]
+    except Exception:  # FSDP's internals moved: refuse rather than guess
+        return True
 
 
 @contextlib.contextmanager

@@ -118,13 +118,15 @@ _IN_PLACE_OPERATORS = frozenset(
 
 
 def _writes(node: torch.fx.Node) -> bool:
-    """Does this node of a Dynamo graph write its first argument in place?"""
+    """Is this node of a Dynamo graph named like an in-place write of its first argument?"""
     if node.op not in ("call_function", "call_method"):
         return False
-    if node.target in _IN_PLACE_OPERATORS or "out" in node.kwargs:
+    if node.target in _IN_PLACE_OPERATORS:
         return True
     name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
-    return name.endswith("_") and not name.startswith("_") and name != "requires_grad_"
+    if name.startswith("__i") and name.endswith("__"):  # x.__iadd__(1)
+        return True
+    return name.endswith("_") and (not name.startswith("_") or name.startswith("_foreach_")) and name != "requires_grad_"
 
 
 def _storage(value: Any) -> Any:
@@ -134,10 +136,24 @@ def _storage(value: Any) -> Any:
 
 
 def _input_written(graph: torch.fx.Graph) -> bool:
-    inputs = {_storage(n.meta.get("example_value")) for n in graph.nodes if n.op == "placeholder"} - {None}
+    """Did the traced region write one of its inputs (graph placeholders) in place?
+
+    Two independent signals, either suffices: the placeholders' fake values
+    carry version counters, which in-place operators (through views and ``out=``
+    too) bump while Dynamo traces them; and nodes named like in-place writes
+    whose first argument (or list of arguments) shares storage with an input.
+    """
+    placeholders = [n.meta.get("example_value") for n in graph.nodes if n.op == "placeholder"]
+    if any(isinstance(v, torch.Tensor) and v._version > 0 for v in placeholders):
+        return True
+    inputs = {_storage(v) for v in placeholders} - {None}
     for node in graph.nodes:
-        if _writes(node) and node.args and isinstance(node.args[0], torch.fx.Node):
-            if _storage(node.args[0].meta.get("example_value")) in inputs:
+        if not (_writes(node) and node.args):
+            continue
+        first = node.args[0]
+        targets = first if isinstance(first, (list, tuple)) else [first]
+        for target in targets:
+            if isinstance(target, torch.fx.Node) and _storage(target.meta.get("example_value")) in inputs:
                 return True
     return False
 

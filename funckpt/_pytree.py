@@ -15,6 +15,7 @@ globally or, following torchopt's convention, in funckpt's namespace::
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -51,7 +52,7 @@ def flatten(tree: Any) -> tuple[list[torch.Tensor], TreeSlots]:
     positions = []
     kept: list[Any] = []
     for i, leaf in enumerate(leaves):
-        if isinstance(leaf, torch.Tensor):
+        if type(leaf) not in weakref.ProxyTypes and isinstance(leaf, torch.Tensor):  # a dead proxy raises
             tensors.append(leaf)
             positions.append(i)
             kept.append(None)

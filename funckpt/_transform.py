@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar, overload
@@ -374,13 +375,18 @@ class UserRegion(Region):
         differentiable input raises: the caller's graph would not know of it.
         """
         storages: dict[int, int] = {}
+        sharing: dict[int, list[int]] = {}  # storage -> every input on it
         for i, t in enumerate(flat):
             key = storage_of(bottom(t))
             if key is not None:
                 storages.setdefault(key, i)
+                sharing.setdefault(key, []).append(i)
 
         def before_write(index: int, t: torch.Tensor) -> None:
-            if self.differentiable[index]:
+            # ``t`` is what the operator writes: the input or any view of its storage.
+            # Every input on that storage is snapshotted whole, not ``t``.
+            written = sharing[storages_key(index)]
+            if any(self.differentiable[i] for i in written):
                 raise _in_place_error(self.name)
             if not snapshots_possible:
                 raise CheckpointError(
@@ -388,8 +394,12 @@ class UserRegion(Region):
                     "torch.func transform that batches it (vmap); remat cannot restore its value for the "
                     "recomputation. Compute out of place, or move the update outside the remat'd function."
                 )
-            if index not in self.snapshots:
-                self.snapshots[index] = t.clone()
+            for i in written:
+                if i not in self.snapshots:
+                    self.snapshots[i] = flat[i].clone()
+
+        def storages_key(index: int) -> int:
+            return storage_of(bottom(flat[index]))  # type: ignore[return-value]
 
         return WriteWatch(storages, before_write)
 
@@ -465,6 +475,8 @@ class UserRegion(Region):
         run cannot tell, so every other floating-point tensor is refused.
         """
         for leaf in leaves:
+            if type(leaf) in weakref.ProxyTypes:
+                continue  # it keeps nothing alive (and a dead one raises on any use)
             if leaf is None or isinstance(leaf, (str, bytes, int, float, complex, torch.dtype, torch.device)):
                 continue
             hidden = [

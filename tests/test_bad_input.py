@@ -13,6 +13,8 @@ in ``test_distributed.py`` and ``torch.compile(fullgraph=True)`` in
 
 from __future__ import annotations
 
+import itertools
+import operator
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -165,6 +167,15 @@ ROWS: dict[str, Row] = {
     ),
     "returned closure over an argument": Row(
         lambda: remat(lambda t: (t.sin(), lambda z: z * t))(x), CheckpointError, r"returned a callable \(function\)"
+    ),
+    "tensor output in a built-in bound method": Row(
+        lambda: remat(lambda t: (t.sin(), (t * 2).mul))(x), CheckpointError, r"returned a callable \(builtin_function_or_method\)"
+    ),
+    "tensor output in an operator.methodcaller": Row(
+        lambda: remat(lambda t: (t.sin(), operator.methodcaller("add", t * 2)))(x), CheckpointError, r"callable \(methodcaller\)"
+    ),
+    "tensor output in an itertools.chain": Row(
+        lambda: remat(lambda t: (t.sin(), itertools.chain([t * 2])))(x), CheckpointError, r"inside a chain"
     ),
     "object holding an argument": Row(lambda: remat(lambda t: (t.sin(), Box(t)))(x), CheckpointError, r"inside a Box"),
     "output aliasing an input, modified in place": Row(

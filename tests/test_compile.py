@@ -363,6 +363,38 @@ def test_a_region_that_writes_an_input_runs_eagerly_and_recomputes_from_the_old_
     torch.testing.assert_close(run(remat(f), compiled=True), run(f, compiled=False))
 
 
+WRITES = {
+    "add_": lambda c: c.add_(1),
+    "through a view": lambda c: c[1:3].mul_(2),
+    "out=": lambda c: torch.add(c.clone(), 1, out=c),
+    "out= tuple": lambda c: torch.sort(c.clone(), out=(c, torch.empty(4, dtype=torch.long))),
+    "__iadd__": lambda c: c.__iadd__(1),
+    "aten overload": lambda c: torch.ops.aten.add_.Tensor(c, 1),
+    "inplace=True": lambda c: F.hardtanh(c, -0.5, 0.5, inplace=True),
+    "foreach": lambda c: torch._foreach_mul_([c], 2.0),
+}
+
+
+@pytest.mark.parametrize("write", WRITES.values(), ids=WRITES.keys())
+def test_every_kind_of_input_write_sends_the_region_to_eager_remat(write):
+    def f(x, c):
+        out = x.sin() * (c * 1)  # reads c before the write
+        write(c)
+        return out + x.cos() * (c * 1)
+
+    def run(fn, compiled):
+        torch._dynamo.reset()
+        c = torch.tensor([0.5, -1.0, 2.0, 1.0], dtype=torch.double)
+        x = torch.linspace(0.1, 1, 4, dtype=torch.double, requires_grad=True)
+        out = (torch.compile(program, backend="aot_eager") if compiled else program)(fn, x, c)
+        return out, torch.autograd.grad(out, x), c
+
+    def program(fn, x, c):
+        return fn(x, c).sum()
+
+    torch.testing.assert_close(run(remat(f), compiled=True), run(f, compiled=False))
+
+
 def test_batch_norm_statistics_under_compile_match_the_plain_model():
     torch.manual_seed(0)
     plain = nn.Sequential(nn.Linear(D, D), nn.BatchNorm1d(D), nn.Tanh()).double()

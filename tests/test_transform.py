@@ -195,3 +195,18 @@ def test_objects_returned_next_to_the_outputs_may_hold_tensors_no_gradient_flows
     h, stats, prior, idx = remat(f)(x)
     torch.testing.assert_close(stats.mean, torch.tanh(x).mean().detach())
     torch.testing.assert_close(torch.autograd.grad(h.sum(), x), torch.autograd.grad(torch.tanh(x).sum(), x))
+
+
+def test_a_dead_weak_proxy_next_to_the_outputs_is_passed_through():
+    import weakref
+
+    class Thing:
+        pass
+
+    def f(x):
+        thing = Thing()
+        return x.sin(), weakref.proxy(thing)  # dead once f returns
+
+    x = torch.randn(3, dtype=torch.double, requires_grad=True)
+    y, _ = remat(f)(x)
+    torch.testing.assert_close(torch.autograd.grad(y.sum(), x), (x.cos(),))
