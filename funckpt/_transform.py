@@ -267,7 +267,14 @@ def _call_eagerly(fn: Callable[..., Any], options: RematOptions, args: tuple[Any
         return slot_of[id(t)]
 
     arg_index = [slot(t) for t in arg_tensors]
-    captured = find_captured(fn)
+    # Modules passed as (non-tensor) arguments are walked like captured ones, so their
+    # parameters are routed: remat(lambda x, m: m(x))(x, net) works.
+    modules = [
+        leaf
+        for leaf in (*argspec.dynamic.leaves, *argspec.static.values())
+        if isinstance(leaf, torch.nn.Module)
+    ]
+    captured = find_captured((fn, *modules) if modules else fn)
     captured_index = [slot(t) for t in captured.tensors]
     routed = route_through_enclosing(flat)
     region = UserRegion(

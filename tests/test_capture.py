@@ -267,3 +267,27 @@ def test_attribute_names_are_not_mistaken_for_globals():
         return x @ net.weight.T
 
     assert all(t is not weight for t in find_captured(f).tensors)
+
+
+def test_a_module_passed_as_an_argument_has_its_parameters_routed():
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Tanh()).double()
+    x = torch.randn(2, 3, dtype=torch.double, requires_grad=True)
+
+    def f(x, m):
+        return m(x).sin().sum()
+
+    expected = torch.autograd.grad(f(x, net), (x, *net.parameters()))
+    assert_close(torch.autograd.grad(remat(f)(x, net), (x, *net.parameters())), expected)
+
+    class Apply(torch.nn.Module):  # passes its submodule to the remat'd function
+        def __init__(self, net, fn):
+            super().__init__()
+            self.net, self.fn = net, fn
+
+        def forward(self, x):
+            return self.fn(x, self.net)
+
+    params = {f"net.{k}": v.detach() for k, v in net.named_parameters()}
+    grads = tf.grad(lambda p: tf.functional_call(Apply(net, f), p, (x.detach(),)))(params)
+    assert_close(tf.grad(lambda p: tf.functional_call(Apply(net, remat(f)), p, (x.detach(),)))(params), grads)
