@@ -28,19 +28,12 @@ from torch.utils.checkpoint import checkpoint
 from funckpt import policies, remat
 
 from ._common import table
-from .core import ACTIVATION, BATCH, WIDTH, Variant, peaks, step_times
-from .mlp_stack import block, init_params, loss_fn
+from .core import Variant, peaks, stack_inputs, step_times
+from .mlp_stack import block, loss_fn
 
 
 def variants(depth: int = 8) -> list[Variant]:
-    params = init_params(depth, WIDTH)
-    x = torch.randn(BATCH, WIDTH, generator=torch.Generator().manual_seed(1))
-    leaves = [{k: v.clone().requires_grad_() for k, v in p.items()} for p in params]
-
-    def clear() -> None:
-        for p in leaves:
-            for v in p.values():
-                v.grad = None
+    params, x, leaves, clear = stack_inputs(depth)
 
     def step_of(block_fn: Callable[..., torch.Tensor], compiled: bool) -> Callable[[], Any]:
         def loss(leaves: Any, x: torch.Tensor) -> torch.Tensor:

@@ -53,16 +53,23 @@ class Variant:
         return self.step()
 
 
-def variants(depth: int) -> list[Variant]:
+def stack_inputs(depth: int) -> tuple[list[dict[str, torch.Tensor]], torch.Tensor, list[dict[str, torch.Tensor]], Callable[[], None]]:
+    """The model's parameters, an input batch, leaf copies for ``.backward()``, and a ``.grad`` clearer."""
     params = init_params(depth, WIDTH)
     x = torch.randn(BATCH, WIDTH, generator=torch.Generator().manual_seed(1))
     leaves = [{k: v.clone().requires_grad_() for k, v in p.items()} for p in params]
-    rblock = remat(block)
 
     def clear() -> None:
         for p in leaves:
             for v in p.values():
                 v.grad = None
+
+    return params, x, leaves, clear
+
+
+def variants(depth: int) -> list[Variant]:
+    params, x, leaves, clear = stack_inputs(depth)
+    rblock = remat(block)
 
     def backward(block_fn: Callable[..., torch.Tensor]) -> Callable[[], Any]:
         def step() -> Any:

@@ -24,8 +24,8 @@ import torch.utils.checkpoint as upstream
 from funckpt import policies, remat
 
 from ._common import peak_bytes, table
-from .core import ACTIVATION, BATCH, WIDTH, Variant, peaks, step_times
-from .mlp_stack import init_params, loss_fn, named_block
+from .core import ACTIVATION, Variant, peaks, stack_inputs, step_times
+from .mlp_stack import loss_fn, named_block
 
 PLOT = Path(__file__).resolve().parent / "policies.png"
 
@@ -39,14 +39,7 @@ POLICIES: dict[str, Any] = {
 
 
 def stack_variants() -> list[Variant]:
-    params = init_params(8, WIDTH)
-    x = torch.randn(BATCH, WIDTH, generator=torch.Generator().manual_seed(1))
-    leaves = [{k: v.clone().requires_grad_() for k, v in p.items()} for p in params]
-
-    def clear() -> None:
-        for p in leaves:
-            for v in p.values():
-                v.grad = None
+    params, x, leaves, clear = stack_inputs(8)
 
     def step(block_fn: Any) -> Any:
         def run() -> Any:
@@ -61,8 +54,7 @@ def stack_variants() -> list[Variant]:
 
 
 def func_grad_peaks() -> dict[str, float]:
-    params = init_params(8, WIDTH)
-    x = torch.randn(BATCH, WIDTH, generator=torch.Generator().manual_seed(1))
+    params, x, _, _ = stack_inputs(8)
     out = {"no remat": peak_bytes(lambda: tf.grad(loss_fn)(params, x, named_block)) / ACTIVATION}
     for name, p in POLICIES.items():
         block = remat(named_block, policy=p)
