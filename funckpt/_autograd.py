@@ -38,7 +38,7 @@ the backward are ``torch.compiler.disable``d, so a remat'd call that reaches the
 (see ``_compile.py`` for the calls that do not) is a graph break and its
 forward, recomputation and vjp run eagerly (the backward is called by
 the autograd engine, possibly from a frame Dynamo is compiling, such as the
-eager fallback of a compiled ``torch.func.grad``). ``_transform.call`` is too,
+eager fallback of a compiled ``torch.func.grad``). So is ``_transform._call_eagerly``,
 so Dynamo does not trace the argument flattening and closure discovery either.
 """
 

@@ -184,11 +184,13 @@ def tensors_inside(obj: Any) -> list[torch.Tensor]:
     stack = [obj]
     while stack:
         item = stack.pop()
+        if type(item) in weakref.ProxyTypes:
+            continue  # keeps nothing alive, and a dead one raises on any use (isinstance too)
         if isinstance(item, torch.Tensor):
             found.setdefault(id(item), item)
             continue
-        if item is None or id(item) in seen or isinstance(item, weakref.ProxyTypes):
-            continue  # a weakref.proxy does not keep anything alive
+        if item is None or id(item) in seen:
+            continue
         seen[id(item)] = item
         if not isinstance(item, _OPAQUE_DATA):
             stack.extend(_parts(item))
@@ -259,7 +261,7 @@ def _named_tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     named.update(module.named_buffers(remove_duplicate=False))
     sharded = _sharded_types()
     for prefix, m in module.named_modules(remove_duplicate=False):
-        if sharded and isinstance(m, sharded) and _sharded_now(m):
+        if sharded and isinstance(m, sharded) and _fsdp_hooks_would_run(m):
             raise CheckpointError(
                 f"remat: {type(m).__name__}{f' (at {prefix!r})' if prefix else ''} is managed by FSDP, "
                 "and calling it inside the remat'd function would let FSDP's hooks swap its "
@@ -282,7 +284,7 @@ def _sharded_types() -> tuple[type, ...]:
     return tuple(t for t in (getattr(fsdp, "FSDPModule", None), getattr(fsdp, "FullyShardedDataParallel", None)) if t)
 
 
-def _sharded_now(module: torch.nn.Module) -> bool:
+def _fsdp_hooks_would_run(module: torch.nn.Module) -> bool:
     """Would calling ``module`` inside remat run FSDP's hooks on it?
 
     Not while FSDP2 is inside the module's own forward, or gathering it for a

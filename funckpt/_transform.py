@@ -381,18 +381,18 @@ class UserRegion(Region):
         from (say a buffer that is updated and then read). Writing to a
         differentiable input raises: the caller's graph would not know of it.
         """
-        storages: dict[int, int] = {}
-        sharing: dict[int, list[int]] = {}  # storage -> every input on it
+        storages: dict[int, int] = {}  # storage -> the first input on it
+        on_same_storage: dict[int, list[int]] = {}  # that input -> every input on its storage
         for i, t in enumerate(flat):
             key = storage_of(bottom(t))
             if key is not None:
-                storages.setdefault(key, i)
-                sharing.setdefault(key, []).append(i)
+                first = storages.setdefault(key, i)
+                on_same_storage.setdefault(first, []).append(i)
 
         def before_write(index: int, t: torch.Tensor) -> None:
             # ``t`` is what the operator writes: the input or any view of its storage.
             # Every input on that storage is snapshotted whole, not ``t``.
-            written = sharing[storages_key(index)]
+            written = on_same_storage[index]
             if any(self.differentiable[i] for i in written):
                 raise _in_place_error(self.name)
             if not snapshots_possible:
@@ -404,9 +404,6 @@ class UserRegion(Region):
             for i in written:
                 if i not in self.snapshots:
                     self.snapshots[i] = flat[i].clone()
-
-        def storages_key(index: int) -> int:
-            return storage_of(bottom(flat[index]))  # type: ignore[return-value]
 
         return WriteWatch(storages, before_write)
 

@@ -210,3 +210,21 @@ def test_a_dead_weak_proxy_next_to_the_outputs_is_passed_through():
     x = torch.randn(3, dtype=torch.double, requires_grad=True)
     y, _ = remat(f)(x)
     torch.testing.assert_close(torch.autograd.grad(y.sum(), x), (x.cos(),))
+
+
+def test_a_dead_weak_proxy_inside_a_returned_object_is_skipped():
+    import weakref
+
+    class Thing:
+        pass
+
+    class Holder:
+        def __init__(self, proxy):
+            self.proxy = proxy
+
+    def f(x):
+        return x.sin(), Holder(weakref.proxy(Thing()))
+
+    x = torch.randn(3, dtype=torch.double, requires_grad=True)
+    y, _ = remat(f)(x)
+    torch.testing.assert_close(torch.autograd.grad(y.sum(), x), (x.cos(),))
