@@ -444,13 +444,11 @@ class Substitute(TorchFunctionMode):
         if kwargs:
             kwargs = {k: swap(v) for k, v in kwargs.items()}
         out = func(*args, **(kwargs or {}))
-        if isinstance(out, torch.Tensor):
-            if out.requires_grad or _C.is_functorch_wrapped_tensor(out):
-                self.inside.add(id(out))
-        elif isinstance(out, (tuple, list)):
-            for o in out:
-                if isinstance(o, torch.Tensor) and (o.requires_grad or _C.is_functorch_wrapped_tensor(o)):
-                    self.inside.add(id(o))
+        for o in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(o, torch.Tensor) and (
+                o.requires_grad or _C.is_functorch_wrapped_tensor(o) or has_tangent(o)
+            ):
+                self.inside.add(id(o))
         return out
 
 

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -54,6 +54,15 @@ _CACHEABLE: dict[Any, bool] = {}
 _WRITTEN: dict[Any, tuple[int, ...]] = {}
 
 
+# Operators whose schemas do not annotate a write they make: batch norm updates its
+# running statistics (arguments 3 and 4) in training mode.
+_UNANNOTATED_WRITES = {
+    getattr(torch.ops.aten, name): (3, 4)
+    for name in ("native_batch_norm", "cudnn_batch_norm", "miopen_batch_norm")
+    if hasattr(torch.ops.aten, name)
+}
+
+
 def _written_args(op: Any) -> tuple[int, ...]:
     """Positions of the arguments whose values ``op`` writes (in-place and out= operators).
 
@@ -61,14 +70,35 @@ def _written_args(op: Any) -> tuple[int, ...]:
     """
     positions = _WRITTEN.get(op)
     if positions is None:
+        annotated = tuple(
+            i for i, a in enumerate(op._schema.arguments) if a.alias_info is not None and a.alias_info.is_write
+        )
         positions = _WRITTEN[op] = (
             ()
             if torch.Tag.inplace_view in op.tags
-            else tuple(
-                i for i, a in enumerate(op._schema.arguments) if a.alias_info is not None and a.alias_info.is_write
-            )
+            else tuple(sorted({*annotated, *_UNANNOTATED_WRITES.get(op.overloadpacket, ())}))
         )
     return positions
+
+
+def clone_together(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Copies of ``tensors`` that alias each other as the originals do.
+
+    Tensors on one storage (say ``a`` and ``a[1:]``) get one copy of that storage
+    and are rebuilt on it with their own offset, sizes and strides, so a write
+    through one copy is seen through the others, as it was through the originals.
+    """
+    copies: dict[int | None, torch.UntypedStorage] = {}
+    out = []
+    for t in tensors:
+        key = storage_of(t)
+        if key is None:  # no storage to share (a batched or functorch tensor): a plain copy
+            out.append(t.clone())
+            continue
+        if key not in copies:
+            copies[key] = t.untyped_storage().clone()
+        out.append(torch.empty(0, dtype=t.dtype, device=t.device).set_(copies[key], t.storage_offset(), t.size(), t.stride()))
+    return out
 
 
 def storage_of(t: torch.Tensor) -> int | None:

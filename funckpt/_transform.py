@@ -54,7 +54,7 @@ from ._errors import (
 from ._modules import Remat, RematSequential
 from ._pytree import ArgSpec, TreeSlots, flatten, flatten_args
 from ._residuals import notify
-from ._saving import Saved, WriteWatch, bottom, storage_of
+from ._saving import Saved, WriteWatch, bottom, clone_together, storage_of
 from .policies import is_policy_factory, nothing_saveable
 
 __all__ = ["remat"]
@@ -267,14 +267,15 @@ def _call_eagerly(fn: Callable[..., Any], options: RematOptions, args: tuple[Any
         return slot_of[id(t)]
 
     arg_index = [slot(t) for t in arg_tensors]
-    # Modules passed as (non-tensor) arguments are walked like captured ones, so their
-    # parameters are routed: remat(lambda x, m: m(x))(x, net) works.
-    modules = [
+    # Non-tensor arguments (modules, objects optree does not flatten, static arguments)
+    # are walked like captured values, so the tensors they hold are routed:
+    # remat(lambda x, m: m(x))(x, net) works.
+    objects = [
         leaf
         for leaf in (*argspec.dynamic.leaves, *argspec.static.values())
-        if isinstance(leaf, torch.nn.Module)
+        if leaf is not None and not isinstance(leaf, (str, bytes, int, float, complex, torch.Generator))
     ]
-    captured = find_captured((fn, *modules) if modules else fn)
+    captured = find_captured((fn, *objects) if objects else fn)
     captured_index = [slot(t) for t in captured.tensors]
     routed = route_through_enclosing(flat)
     region = UserRegion(
@@ -401,9 +402,8 @@ class UserRegion(Region):
                     "torch.func transform that batches it (vmap); remat cannot restore its value for the "
                     "recomputation. Compute out of place, or move the update outside the remat'd function."
                 )
-            for i in written:
-                if i not in self.snapshots:
-                    self.snapshots[i] = flat[i].clone()
+            fresh = [i for i in written if i not in self.snapshots]
+            self.snapshots.update(zip(fresh, clone_together([flat[i] for i in fresh])))
 
         return WriteWatch(storages, before_write)
 
@@ -522,8 +522,10 @@ class UserRegion(Region):
         if not forward:
             self._check_captures_unchanged()
             if self.snapshots:
-                # Recompute from the values the forward run started from, on copies.
-                flat = tuple(self.snapshots[i].clone() if i in self.snapshots else t for i, t in enumerate(flat))
+                # Recompute from the values the forward run started from, on copies
+                # that alias each other as the inputs did.
+                copies = dict(zip(self.snapshots, clone_together(list(self.snapshots.values()))))
+                flat = tuple(copies.get(i, t) for i, t in enumerate(flat))
         args, kwargs = self.argspec.rebuild([flat[i] for i in self.arg_index])
         replace = {id(orig): flat[i] for orig, i in zip(self.captured.tensors, self.captured_index)}
         mapping = {k: v for k, v in replace.items() if v is not self._originals.get(k)}

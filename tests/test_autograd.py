@@ -235,3 +235,29 @@ def test_integer_outputs_under_forward_mode():
 
     expected = tf.jvp(f, (X[0],), (torch.ones_like(X[0]),))
     assert_close(tf.jvp(remat(f), (X[0],), (torch.ones_like(X[0]),)), expected)
+
+
+def test_jvp_through_a_module_used_inside_the_region():
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(3, 3, dtype=torch.float64)
+    x = torch.randn(2, 3, dtype=torch.float64)
+    params = {k: v.detach() for k, v in lin.named_parameters()}
+    tangents = {k: torch.ones_like(v) for k, v in params.items()}
+
+    def through(loss):
+        return tf.jvp(loss, (params,), (tangents,))
+
+    def with_module(fn):
+        class Outer(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.inner = lin
+
+            def forward(self, x):
+                return fn(x, self.inner)
+
+        outer = Outer()
+        return lambda p: tf.functional_call(outer, {f"inner.{k}": v for k, v in p.items()}, (x,))
+
+    body = lambda x, m: torch.tanh(m(x)).sum()  # noqa: E731
+    assert_close(through(with_module(remat(body))), through(with_module(body)))

@@ -291,3 +291,30 @@ def test_a_module_passed_as_an_argument_has_its_parameters_routed():
     params = {f"net.{k}": v.detach() for k, v in net.named_parameters()}
     grads = tf.grad(lambda p: tf.functional_call(Apply(net, f), p, (x.detach(),)))(params)
     assert_close(tf.grad(lambda p: tf.functional_call(Apply(net, remat(f)), p, (x.detach(),)))(params), grads)
+
+
+class _Box:
+    """A container optree does not know."""
+
+    def __init__(self, t):
+        self.t = t
+
+
+@pytest.mark.parametrize("static", [False, True])
+def test_tensors_and_modules_inside_unflattened_arguments_are_routed(static):
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(3, 3).double()
+    w = torch.randn(3, dtype=torch.double, requires_grad=True)
+    x = torch.randn(2, 3, dtype=torch.double, requires_grad=True)
+
+    def f(x, box):
+        return torch.tanh(box.t[0](x) * box.t[1]).sum()
+
+    def call(fn):
+        return fn(x, _Box([lin, w]))
+
+    wrapped = remat(f, static_argnums=1) if static else remat(f)
+    wrt = (x, w, *lin.parameters())
+    assert_close(torch.autograd.grad(call(wrapped), wrt), torch.autograd.grad(call(f), wrt))
+    grads = tf.grad(lambda w: wrapped(x.detach(), _Box([lin, w])))(w.detach())
+    assert_close(grads, tf.grad(lambda w: f(x.detach(), _Box([lin, w])))(w.detach()))

@@ -1,5 +1,6 @@
 """remat(module) is an nn.Module that stands in for the module it wraps."""
 
+import pytest
 import torch
 import torch.func as tf
 import torch.nn as nn
@@ -159,3 +160,25 @@ def test_remat_of_a_sequential_reads_like_the_sequential():
     wrapped = remat(seq)
     assert len(wrapped) == 3 and wrapped[1] is seq[1] and list(wrapped) == list(seq)
     assert list(wrapped[1:]) == list(seq[1:])
+
+
+@pytest.mark.parametrize("how", ["remat(bn)", "closure", "argument", "segments"])
+@pytest.mark.parametrize("backwards", [1, 2])
+def test_remat_d_batch_norm_updates_its_statistics_once_per_forward(how, backwards):
+    """The recomputation writes copies of the running statistics, never the module's own."""
+    torch.manual_seed(0)
+    plain = nn.BatchNorm1d(3, dtype=torch.float64)
+    bn = nn.BatchNorm1d(3, dtype=torch.float64)
+    x = torch.randn(5, 3, dtype=torch.float64, requires_grad=True)
+    run = {
+        "remat(bn)": lambda: remat(bn)(x),
+        "closure": lambda: remat(lambda x: bn(x))(x),
+        "argument": lambda: remat(lambda x, m: m(x))(x, bn),
+        "segments": lambda: remat(nn.Sequential(bn, nn.Tanh()), segments=2)(x),
+    }[how]
+    out = run().square().sum()
+    expected = (plain(x).tanh() if how == "segments" else plain(x)).square().sum()
+    for i in range(backwards):
+        retain = i < backwards - 1
+        assert_close(torch.autograd.grad(out, x, retain_graph=retain), torch.autograd.grad(expected, x, retain_graph=retain))
+    assert_close(bn.state_dict(), plain.state_dict())
