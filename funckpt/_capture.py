@@ -433,9 +433,7 @@ class Substitute(TorchFunctionMode):
                 "functools.partial arguments, the globals its code names, or the parameters and "
                 "buffers of an nn.Module it is bound to. remat cannot route a gradient to it, and "
                 "it would silently be zero or missing. Pass the tensor to the remat'd function as "
-                "an argument (or make it a parameter or buffer of the module you remat). An argument "
-                "inside an object optree does not flatten is not seen: register its type as a pytree "
-                "node (optree.register_pytree_node(..., namespace='funckpt'))."
+                "an argument (or make it a parameter or buffer of the module you remat)."
             )
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
