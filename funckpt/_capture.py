@@ -92,18 +92,22 @@ def find_captured(fn: Callable[..., Any]) -> Captured:
     budget = [_MAX_ITEMS]
 
     def visit(obj: Any, depth: int) -> None:
+        # Every item visited counts against the budget, numbers and strings too:
+        # a large container of them must not make every call slow.
+        budget[0] -= 1
+        if budget[0] < 0 or type(obj) in weakref.ProxyTypes:  # a proxy keeps nothing alive
+            return
         if isinstance(obj, torch.Tensor):
             found.setdefault(id(obj), obj)
             return
         if isinstance(obj, torch.Generator):
             generators.setdefault(id(obj), obj)
             return
-        if depth > _MAX_DEPTH or budget[0] <= 0 or obj is None or isinstance(obj, (str, bytes, int, float)):
+        if depth > _MAX_DEPTH or obj is None or isinstance(obj, (str, bytes, int, float)):
             return
         if id(obj) in seen:
             return
         seen.add(id(obj))
-        budget[0] -= 1
         if isinstance(obj, torch.nn.Module):
             named = _named_tensors(obj)
             modules.append((obj, named))
@@ -140,14 +144,11 @@ def find_captured(fn: Callable[..., Any]) -> Captured:
                     if not isinstance(value, (types.ModuleType, type)):
                         visit(value, depth + 1)
             return
-        if isinstance(obj, (list, tuple, set, frozenset)):
+        if isinstance(obj, (list, tuple, set, frozenset, dict)):
             if len(obj) <= _MAX_CONTAINER:
-                for item in obj:
-                    visit(item, depth + 1)
-            return
-        if isinstance(obj, dict):
-            if len(obj) <= _MAX_CONTAINER:
-                for item in obj.values():
+                for item in obj.values() if isinstance(obj, dict) else obj:
+                    if budget[0] <= 0:
+                        break
                     visit(item, depth + 1)
             return
         if isinstance(obj, (type, types.ModuleType, types.BuiltinFunctionType)):
@@ -158,6 +159,10 @@ def find_captured(fn: Callable[..., Any]) -> Captured:
         if isinstance(attrs, dict) and len(attrs) <= _MAX_CONTAINER:
             for item in attrs.values():
                 visit(item, depth + 1)
+        for klass in type(obj).__mro__:
+            for slot in getattr(klass, "__slots__", ()):
+                if isinstance(slot, str) and slot not in ("__dict__", "__weakref__") and hasattr(obj, slot):
+                    visit(getattr(obj, slot), depth + 1)
         if callable(obj) and not isinstance(obj, type):
             visit(getattr(type(obj), "__call__", None), depth + 1)
 

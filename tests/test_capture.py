@@ -245,14 +245,32 @@ def test_closure_tensor_passed_straight_to_a_custom_function_raises():
 def test_unreachable_forward_mode_dual_raises():
     import torch.autograd.forward_ad as fwAD
 
-    class Holder:
-        __slots__ = ("weight",)  # not walked
+    class Holder:  # class attributes are not walked
+        pass
 
     with fwAD.dual_level():
-        h = Holder()
-        h.weight = fwAD.make_dual(torch.tensor([1.0, 2.0], dtype=D), torch.ones(2, dtype=D))
+        Holder.weight = fwAD.make_dual(torch.tensor([1.0, 2.0], dtype=D), torch.ones(2, dtype=D))
         with pytest.raises(CheckpointError, match="forward-mode tangent"):
-            remat(lambda x: (x * h.weight).sin())(torch.tensor([0.5, 1.0], dtype=D))
+            remat(lambda x: (x * Holder.weight).sin())(torch.tensor([0.5, 1.0], dtype=D))
+
+
+def test_tensors_in_slots_and_behind_weak_proxies():
+    import weakref
+
+    class Slots:
+        __slots__ = ("w", "p")
+
+    w = torch.randn(3, dtype=D, requires_grad=True)
+    kept = torch.randn(3, dtype=D)
+    s = Slots()
+    s.w, s.p = w, weakref.proxy(kept)  # a proxy is skipped: it keeps nothing alive
+
+    def f(x, s):
+        return (x * s.w).sin().sum()
+
+    x = torch.ones(3, dtype=D)
+    assert_close(torch.autograd.grad(remat(f)(x, s), w), torch.autograd.grad(f(x, s), w))
+    assert_close(torch.autograd.grad(remat(lambda x: f(x, s))(x), w), torch.autograd.grad(f(x, s), w))
 
 
 weight = torch.zeros(1)  # a global sharing its name with an attribute used below
@@ -318,3 +336,23 @@ def test_tensors_and_modules_inside_unflattened_arguments_are_routed(static):
     assert_close(torch.autograd.grad(call(wrapped), wrt), torch.autograd.grad(call(f), wrt))
     grads = tf.grad(lambda w: wrapped(x.detach(), _Box([lin, w])))(w.detach())
     assert_close(grads, tf.grad(lambda w: f(x.detach(), _Box([lin, w])))(w.detach()))
+
+
+def test_walking_a_large_argument_object_is_bounded():
+    """The walk stops after a fixed number of items, numbers included (it visited a million)."""
+    looked_at = []
+
+    class Sentinel:
+        def __getattribute__(self, name):
+            looked_at.append(name)
+            return object.__getattribute__(self, name)
+
+    class Config:
+        pass
+
+    config = Config()
+    config.table = [list(range(1000)) for _ in range(999)] + [Sentinel()]  # a million ints first
+    x = torch.randn(3, dtype=D, requires_grad=True)
+    y = remat(lambda x, c: x.sin().sum())(x, config)
+    assert_close(torch.autograd.grad(y, x), (x.cos(),))
+    assert looked_at == []
