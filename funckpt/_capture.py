@@ -35,6 +35,7 @@ So, at every call:
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dis
 import functools
@@ -173,7 +174,7 @@ def find_captured(fn: Callable[..., Any]) -> Captured:
 _OPAQUE_DATA = (str, bytes, bytearray, memoryview, int, float, complex, type, types.ModuleType)
 
 
-def tensors_inside(obj: Any) -> list[torch.Tensor]:
+def tensors_inside(obj: Any, budget: int | None = None, into_modules: bool = True) -> list[torch.Tensor]:
     """Every tensor reachable from ``obj``, a value a function returned.
 
     Unlike :func:`find_captured` (which looks for what a function *uses*), this
@@ -182,13 +183,19 @@ def tensors_inside(obj: Any) -> list[torch.Tensor]:
     functions, bound methods (built-in ones too), partials, the frames of
     generators, and, for objects implemented in C (iterators, ``itertools``,
     ``operator.methodcaller``), the state their pickling protocol exposes. No
-    depth or size limit: a cycle is visited once.
+    depth or size limit unless a ``budget`` of items is given (then the walk goes
+    breadth first); ``into_modules=False`` does not enter ``nn.Module`` objects.
+    A cycle is visited once.
     """
     found: dict[int, torch.Tensor] = {}
     seen: dict[int, Any] = {}  # holds what it saw: a temporary's id must not be reused meanwhile
-    stack = [obj]
-    while stack:
-        item = stack.pop()
+    queue = collections.deque([obj])
+    while queue:
+        if budget is not None:
+            budget -= 1
+            if budget < 0:
+                break
+        item = queue.popleft()
         if type(item) in weakref.ProxyTypes:
             continue  # keeps nothing alive, and a dead one raises on any use (isinstance too)
         if isinstance(item, torch.Tensor):
@@ -197,8 +204,8 @@ def tensors_inside(obj: Any) -> list[torch.Tensor]:
         if item is None or id(item) in seen:
             continue
         seen[id(item)] = item
-        if not isinstance(item, _OPAQUE_DATA):
-            stack.extend(_parts(item))
+        if not isinstance(item, _OPAQUE_DATA) and (into_modules or not isinstance(item, torch.nn.Module)):
+            queue.extend(_parts(item))
     return list(found.values())
 
 

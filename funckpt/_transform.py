@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import types
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -288,6 +289,7 @@ def _call_eagerly(fn: Callable[..., Any], options: RematOptions, args: tuple[Any
         captured_index,
         differentiable=[differentiable_input(t) for t in routed],
         outer=flat,
+        objects=objects,
     )
     notify(region, tuple(routed))
     outs = apply(region, routed)
@@ -336,10 +338,12 @@ class UserRegion(Region):
         captured_index: list[int],
         differentiable: list[bool],
         outer: Sequence[torch.Tensor],
+        objects: Sequence[Any] = (),
     ) -> None:
         self.fn, self.name, self.options = fn, name, options
         # The caller's tensors (arguments and captures), by id: alive for the whole forward run.
         self.outer_ids = frozenset(id(t) for t in outer)
+        self.objects = tuple(objects)  # the non-tensor arguments
         self.argspec, self.arg_index = argspec, arg_index
         self.captured, self.captured_index = captured, captured_index
         self.differentiable = differentiable
@@ -507,6 +511,40 @@ class UserRegion(Region):
                     "namedtuple, or detach it if no gradient should flow through it."
                 )
 
+    def _refuse_stored_tensors(self) -> None:
+        """Raise if the forward run stored a tensor it computed into an argument or closure.
+
+        ``o.cache = h`` on an argument, ``losses.append(aux)`` on a closure list:
+        the stored tensor belongs to the run's local graph, not to the caller's,
+        so a gradient through it would be silently missing. Checked under plain
+        autograd, where such a tensor requires grad (a detached one is fine), in
+        the non-module arguments and in the closure cells, defaults and partial
+        arguments of ``fn``, breadth first and bounded, not entering modules
+        (whose internals hooks and wrappers such as FSDP fill during a call).
+        Stores into module attributes and under torch.func transforms are not
+        caught (see the README's limits).
+        """
+        roots: list[Any] = [o for o in self.objects if not isinstance(o, torch.nn.Module)]
+        fn = self.fn
+        if isinstance(fn, functools.partial):
+            roots += [fn.args, fn.keywords]
+            fn = fn.func
+        if isinstance(fn, types.FunctionType):
+            roots += [*(fn.__closure__ or ()), fn.__defaults__, fn.__kwdefaults__]
+        stored = [
+            t
+            for t in tensors_inside(roots, budget=10_000, into_modules=False)
+            if t.requires_grad and id(t) not in self.outer_ids
+        ]
+        if stored:
+            raise CheckpointError(
+                f"remat({self.name}): the function stored a tensor of shape {tuple(stored[0].shape)} that it "
+                "computed into an object outside the call (an argument or a closure variable). remat "
+                "records no graph for it in the caller's autograd, so a gradient through it would be "
+                "silently missing. Return it from the function instead, or detach it if it is only "
+                "kept for logging."
+            )
+
     def run(self, flat: tuple[torch.Tensor, ...], phase: Phase) -> tuple[torch.Tensor, ...]:
         forward = phase is Phase.FORWARD
         plain_autograd = peek_interpreter_stack() is None
@@ -566,6 +604,8 @@ class UserRegion(Region):
         tensors, slots = flatten(out)
         if forward:
             self._refuse_hidden_tensors(slots.leaves, plain_autograd)
+            if grad_forward:
+                self._refuse_stored_tensors()
         if forward and self.saved is not None:
             self.saved.finish_forward(tuple(tensors))
         graph_outputs = tensors

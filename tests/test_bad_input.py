@@ -192,6 +192,8 @@ ROWS: dict[str, Row] = {
     "closure tensor rebound before the backward": Row(
         _closure_rebound_between_forward_and_backward, CheckpointError, r"closure variable, global or partial argument was rebound"
     ),
+    "computed tensor stored into an argument object": Row(lambda: _store_into("argument"), CheckpointError, r"stored a tensor"),
+    "computed tensor appended to a closure list": Row(lambda: _store_into("closure"), CheckpointError, r"stored a tensor"),
     "recomputation of another shape": Row(_recomputation_with_another_shape, CheckpointError, r"shape"),
     "remat'd gradient differentiated again at its own level": Row(
         _differentiated_again_at_the_same_level, CheckpointError, r"Nest torch.func transforms instead"
@@ -257,3 +259,17 @@ def test_row_names_are_unique():  # a dict literal silently keeps the last of tw
 
 def test_the_table_is_large():
     assert len(ROWS) >= 40
+
+
+def _store_into(where: str) -> None:
+    box, losses = Box(None), []
+
+    def f(t, b):
+        h = t.exp()
+        if where == "argument":
+            b.t = h
+        else:
+            losses.append(h)
+        return t.sin().sum()
+
+    remat(f)(x, box)

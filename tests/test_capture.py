@@ -351,7 +351,7 @@ def test_walking_a_large_argument_object_is_bounded():
         pass
 
     config = Config()
-    config.table = [list(range(1000)) for _ in range(999)] + [Sentinel()]  # a million ints first
+    config.table = [list(range(1000)) for _ in range(998)] + [[*range(1000), Sentinel()]]  # after a million ints
     x = torch.randn(3, dtype=D, requires_grad=True)
     y = remat(lambda x, c: x.sin().sum())(x, config)
     assert_close(torch.autograd.grad(y, x), (x.cos(),))

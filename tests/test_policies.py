@@ -147,7 +147,7 @@ def test_kept_value_modified_after_forward_raises():
 
     def f(w1, x):
         y = x @ w1
-        kept["y"] = y
+        kept["y"] = y.detach()  # an alias of the kept value, leaked to the caller
         return y.sin()
 
     w1 = W1.clone().requires_grad_()
@@ -155,6 +155,18 @@ def test_kept_value_modified_after_forward_raises():
     kept["y"].mul_(2)
     with pytest.raises(CheckpointError, match="modified in place"):
         out.sum().backward()
+
+
+def test_storing_the_differentiable_kept_value_outside_the_call_raises_at_once():
+    kept = {}
+
+    def f(w1, x):
+        y = x @ w1
+        kept["y"] = y  # its gradient could never reach w1 through remat
+        return y.sin()
+
+    with pytest.raises(CheckpointError, match="stored a tensor"):
+        remat(f, policy=policies.dots_saveable)(W1.clone().requires_grad_(), X)
 
 
 def test_kept_value_modified_inside_the_forward_is_recomputed():
