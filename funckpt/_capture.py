@@ -160,10 +160,8 @@ def find_captured(fn: Callable[..., Any]) -> Captured:
         if isinstance(attrs, dict) and len(attrs) <= _MAX_CONTAINER:
             for item in attrs.values():
                 visit(item, depth + 1)
-        for klass in type(obj).__mro__:
-            for slot in getattr(klass, "__slots__", ()):
-                if isinstance(slot, str) and slot not in ("__dict__", "__weakref__") and hasattr(obj, slot):
-                    visit(getattr(obj, slot), depth + 1)
+        for value in _slot_values(obj):
+            visit(value, depth + 1)
         if callable(obj) and not isinstance(obj, type):
             visit(getattr(type(obj), "__call__", None), depth + 1)
 
@@ -209,6 +207,17 @@ def tensors_inside(obj: Any, budget: int | None = None, into_modules: bool = Tru
     return list(found.values())
 
 
+def _slot_values(obj: Any) -> list[Any]:
+    """The values of ``obj``'s ``__slots__`` attributes, along its class hierarchy."""
+    values = []
+    for klass in type(obj).__mro__:
+        slots = getattr(klass, "__slots__", ())
+        for slot in (slots,) if isinstance(slots, str) else slots:  # __slots__ = "w" is one slot
+            if slot not in ("__dict__", "__weakref__") and hasattr(obj, slot):
+                values.append(getattr(obj, slot))
+    return values
+
+
 def _parts(item: Any) -> list[Any]:
     """What ``item`` holds, for :func:`tensors_inside`."""
     if isinstance(item, dict):
@@ -230,11 +239,7 @@ def _parts(item: Any) -> list[Any]:
         return [*(item.__closure__ or ()), item.__defaults__, item.__kwdefaults__]
     if isinstance(item, types.GeneratorType):
         return list(item.gi_frame.f_locals.values()) if item.gi_frame is not None else []
-    parts: list[Any] = list(getattr(item, "__dict__", {}).values())
-    for klass in type(item).__mro__:
-        for slot in getattr(klass, "__slots__", ()):
-            if isinstance(slot, str) and slot not in ("__dict__", "__weakref__") and hasattr(item, slot):
-                parts.append(getattr(item, slot))
+    parts: list[Any] = [*getattr(item, "__dict__", {}).values(), *_slot_values(item)]
     if not hasattr(item, "__dict__") and not type(item).__module__.startswith("numpy"):
         try:  # an object implemented in C: its pickled state names what it holds
             parts.append(item.__reduce_ex__(4))

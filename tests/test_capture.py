@@ -272,6 +272,13 @@ def test_tensors_in_slots_and_behind_weak_proxies():
     assert_close(torch.autograd.grad(remat(f)(x, s), w), torch.autograd.grad(f(x, s), w))
     assert_close(torch.autograd.grad(remat(lambda x: f(x, s))(x), w), torch.autograd.grad(f(x, s), w))
 
+    class OneSlot:
+        __slots__ = "w"  # a string, not a tuple: one slot named "w"
+
+    one = OneSlot()
+    one.w = w
+    assert_close(torch.autograd.grad(remat(f)(x, one), w), torch.autograd.grad(f(x, one), w))
+
 
 weight = torch.zeros(1)  # a global sharing its name with an attribute used below
 
