@@ -377,6 +377,13 @@ def route_through_enclosing(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     return tensors
 
 
+# Factories of uninitialized memory: a run that uses one may compute from garbage,
+# so its values are not compared with the recomputation's (see _errors.py).
+_UNINITIALIZED = frozenset(
+    {torch.empty, torch.empty_like, torch.empty_strided, torch.Tensor.new_empty, torch.Tensor.new_empty_strided}
+)
+
+
 class Substitute(TorchFunctionMode):
     """Replaces captured tensors by identity; optionally rejects foreign tensors.
 
@@ -399,9 +406,10 @@ class Substitute(TorchFunctionMode):
         self.mapping = mapping
         self.forward = forward
         self.name = name
-        self.inside: set[int] = set()
+        self.inside: set[int] = set()  # ids of the tensors made inside this run (alive or not)
         self.known = {id(t) for t in inputs}
         self.first_node = first_node
+        self.uninitialized = False  # did the run allocate memory it may read before writing?
 
     def __enter__(self) -> Substitute:
         _active.maps.append(self.mapping)
@@ -458,11 +466,13 @@ class Substitute(TorchFunctionMode):
         args = tuple([swap(a) for a in args])
         if kwargs:
             kwargs = {k: swap(v) for k, v in kwargs.items()}
+        if func in _UNINITIALIZED:
+            self.uninitialized = True
         out = func(*args, **(kwargs or {}))
+        # Every tensor made here is the run's own, whatever it becomes later: a leaf
+        # made inside and then set to require grad (as HF T5 does) is not foreign.
         for o in out if isinstance(out, (tuple, list)) else (out,):
-            if isinstance(o, torch.Tensor) and (
-                o.requires_grad or _C.is_functorch_wrapped_tensor(o) or has_tangent(o)
-            ):
+            if isinstance(o, torch.Tensor):
                 self.inside.add(id(o))
         return out
 
@@ -484,14 +494,19 @@ def has_tangent(t: torch.Tensor) -> bool:
         return fwAD.unpack_dual(t).tangent is not None
 
 
-def foreign_in_graph(outputs: list[torch.Tensor], leaves: tuple[torch.Tensor, ...], first_node: int) -> bool:
+def foreign_in_graph(
+    outputs: list[torch.Tensor], leaves: tuple[torch.Tensor, ...], first_node: int, inside: set[int]
+) -> bool:
     """Does the forward run's local graph reach anything but the region's own leaves?
 
     An ``autograd.Function.apply`` bypasses torch-function modes, so a captured
     tensor passed straight to one escapes substitution; its edge then leads to
-    a leaf that is not the region's, or into graph built before the run.
+    a leaf that is not the region's, or into graph built before the run. Leaves
+    made inside the run (``inside``: a tensor created and then set to require
+    grad) are the run's own; their gradient stays local, as under
+    ``torch.utils.checkpoint``.
     """
-    known = {id(t) for t in leaves}
+    known = {id(t) for t in leaves} | inside
     seen: set[int] = set()
     stack = [t.grad_fn for t in outputs if t.grad_fn is not None]
     while stack:
@@ -515,7 +530,7 @@ def next_sequence_nr() -> int:
 
     Call it before entering any user context: it runs two tiny operators.
     """
-    with torch.enable_grad():
+    with torch.inference_mode(False), torch.enable_grad():
         probe = torch.zeros((), requires_grad=True).clone()
     assert probe.grad_fn is not None
     return probe.grad_fn._sequence_nr() + 1

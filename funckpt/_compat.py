@@ -143,4 +143,4 @@ def checkpoint_sequential(
         kwargs.get("debug", False),
         kwargs.get("preserve_rng_state", True),
     )
-    return run_in_segments(layers, segments, input, options)
+    return run_in_segments(layers, segments, input, options, checkpoint_last=False)

@@ -1,23 +1,46 @@
 """Errors, the determinism check and the debug operator traces.
 
-A recomputation must produce tensors of the same shape, dtype and device as the
-forward pass, or the gradients it yields belong to a different function. With
-``determinism_check="default"`` every recomputation compares the metadata of its
-outputs against the forward's and raises :class:`CheckpointError` naming what
-differed. With ``debug=True`` both runs also record the ATen operators they
-executed, and the error shows the two traces side by side from the first
-divergence.
+A recomputation must compute what the forward run computed, or the gradients it
+yields belong to a different function. With ``determinism_check="default"``
+every recomputation compares its outputs against the forward run's:
+
+* their metadata (shape, dtype, device), exactly;
+* their values, through a two-number digest of each output (its sum and its
+  L2 norm, in float64), within a tolerance set by the dtype.
+
+Comparing values, not the operators or the autograd graph that produced them,
+is what makes the check free of false alarms: ATen decomposes an operator
+differently with and without a dispatch mode, with and without grad, under
+``vmap`` or not; kernels (SDPA backends, cuDNN algorithms) are chosen per
+call; autocast, Python object identity and torch.func levels all differ
+between the forward run and a recomputation, and none of that changes values
+beyond rounding. And it catches what matters under every transform alike,
+because the digest is taken of the plain tensor under all functorch wrappers:
+a recomputation that takes another path (``sin`` then ``cos``), slices
+differently, reads an exhausted iterator or a changed global, or starts from an
+input modified in place after the call. The cost is two reductions per output
+per run, and one host synchronisation per recomputation on an accelerator.
+
+With ``preserve_rng_state=False`` random operators legitimately draw other
+values, and a forward run that allocated uninitialized memory (``torch.empty``
+and kin) may compute from garbage, so for those only the metadata is compared. With ``debug=True`` both runs also
+record the ATen operators they executed, and the error shows the two traces
+side by side from the first divergence.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 import threading
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
+from torch.autograd.forward_ad import _set_fwd_grad_enabled
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from ._internals import DisableFuncTorch, bottom
 
 __all__ = ["CheckpointError", "set_checkpoint_debug_enabled"]
 
@@ -120,61 +143,6 @@ def tensor_meta(t: torch.Tensor) -> tuple[Any, ...]:
     return (tuple(t.shape), t.dtype, t.device)
 
 
-def graph_fingerprint(outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor]) -> list[str]:
-    """The autograd nodes between ``inputs`` and ``outputs``, by type, in a fixed traversal order.
-
-    The walk stops at the inputs (their own history belongs to the caller) and
-    leaves out leaf accumulators.
-
-    Two runs of the same computation record the same graph; a recomputation
-    that computes something else records another one even when its outputs
-    have the same shapes (``torch.utils.checkpoint`` detects this through the
-    tensors saved for backward; saved-tensor hooks are not available under
-    ``torch.func``, so the graph itself serves).
-    """
-    names: list[str] = []
-    seen: set[int] = {id(t.grad_fn) for t in inputs if t.grad_fn is not None}
-    stack = [t.grad_fn for t in reversed(outputs) if t.grad_fn is not None]
-    while stack:
-        node = stack.pop()
-        if id(node) in seen:
-            continue
-        seen.add(id(node))
-        if type(node).__name__ == "AccumulateGrad":
-            continue
-        names.append(node.name())
-        stack.extend(n for n, _ in reversed(node.next_functions) if n is not None)
-    return names
-
-
-def check_same_graph(
-    name: str,
-    forward: Sequence[str],
-    recomputed: Sequence[str],
-    traces: tuple[Sequence[str], Sequence[str]] | None,
-) -> None:
-    if list(forward) == list(recomputed):
-        return
-    if len(forward) != len(recomputed):
-        problem = (
-            f"autograd recorded {len(forward)} operations in the forward pass, "
-            f"{len(recomputed)} in the recomputation"
-        )
-    else:
-        i = next(i for i, (a, b) in enumerate(zip(forward, recomputed)) if a != b)
-        problem = f"autograd operation {i} was {forward[i]} in the forward pass, {recomputed[i]} in the recomputation"
-    message = (
-        f"remat({name}): the recomputation during the backward pass did not reproduce the forward pass: "
-        f"{problem}. The function must compute the same thing when called again with the same inputs. "
-        "Pass determinism_check='none' to skip this check."
-    )
-    if traces is not None:
-        message += "\n" + format_traces(*traces)
-    else:
-        message += " Pass debug=True to see the operators each run executed."
-    raise CheckpointError(message)
-
-
 def check_same_outputs(
     name: str,
     forward_meta: Sequence[tuple[Any, ...]],
@@ -199,6 +167,121 @@ def check_same_outputs(
         + "\nThe function must compute the same thing when called again with the same inputs "
         "(no dependence on global state that changes between forward and backward). "
         "Pass determinism_check='none' to skip this check."
+    )
+    if traces is None:
+        message += " Pass debug=True to see the operators each run executed."
+    else:
+        message += "\n" + format_traces(*traces)
+    raise CheckpointError(message)
+
+
+# ------------------------------------------------------------- value digests
+
+# Relative tolerance of the value digest, by dtype: a recomputation running the same
+# kernels on the same inputs usually reproduces the forward bit for bit; these leave
+# room for reduction-order differences (atomics, another kernel or decomposition).
+_RTOL = {
+    torch.float64: 1e-6,
+    torch.complex128: 1e-6,
+    torch.float32: 1e-3,
+    torch.complex64: 1e-3,
+    torch.float16: 3e-2,
+    torch.bfloat16: 3e-2,
+}
+_RTOL_OTHER_FLOAT = 1e-1  # 8-bit floating-point types
+
+
+class Digest:
+    """Sum and L2 norm (float64) of one output's values, taken without autograd or functorch."""
+
+    __slots__ = ("stats", "numel", "rtol")
+
+    def __init__(self, stats: torch.Tensor, numel: int, rtol: float) -> None:
+        self.stats, self.numel, self.rtol = stats, numel, rtol
+
+
+def _digestible(t: torch.Tensor) -> bool:
+    return (
+        type(t) in (torch.Tensor, torch.nn.Parameter)
+        and t.layout == torch.strided
+        and t.device.type != "meta"
+        and not t.is_quantized
+        and t.numel() > 0
+    )
+
+
+def digest(tensors: Sequence[torch.Tensor]) -> list[Digest | None]:
+    """A :class:`Digest` of each tensor (``None`` where values cannot be compared: meta, sparse, subclasses)."""
+    digests: list[Digest | None] = []
+    with torch.no_grad(), DisableFuncTorch(), _set_fwd_grad_enabled(False):
+        for t in tensors:
+            b = bottom(t)
+            if not _digestible(b):
+                digests.append(None)
+                continue
+            v = b.detach()
+            if v.is_complex():
+                v = torch.view_as_real(v.resolve_conj())
+            if v.is_floating_point():
+                stats = torch.stack(
+                    [v.sum(dtype=torch.float64), torch.linalg.vector_norm(v, dtype=torch.float64)]
+                )
+                rtol = _RTOL.get(b.dtype, _RTOL_OTHER_FLOAT)
+            else:  # integers and booleans: exact
+                w = v.to(torch.float64)
+                stats = torch.stack([w.sum(), torch.linalg.vector_norm(w)])
+                rtol = 0.0
+            digests.append(Digest(stats, v.numel(), rtol))
+    return digests
+
+
+def _differing(forward: Sequence[Digest | None], recomputed: Sequence[Digest | None]) -> list[int]:
+    """Indices of the outputs whose digests differ beyond tolerance (one host sync, no operator)."""
+    pairs = [
+        (i, a, b)
+        for i, (a, b) in enumerate(zip(forward, recomputed))
+        if a is not None and b is not None and a.numel == b.numel and a.stats.device == b.stats.device
+    ]
+    if not pairs:
+        return []
+    with torch.no_grad(), DisableFuncTorch():
+        values = torch.cat([torch.cat([a.stats, b.stats]).cpu() for _, a, b in pairs]).tolist()
+    differing = []
+    for k, (i, a, _) in enumerate(pairs):
+        sum_f, norm_f, sum_r, norm_r = values[4 * k : 4 * k + 4]
+        scale = max(abs(norm_f), abs(norm_r))
+        # |sum(x) - sum(y)| <= sqrt(n) |x - y|_2: the sum gets sqrt(n) times the norm's tolerance.
+        for f, r, tol in ((sum_f, sum_r, scale * a.rtol * a.numel**0.5), (norm_f, norm_r, scale * a.rtol)):
+            if not (abs(f - r) <= tol or not (math.isfinite(f) or math.isfinite(r))):
+                differing.append(i)
+                break
+    return differing
+
+
+def check_same_values(
+    name: str,
+    forward: Sequence[Digest | None],
+    recomputed: Sequence[Digest | None],
+    traces: tuple[Sequence[str], Sequence[str]] | None,
+) -> None:
+    """Raise :class:`CheckpointError` if a recomputed output's values differ from the forward run's."""
+    differing = _differing(forward, recomputed)
+    if not differing:
+        return
+    i = differing[0]
+    a, b = forward[i], recomputed[i]
+    assert a is not None and b is not None
+    (s_f, n_f), (s_r, n_r) = a.stats.tolist(), b.stats.tolist()
+    message = (
+        f"remat({name}): the recomputation during the backward pass did not reproduce the forward pass: "
+        f"output tensor {i} has other values (sum {s_f:.6g}, norm {n_f:.6g} in the forward pass; "
+        f"sum {s_r:.6g}, norm {n_r:.6g} in the recomputation)"
+        + (f", and {len(differing) - 1} more output(s) differ" if len(differing) > 1 else "")
+        + ". The gradient would be that of another computation. The function must compute the same "
+        "thing when called again with the same inputs: it may depend on state that changed between the "
+        "forward and the backward pass (a counter, an iterator, a global, a module attribute), read an "
+        "input that was modified in place after the call, or draw random numbers from a generator remat "
+        "cannot see (pass it as an argument). Pass determinism_check='none' to skip this check."
     )
     if traces is None:
         message += " Pass debug=True to see the operators each run executed."

@@ -8,10 +8,12 @@ original keys, ``load_state_dict`` accepts the original checkpoint, and
 
 An ``nn.Sequential`` is checkpointed in segments instead of as one region:
 with ``k`` segments (default about ``sqrt(len)``, the sublinear-memory choice
-of Chen et al. 2016) the first ``k - 1`` are remat'd and the last runs plainly,
-as ``torch.utils.checkpoint.checkpoint_sequential`` does. Between forward and
-backward only the segments' inputs are kept; the backward pass recomputes one
-segment at a time.
+of Chen et al. 2016) every segment is remat'd, the last included, so
+``remat(m)`` never keeps the internals of any part of ``m`` (a two-layer
+Sequential inside a larger network saves memory like any other remat'd
+module). ``checkpoint_sequential`` keeps PyTorch's semantics instead: its last
+segment runs plainly. Between forward and backward only the segments' inputs
+are kept; the backward pass recomputes one segment at a time.
 """
 
 from __future__ import annotations
@@ -74,15 +76,19 @@ def split(length: int, segments: int) -> list[tuple[int, int]]:
     return bounds + [((segments - 1) * size, length)]
 
 
-def run_in_segments(layers: Sequence[Any], segments: int, x: Any, options: RematOptions) -> Any:
-    """Run ``layers`` in order, remat'ing all but the last of ``segments`` chunks."""
+def run_in_segments(
+    layers: Sequence[Any], segments: int, x: Any, options: RematOptions, *, checkpoint_last: bool
+) -> Any:
+    """Run ``layers`` in order in ``segments`` remat'd chunks; the last one plainly unless ``checkpoint_last``."""
     from ._transform import call
 
     ranges = split(len(layers), segments)
-    for a, b in ranges[:-1]:
+    remat_ranges = ranges if checkpoint_last else ranges[:-1]
+    for a, b in remat_ranges:
         x = call(_Chain(list(layers[a:b])), options, (x,), {})
-    for f in layers[ranges[-1][0] :] if ranges else ():
-        x = f(x)
+    if not checkpoint_last:
+        for f in layers[ranges[-1][0] :] if ranges else ():
+            x = f(x)
     return x
 
 
@@ -100,7 +106,7 @@ class _Chain:
 
 
 class RematSequential(Remat):
-    """An ``nn.Sequential`` checkpointed segment by segment (the last segment plainly).
+    """An ``nn.Sequential`` checkpointed segment by segment, every segment (the last included).
 
     The layers are read at every call, so replacing a layer of the wrapped
     ``Sequential`` afterwards is seen.
@@ -116,7 +122,9 @@ class RematSequential(Remat):
         return min(n, self.requested_segments or default_segments(n)) if n else 0
 
     def forward(self, x: Any) -> Any:
-        return run_in_segments(list(self.wrapped), self.num_segments or 1, x, self._remat_options)
+        return run_in_segments(
+            list(self.wrapped), self.num_segments or 1, x, self._remat_options, checkpoint_last=True
+        )
 
     # Read like the Sequential it wraps: len(m), m[i], for layer in m.
     def __len__(self) -> int:

@@ -37,9 +37,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ._errors import CheckpointError
+from ._internals import bottom, storage_of
 from .policies import CHECKPOINT_NAME, excluded_names, uses_names
 
-_C = torch._C._functorch
 
 
 # Not numbered: autograd dispatches a detach when it saves an op's output for
@@ -99,14 +99,6 @@ def clone_together(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
             copies[key] = t.untyped_storage().clone()
         out.append(torch.empty(0, dtype=t.dtype, device=t.device).set_(copies[key], t.storage_offset(), t.size(), t.stride()))
     return out
-
-
-def storage_of(t: torch.Tensor) -> int | None:
-    """Identity of ``t``'s storage (``None`` for tensors without one, such as batched ones)."""
-    try:
-        return t.untyped_storage().data_ptr()
-    except (RuntimeError, NotImplementedError):
-        return None
 
 
 def _cacheable(op: Any) -> bool:
@@ -255,13 +247,6 @@ def _detached(out: Any) -> Any:
 
 def _versions(out: Any) -> list[int]:
     return [t._version for t in _tensors(out)]
-
-
-def bottom(x: torch.Tensor) -> torch.Tensor:
-    """The plain tensor under any functorch wrappers (what dispatch modes see)."""
-    while _C.is_functorch_wrapped_tensor(x):
-        x = _C.get_unwrapped(x)
-    return x
 
 
 class _Active(threading.local):

@@ -45,11 +45,12 @@ from ._capture import (
 from ._errors import (
     DETERMINISM_CHECKS,
     CheckpointError,
+    Digest,
     OpTrace,
-    check_same_graph,
     check_same_outputs,
+    check_same_values,
     debug_enabled,
-    graph_fingerprint,
+    digest,
     tensor_meta,
 )
 from ._modules import Remat, RematSequential
@@ -314,6 +315,12 @@ def _forward_mode_active() -> bool:
     return fwAD._current_level >= 0 or any(i.key() == torch._C._functorch.TransformType.Jvp for i in stack)
 
 
+def _default_device() -> torch.device | None:
+    """The device factory functions use now (``with torch.device(...)``), if torch can say."""
+    get = getattr(torch, "get_default_device", None)  # torch >= 2.3
+    return get() if get is not None else None
+
+
 def _two_contexts(context_fn: Callable[[], tuple[Any, Any]], name: str) -> tuple[Any, Any]:
     contexts = context_fn()
     if not (isinstance(contexts, tuple) and len(contexts) == 2):
@@ -350,7 +357,9 @@ class UserRegion(Region):
         self._originals = {id(t): t for t in captured.tensors}
         # Like torch.utils.checkpoint, the forward run executes with the caller's grad mode.
         self.caller_grad_enabled = torch.is_grad_enabled()
-        self.forward_graph: tuple[list[bool], list[str]] | None = None
+        self.out_digest: list[Digest | None] = []
+        self.values_reproducible = True
+        self.default_device: torch.device | None = None
         self.snapshots: dict[int, torch.Tensor] = {}  # input index -> its value before the forward wrote it
         self.out_slots: TreeSlots | None = None
         self.out_meta: list[tuple[Any, ...]] = []
@@ -418,25 +427,6 @@ class UserRegion(Region):
             if grad_forward and "leaf Variable that requires grad is being used in an in-place" in str(e):
                 raise _in_place_error(self.name) from e
             raise
-
-    def _check_same_graph(
-        self,
-        forward: bool,
-        plain_autograd: bool,
-        flat: tuple[torch.Tensor, ...],
-        outputs: list[torch.Tensor],
-        trace: OpTrace | None,
-    ) -> None:
-        """Compare the autograd graphs of the forward run and a recomputation (plain autograd only)."""
-        if self.options.determinism_check != "default" or not plain_autograd:
-            return
-        pattern = [t.requires_grad for t in flat]
-        if forward:
-            if any(pattern):
-                self.forward_graph = (pattern, graph_fingerprint(outputs, flat))
-        elif self.forward_graph is not None and self.forward_graph[0] == pattern:
-            traces = (self.forward_trace or [], trace.lines) if trace is not None else None
-            check_same_graph(self.name, self.forward_graph[1], graph_fingerprint(outputs, flat), traces)
 
     def _check_captures_unchanged(self) -> None:
         changed = changed_captures(self.fn, self.captured)
@@ -585,8 +575,15 @@ class UserRegion(Region):
                     self.rng = _rng.capture(flat, self.generators)
                 elif self.rng is not None:
                     stack.enter_context(_rng.replay(self.rng))
-            if forward or mapping:
-                stack.enter_context(Substitute(mapping, flat, forward, self.name, first_node))
+            if forward:
+                self.default_device = _default_device()
+            elif self.default_device is not None and self.default_device != _default_device():
+                # The caller's ``with torch.device(...)`` is not in force where the
+                # autograd engine runs the backward (a device thread, for instance).
+                stack.enter_context(torch.device(self.default_device))
+            substitute = Substitute(mapping, flat, forward, self.name, first_node) if forward or mapping else None
+            if substitute is not None:
+                stack.enter_context(substitute)
             if forward:
                 # With a policy, the recorder watches input writes too: one dispatch mode, not two.
                 # Without one, a watch is needed only for non-differentiable inputs (writes to
@@ -608,8 +605,9 @@ class UserRegion(Region):
                 self._refuse_stored_tensors()
         if forward and self.saved is not None:
             self.saved.finish_forward(tuple(tensors))
-        graph_outputs = tensors
-        if grad_forward and foreign_in_graph(tensors, flat, first_node):
+        if forward and substitute is not None and substitute.uninitialized:
+            self.values_reproducible = False
+        if grad_forward and substitute is not None and foreign_in_graph(tensors, flat, first_node, substitute.inside):
             raise CheckpointError(
                 f"remat({self.name}): a differentiable tensor reached the function's result without being "
                 "routed through remat: typically a closure or global tensor passed straight to a custom "
@@ -621,6 +619,8 @@ class UserRegion(Region):
         if forward:
             self.out_slots = slots
             self.out_meta = [tensor_meta(t) for t in tensors]
+            if self._compares_values():
+                self.out_digest = digest(tensors)
             self.forward_trace = trace.lines if trace is not None else None
         elif self.options.determinism_check == "default":
             assert self.out_slots is not None
@@ -632,5 +632,11 @@ class UserRegion(Region):
                     "Pass determinism_check='none' to skip this check."
                 )
             check_same_outputs(self.name, self.out_meta, tensors, traces)
-        self._check_same_graph(forward, plain_autograd, flat, graph_outputs, trace)
+            if self._compares_values():
+                check_same_values(self.name, self.out_digest, digest(tensors), traces)
         return tuple(tensors)
+
+    def _compares_values(self) -> bool:
+        """Compare output values too? Not when random operators are allowed to draw anew,
+        nor when the forward run read memory it allocated uninitialized."""
+        return self.options.determinism_check == "default" and self.options.preserve_rng_state and self.values_reproducible

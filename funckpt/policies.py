@@ -38,8 +38,9 @@ This mirrors ``jax.checkpoint_policies``; :func:`from_torch` adapts a
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, TypeVar
 
+import optree
 import torch
 
 __all__ = [
@@ -58,6 +59,7 @@ __all__ = [
 ]
 
 Policy = Callable[..., bool]
+T = TypeVar("T")
 
 aten = torch.ops.aten
 
@@ -141,15 +143,29 @@ def dots_saveable(op: Any, *args: Any, **kwargs: Any) -> bool:
 def dots_with_no_batch_dims_saveable(op: Any, *args: Any, **kwargs: Any) -> bool:
     """Keep the results of matrix multiplies without batch dimensions (``mm``, ``addmm``, ``mv``, ...).
 
-    Batched products (``bmm``, attention scores) are recomputed, as in JAX.
+    Batched products (``bmm``, attention scores) are recomputed, as in JAX. A
+    ``bmm`` whose batch has one element is a product without batch dimensions:
+    torch lowers ``einsum('ij,jk->ik', a, b)`` to one, and JAX keeps it.
 
         >>> import torch
         >>> dots_with_no_batch_dims_saveable(torch.ops.aten.mm.default)
         True
-        >>> dots_with_no_batch_dims_saveable(torch.ops.aten.bmm.default)
+        >>> dots_with_no_batch_dims_saveable(torch.ops.aten.bmm.default, torch.ones(4, 2, 2), torch.ones(4, 2, 2))
         False
+        >>> dots_with_no_batch_dims_saveable(torch.ops.aten.bmm.default, torch.ones(1, 2, 3), torch.ones(1, 3, 2))
+        True
     """
-    return getattr(op, "overloadpacket", None) in _DOTS_NO_BATCH
+    packet = getattr(op, "overloadpacket", None)
+    if packet in _DOTS_NO_BATCH:
+        return True
+    if packet in _SINGLE_BATCH_DOTS:
+        # bmm(a, b) / baddbmm(c, a, b): the batch is the leading dimension of the matrices.
+        matrices = [a for a in args if isinstance(a, torch.Tensor) and a.dim() == 3]
+        return bool(matrices) and all(a.shape[0] == 1 for a in matrices)
+    return False
+
+
+_SINGLE_BATCH_DOTS = _packets("bmm", "baddbmm")
 
 
 # These decide by operator alone: naming a value changes nothing for them, so
@@ -304,8 +320,11 @@ def is_policy_factory(obj: Any) -> bool:
     )
 
 
-def checkpoint_name(x: torch.Tensor, name: str) -> torch.Tensor:
+def checkpoint_name(x: T, name: str) -> T:
     """Return ``x`` unchanged, tagged ``name`` for the name-based policies.
+
+    ``x`` is a tensor or a pytree of them (optree: tuples, lists, dicts, ...):
+    every tensor leaf is tagged, as ``jax.ad_checkpoint.checkpoint_name`` does.
 
     Inside a remat'd function whose policy keeps ``name``, the operator that
     produced ``x`` is not executed again during recomputation. Outside remat
@@ -319,9 +338,17 @@ def checkpoint_name(x: torch.Tensor, name: str) -> torch.Tensor:
     """
     if not isinstance(name, str):
         raise TypeError(f"checkpoint_name: name must be a string, got {name!r}")
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"checkpoint_name: x must be a tensor, got {type(x).__name__}")
     from ._saving import note_name
 
-    note_name(x, name)
+    if isinstance(x, torch.Tensor):
+        note_name(x, name)
+        return x
+    leaves = optree.tree_leaves(x, none_is_leaf=False, namespace="funckpt")
+    tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
+    if not tensors:
+        raise TypeError(
+            f"checkpoint_name: x must be a tensor or a pytree of tensors, got {type(x).__name__} with no tensor in it"
+        )
+    for t in tensors:
+        note_name(t, name)
     return x

@@ -217,14 +217,16 @@ def test_no_grad_call_records_nothing():
 
 
 def test_forward_keeps_nothing_but_its_output_under_backward():
-    """The forward run's local graph is dropped: the step holds only its output (and the RNG state)."""
+    """The forward run's local graph is dropped: the step holds only its output (and the RNG state,
+    and the determinism check's digest of the output: two float64 numbers)."""
     from benchmarks._common import held_bytes
 
     w, x = _leaf(torch.randn(64, 64, dtype=D)), _leaf(torch.randn(256, 64, dtype=D))
     out_bytes = x.numel() * x.element_size()
     rng_bytes = torch.get_rng_state().numel()
+    digest_bytes = 2 * 8
     held = held_bytes(lambda: remat(block)(w, x))
-    assert held <= out_bytes + rng_bytes, (held, out_bytes, rng_bytes)
+    assert held <= out_bytes + rng_bytes + digest_bytes, (held, out_bytes, rng_bytes)
     plain = held_bytes(lambda: block(w, x))
     assert plain > held
 

@@ -140,7 +140,7 @@ def test_recomputation_computing_something_else_with_same_shapes_raises():
 
     x = X.clone().requires_grad_()
     y = remat(f)(x)
-    with pytest.raises(CheckpointError, match="autograd recorded 3 operations in the forward pass, 2"):
+    with pytest.raises(CheckpointError, match="output tensor 0 has other values"):
         y.sum().backward()
 
 

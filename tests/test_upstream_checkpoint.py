@@ -575,8 +575,9 @@ def test_upstream_checkpoint_detects_non_determinism_different_number_saved():
 
     # Save fewer tensors during recompute
     fn = _get_non_det_fn(orig_fn=_save_3_tensors, recompute_fn=_save_2_tensors)
-    # Adapted: upstream matches torch's message "A different number of tensors was saved".
-    with pytest.raises(CheckpointError, match="autograd recorded 3 operations in the forward pass, 2"):
+    # Adapted: upstream matches torch's message "A different number of tensors was saved";
+    # funckpt compares what the recomputation computes, and it computes other values.
+    with pytest.raises(CheckpointError, match="did not reproduce the forward pass: output tensor 0 has other values"):
         out = checkpoint(fn, a, use_reentrant=False)
         out.backward()
 
