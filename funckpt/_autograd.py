@@ -369,7 +369,12 @@ class _RematFunction(torch.autograd.Function):
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Tensors) -> None:
         region, *flat = inputs
         ctx.region = region
-        ctx.save_for_backward(*flat)
+        # Inputs no gradient flows into (buffers, masks, frozen weights, unused module
+        # state the function merely reaches) are saved as fresh aliases: same storage,
+        # own version counter. A BatchNorm elsewhere bumping its statistics between
+        # forward and backward is then no error; a change that matters to the
+        # recomputation is caught by the determinism check, which compares values.
+        ctx.save_for_backward(*(t if t.requires_grad else _unversioned_alias(t) for t in flat))
         ctx.save_for_forward(*flat)
         top = peek_interpreter_stack()
         ctx.level = 0 if top is None else top.level()
@@ -430,6 +435,18 @@ class _RematFunction(torch.autograd.Function):
     def vmap(info: Any, in_dims: tuple[Any, ...], region: Region, *flat: torch.Tensor) -> tuple[Tensors, tuple[int, ...]]:
         outs = apply(VmapRegion(region, in_dims[1:], info.randomness), flat)
         return outs, (0,) * len(outs)
+
+
+def _unversioned_alias(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s data under a new tensor with its own version counter (``t`` itself where that cannot be)."""
+    if type(t) is not torch.Tensor or t.is_sparse or t.device.type == "meta":
+        return t
+    try:
+        return torch.empty(0, dtype=t.dtype, device=t.device).set_(
+            t.untyped_storage(), t.storage_offset(), t.size(), t.stride()
+        )
+    except (RuntimeError, NotImplementedError, TypeError):  # functorch wrappers, exotic layouts
+        return t
 
 
 def _as_view_of(base: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:

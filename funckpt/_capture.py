@@ -114,6 +114,10 @@ def find_captured(fn: Callable[..., Any]) -> Captured:
             modules.append((obj, named))
             for t in named.values():
                 found.setdefault(id(t), t)
+            for m in obj.modules():  # generators held as attributes (self.gen) are replayed too
+                for value in vars(m).values():
+                    if isinstance(value, torch.Generator):
+                        generators.setdefault(id(value), value)
             visit(type(obj).forward, depth + 1)
             return
         if isinstance(obj, functools.partial):

@@ -181,12 +181,12 @@ def check_same_outputs(
 # kernels on the same inputs usually reproduces the forward bit for bit; these leave
 # room for reduction-order differences (atomics, another kernel or decomposition).
 _RTOL = {
-    torch.float64: 1e-6,
-    torch.complex128: 1e-6,
-    torch.float32: 1e-3,
-    torch.complex64: 1e-3,
-    torch.float16: 3e-2,
-    torch.bfloat16: 3e-2,
+    torch.float64: 1e-10,
+    torch.complex128: 1e-10,
+    torch.float32: 1e-4,
+    torch.complex64: 1e-4,
+    torch.float16: 1e-2,
+    torch.bfloat16: 1e-2,
 }
 _RTOL_OTHER_FLOAT = 1e-1  # 8-bit floating-point types
 

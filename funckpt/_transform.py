@@ -249,15 +249,14 @@ skip_as_frame(call)
 @eager_under_compile
 def _call_eagerly(fn: Callable[..., Any], options: RematOptions, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     name = _callable_name(fn)
-    static = []
-    for i in options.static_argnums:
-        if not -len(args) <= i < len(args):
-            raise ValueError(
-                f"remat({name}): static_argnums={options.static_argnums} names argument {i}, "
-                f"but the function was called with {len(args)} positional arguments"
-            )
-        static.append(i % len(args))
-    arg_tensors, argspec = flatten_args(args, kwargs, tuple(static))
+    if _nothing_to_differentiate():
+        # Under no_grad or inference_mode with no transform: nothing will be
+        # recomputed, so remat is fn itself (a function that enables grad inside
+        # then records its graph, as it would without remat).
+        _check_static_argnums(name, options, args)
+        return fn(*args, **kwargs)
+    static = _check_static_argnums(name, options, args)
+    arg_tensors, argspec = flatten_args(args, kwargs, static)
 
     flat: list[torch.Tensor] = []
     slot_of: dict[int, int] = {}
@@ -275,7 +274,7 @@ def _call_eagerly(fn: Callable[..., Any], options: RematOptions, args: tuple[Any
     objects = [
         leaf
         for leaf in (*argspec.dynamic.leaves, *argspec.static.values())
-        if leaf is not None and not isinstance(leaf, (str, bytes, int, float, complex, torch.Generator))
+        if leaf is not None and not isinstance(leaf, (str, bytes, int, float, complex))
     ]
     captured = find_captured((fn, *objects) if objects else fn)
     captured_index = [slot(t) for t in captured.tensors]
@@ -296,6 +295,30 @@ def _call_eagerly(fn: Callable[..., Any], options: RematOptions, args: tuple[Any
     outs = apply(region, routed)
     assert region.out_slots is not None
     return region.out_slots.fill(outs)
+
+
+def _nothing_to_differentiate() -> bool:
+    """No grad mode, no torch.func transform, no forward-mode level: nothing to recompute for."""
+    import torch.autograd.forward_ad as fwAD
+
+    return (
+        not torch.is_grad_enabled()
+        and not torch._C._are_functorch_transforms_active()
+        and fwAD._current_level < 0
+    )
+
+
+def _check_static_argnums(name: str, options: RematOptions, args: tuple[Any, ...]) -> tuple[int, ...]:
+    """``static_argnums`` as non-negative positions, or a clear error if one is out of range."""
+    static = []
+    for i in options.static_argnums:
+        if not -len(args) <= i < len(args):
+            raise ValueError(
+                f"remat({name}): static_argnums={options.static_argnums} names argument {i}, "
+                f"but the function was called with {len(args)} positional arguments"
+            )
+        static.append(i % len(args))
+    return tuple(static)
 
 
 def _in_place_error(name: str) -> CheckpointError:
@@ -420,13 +443,35 @@ class UserRegion(Region):
 
         return WriteWatch(storages, before_write)
 
-    def _call_fn(self, args: tuple[Any, ...], kwargs: dict[str, Any], grad_forward: bool) -> Any:
+    def _call_fn(self, args: tuple[Any, ...], kwargs: dict[str, Any], forward: bool, grad_forward: bool) -> Any:
         try:
             return self.fn(*args, **kwargs)
+        except CheckpointError:
+            raise
         except RuntimeError as e:
             if grad_forward and "leaf Variable that requires grad is being used in an in-place" in str(e):
                 raise _in_place_error(self.name) from e
-            raise
+            if forward or isinstance(e, torch.OutOfMemoryError):
+                raise
+            raise self._recomputation_raised(e) from e
+        except Exception as e:
+            if forward:
+                raise
+            raise self._recomputation_raised(e) from e
+
+    def _recomputation_raised(self, e: Exception) -> CheckpointError:
+        """A CheckpointError that is also of ``e``'s type, so ``except type(e)`` still catches it."""
+        try:
+            kind = type(f"CheckpointError[{type(e).__name__}]", (CheckpointError, type(e)), {})
+        except TypeError:  # incompatible layouts: a plain CheckpointError, chained to e
+            kind = CheckpointError
+        return kind(
+            f"remat({self.name}): the recomputation during the backward pass raised {type(e).__name__}: {e} "
+            "where the forward pass did not. The function must compute the same thing when called again "
+            "with the same inputs: it may depend on state that changed between the forward and the backward "
+            "pass (an exhausted iterator or generator, a counter, a global, a module attribute). Pass such "
+            "values as tensors, or compute them outside the remat'd function."
+        )
 
     def _check_captures_unchanged(self) -> None:
         changed = changed_captures(self.fn, self.captured)
@@ -597,7 +642,7 @@ class UserRegion(Region):
                     self.saved.replayer(getattr(self.options.policy, "allow_cache_entry_mutation", False))
                 )
             trace = stack.enter_context(OpTrace()) if debug else None
-            out = self._call_fn(args, kwargs, grad_forward)
+            out = self._call_fn(args, kwargs, forward, grad_forward)
         tensors, slots = flatten(out)
         if forward:
             self._refuse_hidden_tensors(slots.leaves, plain_autograd)
