@@ -103,6 +103,10 @@ class Region:
     def release_kept(self) -> None:
         """Drop the values a saving policy kept; a later recomputation computes them again."""
 
+    def unchecked_inputs(self) -> set[int]:
+        """Inputs to save without a version check (unused, or restored from a copy)."""
+        return set()
+
 
 def _differentiable(t: torch.Tensor) -> bool:
     return t.is_floating_point() or t.is_complex()
@@ -111,6 +115,17 @@ def _differentiable(t: torch.Tensor) -> bool:
 def _grad_levels_active() -> bool:
     stack = torch._C._functorch.get_interpreter_stack() or []
     return any(i.key() == TransformType.Grad for i in stack)
+
+
+def _only_forward_levels_active() -> bool:
+    """Forward-mode levels (jvp) and no grad level: a jvp of this backward (jvp of grad, an HVP).
+
+    The vjp is then computed directly at the current stack, where the jvp levels see
+    every operation; remat'ing it as a VjpRegion gave wrong tangents when a plain
+    tensor requiring grad was among the primals.
+    """
+    stack = torch._C._functorch.get_interpreter_stack() or []
+    return any(i.key() == TransformType.Jvp for i in stack) and not any(i.key() == TransformType.Grad for i in stack)
 
 
 def _needs_graph(tensors: Sequence[torch.Tensor]) -> bool:
@@ -287,7 +302,7 @@ def _vjp_here(region: Region, primals: Tensors, cotangents: Tensors, needs: Sequ
     top = peek_interpreter_stack()
     if top is not None and top.key() == TransformType.Vmap and not any(_batched_at(p, top.level()) for p in primals):
         return _vjp_of_batched_cotangents(region, primals, cotangents, needs, VmapInterpreter(top))
-    if _needs_graph((*primals, *cotangents)):
+    if _needs_graph((*primals, *cotangents)) and not _only_forward_levels_active():
         grads = iter(apply(VjpRegion(region, len(primals), needs), (*primals, *cotangents)))
         return [next(grads) if need else None for need in needs]
     return vjp(region, primals, cotangents, needs, create_graph=False)
@@ -374,7 +389,10 @@ class _RematFunction(torch.autograd.Function):
         # own version counter. A BatchNorm elsewhere bumping its statistics between
         # forward and backward is then no error; a change that matters to the
         # recomputation is caught by the determinism check, which compares values.
-        ctx.save_for_backward(*(t if t.requires_grad else _unversioned_alias(t) for t in flat))
+        unchecked = region.unchecked_inputs()
+        ctx.save_for_backward(
+            *(t if t.requires_grad and i not in unchecked else _unversioned_alias(t) for i, t in enumerate(flat))
+        )
         ctx.save_for_forward(*flat)
         top = peek_interpreter_stack()
         ctx.level = 0 if top is None else top.level()
@@ -452,6 +470,8 @@ def _unversioned_alias(t: torch.Tensor) -> torch.Tensor:
 def _as_view_of(base: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:
     if base is None:
         return out
+    if base.dtype != out.dtype:  # a view with another dtype (x.view(torch.int64), .real): a copy
+        return out.clone()
     return base.as_strided(out.size(), out.stride(), out.storage_offset())
 
 

@@ -498,35 +498,44 @@ def has_tangent(t: torch.Tensor) -> bool:
         return fwAD.unpack_dual(t).tangent is not None
 
 
-def foreign_in_graph(
+def local_graph_leaves(
     outputs: list[torch.Tensor], leaves: tuple[torch.Tensor, ...], first_node: int, inside: set[int]
-) -> bool:
-    """Does the forward run's local graph reach anything but the region's own leaves?
+) -> tuple[bool, set[int]]:
+    """Walk the forward run's local graph: does it reach anything foreign, and which of ``leaves``?
 
-    An ``autograd.Function.apply`` bypasses torch-function modes, so a captured
-    tensor passed straight to one escapes substitution; its edge then leads to
-    a leaf that is not the region's, or into graph built before the run. Leaves
-    made inside the run (``inside``: a tensor created and then set to require
-    grad) are the run's own; their gradient stays local, as under
-    ``torch.utils.checkpoint``.
+    Foreign: an ``autograd.Function.apply`` bypasses torch-function modes, so a
+    captured tensor passed straight to one escapes substitution; its edge then
+    leads to a leaf that is not the region's, or into graph built before the
+    run. Leaves made inside the run (``inside``: a tensor created and then set
+    to require grad) are the run's own; their gradient stays local, as under
+    ``torch.utils.checkpoint``. The second result is the ids of the ``leaves``
+    the outputs depend on (the others are reachable but unused).
+
+    The walk holds every node it visited: a node's Python object may be made
+    afresh on each access, and a freed one's ``id`` reused by the next.
     """
-    known = {id(t) for t in leaves} | inside
-    seen: set[int] = set()
+    known = {id(t) for t in leaves}
+    reached: set[int] = set()
+    foreign = False
+    seen: dict[int, Any] = {}
     stack = [t.grad_fn for t in outputs if t.grad_fn is not None]
     while stack:
         node = stack.pop()
         if id(node) in seen:
             continue
-        seen.add(id(node))
+        seen[id(node)] = node
         variable = getattr(node, "variable", None)
         if variable is not None:  # AccumulateGrad
-            if id(variable) not in known:
-                return True
+            if id(variable) in known:
+                reached.add(id(variable))
+            elif id(variable) not in inside:
+                foreign = True
             continue
         if node._sequence_nr() < first_node:
-            return True
+            foreign = True
+            continue
         stack.extend(n for n, _ in node.next_functions if n is not None)
-    return False
+    return foreign, reached
 
 
 def next_sequence_nr() -> int:

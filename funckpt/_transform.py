@@ -27,7 +27,7 @@ from typing import Any, TypeVar, overload
 import torch
 from torch._C._functorch import peek_interpreter_stack
 
-from . import _autocast, _rng
+from . import _aliasing, _autocast, _rng
 from ._autograd import Phase, Region, apply, eager_under_compile
 from ._compile import can_lower, lowered_call, skip_as_frame
 from ._capture import (
@@ -36,7 +36,7 @@ from ._capture import (
     changed_captures,
     differentiable_input,
     find_captured,
-    foreign_in_graph,
+    local_graph_leaves,
     tensors_inside,
     next_sequence_nr,
     reparametrized,
@@ -294,7 +294,12 @@ def _call_eagerly(fn: Callable[..., Any], options: RematOptions, args: tuple[Any
     notify(region, tuple(routed))
     outs = apply(region, routed)
     assert region.out_slots is not None
-    return region.out_slots.fill(outs)
+    return region.out_slots.fill(_aliasing.rebuild(region.plan, outs, routed))
+
+
+def _vmap_active() -> bool:
+    stack = torch._C._functorch.get_interpreter_stack() or []
+    return any(i.key() == torch._C._functorch.TransformType.Vmap for i in stack)
 
 
 def _nothing_to_differentiate() -> bool:
@@ -336,6 +341,13 @@ def _forward_mode_active() -> bool:
 
     stack = torch._C._functorch.get_interpreter_stack() or []
     return fwAD._current_level >= 0 or any(i.key() == torch._C._functorch.TransformType.Jvp for i in stack)
+
+
+def _restored(t: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """``value``, with ``t``'s gradient connection when ``t`` is differentiable."""
+    if t.requires_grad or torch._C._functorch.is_functorch_wrapped_tensor(t):
+        return t + (value - t).detach()
+    return value
 
 
 def _default_device() -> torch.device | None:
@@ -382,6 +394,11 @@ class UserRegion(Region):
         self.caller_grad_enabled = torch.is_grad_enabled()
         self.out_digest: list[Digest | None] = []
         self.values_reproducible = True
+        self.unchecked: set[int] = set()  # inputs saved without a version check (see _autograd.setup_context)
+        # Outputs aliasing inputs or each other are rebuilt as views by the caller
+        # (_aliasing.py), except inside vmap, whose batched tensors have no storage.
+        self.views_outside = not _vmap_active()
+        self.plan: _aliasing.Plan | None = None
         self.default_device: torch.device | None = None
         self.snapshots: dict[int, torch.Tensor] = {}  # input index -> its value before the forward wrote it
         self.out_slots: TreeSlots | None = None
@@ -484,6 +501,9 @@ class UserRegion(Region):
                 "the gradient would be wrong. Pass such tensors to the remat'd function as arguments, or "
                 "do not rebind them before the backward pass."
             )
+
+    def unchecked_inputs(self) -> set[int]:
+        return self.unchecked
 
     def release_kept(self) -> None:
         if self.saved is not None:
@@ -598,7 +618,7 @@ class UserRegion(Region):
                 # Recompute from the values the forward run started from, on copies
                 # that alias each other as the inputs did.
                 copies = dict(zip(self.snapshots, clone_together(list(self.snapshots.values()))))
-                flat = tuple(copies.get(i, t) for i, t in enumerate(flat))
+                flat = tuple(_restored(t, copies[i]) if i in copies else t for i, t in enumerate(flat))
         args, kwargs = self.argspec.rebuild([flat[i] for i in self.arg_index])
         replace = {id(orig): flat[i] for orig, i in zip(self.captured.tensors, self.captured_index)}
         mapping = {k: v for k, v in replace.items() if v is not self._originals.get(k)}
@@ -652,13 +672,27 @@ class UserRegion(Region):
             self.saved.finish_forward(tuple(tensors))
         if forward and substitute is not None and substitute.uninitialized:
             self.values_reproducible = False
-        if grad_forward and substitute is not None and foreign_in_graph(tensors, flat, first_node, substitute.inside):
+        foreign, reached = (
+            local_graph_leaves(tensors, flat, first_node, substitute.inside)
+            if grad_forward and substitute is not None
+            else (False, None)
+        )
+        if reached is not None:
+            # Reachable but unused (other layers of a stage the function closes over):
+            # neither saved with a version check nor differentiated.
+            self.unchecked.update(i for i, t in enumerate(flat) if t.requires_grad and id(t) not in reached)
+        if foreign:
             raise CheckpointError(
                 f"remat({self.name}): a differentiable tensor reached the function's result without being "
                 "routed through remat: typically a closure or global tensor passed straight to a custom "
                 "autograd.Function (whose .apply remat cannot intercept). Its gradient would be missing. "
                 "Pass the tensor to the remat'd function as an argument."
             )
+        if forward:
+            self.plan = _aliasing.plan(flat, tensors, grad_forward) if self.views_outside and plain_autograd else None
+            if self.plan is not None:
+                self._snapshot_viewed_inputs(flat)
+        tensors = _aliasing.owned_outputs(self.plan, tensors)
         if grad_forward:  # drop the forward run's local graph
             tensors = [t.detach() if t.requires_grad else t for t in tensors]
         if forward:
@@ -680,6 +714,19 @@ class UserRegion(Region):
             if self._compares_values():
                 check_same_values(self.name, self.out_digest, digest(tensors), traces)
         return tuple(tensors)
+
+    def _snapshot_viewed_inputs(self, flat: tuple[torch.Tensor, ...]) -> None:
+        """Copy the differentiable inputs the caller gets views of: it may update them in place.
+
+        ``fn`` returning ``x[1:]`` hands the caller a view of ``x``; an in-place
+        update through it (allowed without remat) must not change what the
+        recomputation starts from. The copy replaces the version-counter check.
+        """
+        assert self.plan is not None
+        viewed = sorted({v.source for v in self.plan.views if v is not None and v.of_input})
+        fresh = [j for j in viewed if self.differentiable[j] and j not in self.snapshots]
+        self.snapshots.update(zip(fresh, clone_together([flat[j].detach() for j in fresh])))
+        self.unchecked.update(fresh)
 
     def _compares_values(self) -> bool:
         """Compare output values too? Not when random operators are allowed to draw anew,

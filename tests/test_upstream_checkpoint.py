@@ -319,8 +319,10 @@ def test_upstream_checkpoint_non_tensor_inputs_outputs():
     res[1].sum().backward(retain_graph=True)
     res[4].sum().backward(retain_graph=True)
     res[6].sum().backward()
-    with pytest.raises(RuntimeError, match="Trying to backward through the graph a second time"):
-        res[6].sum().backward()
+    # Adapted: upstream's reentrant checkpoint returns t1 through its Function, so a second
+    # backward through res[6] raises. funckpt returns an input returned unchanged as the input
+    # itself, as torch's non-reentrant checkpoint and the function without checkpointing do.
+    assert res[6] is t1
     t1_grad = t1.grad
     t2_grad = t2.grad
 

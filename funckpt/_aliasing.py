@@ -1,0 +1,161 @@
+"""Outputs that alias an input or each other: rebuilt as views outside the autograd Function.
+
+A custom ``autograd.Function`` cannot tell autograd that its outputs alias each
+other, and an output that is a view of an input becomes a view "created in a
+custom Function", which autograd refuses to modify in place. Without remat,
+``fn`` returning ``x[0]``, ``x.view(torch.int64)``, ``(h, h[:, 0])`` or
+``(a, a)`` gives the caller real views: in-place updates propagate, and
+gradients flow through the view relations.
+
+So the forward run classifies each output by storage (:func:`plan`):
+
+* **owned**: an output of the Function, as usual;
+* **a view of input j**: not an output of the Function; the caller gets the
+  same view of its own tensor ``j`` (the tensor itself when the view is the
+  whole of it), so autograd records a view of the caller's tensor;
+* **a view of owned output r**: not an output of the Function either; the
+  caller gets that view of the Function's output ``r``;
+* **a copy**: two outputs that are both views of an internal tensor neither of
+  them is; values and gradients are right, in-place aliasing between them is
+  not kept.
+
+Views are rebuilt with ``as_strided`` on the same storage (after
+``view_as_real``/``view_as_complex``/``view(dtype)`` when the dtype differs),
+so any view the function made, however it made it, is reproduced. The
+recomputation returns the owned outputs only, at the positions the forward run
+chose. This runs where the forward run is plain autograd and the caller is not
+inside ``vmap`` (whose batched tensors have no storage to view); elsewhere every
+output is owned and the Function itself makes input views (``_autograd.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from ._internals import bottom, storage_of
+
+
+@dataclass(frozen=True)
+class View:
+    """Output rebuilt as ``source.as_strided(size, stride, offset)`` in ``dtype``."""
+
+    source: int  # an input index ("input") or an owned output's position ("output")
+    of_input: bool
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int
+    dtype: torch.dtype
+    differentiable: bool
+    whole: bool  # same geometry and dtype as the source: the source itself
+
+
+@dataclass(frozen=True)
+class Plan:
+    """For each output position: ``None`` (owned, or copied) or the :class:`View` rebuilding it."""
+
+    views: tuple[View | None, ...]
+    owned: tuple[int, ...]  # positions of the Function's outputs
+    copied: frozenset[int]  # positions returned as copies
+
+
+def _geometry(t: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...], int]:
+    return tuple(t.size()), tuple(t.stride()), t.storage_offset()
+
+
+def _view(source: int, of_input: bool, out: torch.Tensor, base: torch.Tensor, differentiable: bool) -> View:
+    size, stride, offset = _geometry(out)
+    whole = (size, stride, offset) == _geometry(base) and out.dtype == base.dtype
+    return View(source, of_input, size, stride, offset, out.dtype, differentiable, whole)
+
+
+def plan(inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor], grad_recorded: bool) -> Plan | None:
+    """How to return ``outputs`` (plain tensors of the forward run); ``None`` if nothing aliases.
+
+    ``grad_recorded``: the run recorded a local graph, so an output's
+    ``requires_grad`` says whether it is differentiable (a ``detach()``ed view is not).
+    """
+    input_of: dict[int, int] = {}
+    for j, t in enumerate(inputs):
+        key = storage_of(t)
+        if key is not None:
+            input_of.setdefault(key, j)
+    groups: dict[int, list[int]] = {}
+    for i, o in enumerate(outputs):
+        key = storage_of(o)
+        if key is not None:
+            groups.setdefault(key, []).append(i)
+    if not any(key in input_of or len(members) > 1 for key, members in groups.items()):
+        return None
+    views: list[View | None] = [None] * len(outputs)
+    copied: set[int] = set()
+    for key, members in groups.items():
+        if key in input_of:
+            j = input_of[key]
+            for i in members:
+                o = outputs[i]
+                differentiable = o.requires_grad if grad_recorded else (o.is_floating_point() or o.is_complex())
+                views[i] = _view(j, True, o, inputs[j], differentiable)
+            continue
+        if len(members) == 1:
+            continue
+        roots = [i for i in members if outputs[i]._base is None]
+        if not roots:  # views of an internal tensor none of them is
+            copied.update(members[1:])
+            continue
+        r = roots[0]
+        for i in members:
+            if i != r:
+                o = outputs[i]
+                differentiable = o.requires_grad if grad_recorded else (o.is_floating_point() or o.is_complex())
+                views[i] = _view(r, False, o, outputs[r], differentiable)
+    owned = tuple(i for i, v in enumerate(views) if v is None)
+    return Plan(tuple(views), owned, frozenset(copied))
+
+
+def owned_outputs(p: Plan | None, outputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """The Function's outputs: the owned ones, copies made where planned."""
+    if p is None:
+        return list(outputs)
+    return [outputs[i].clone() if i in p.copied else outputs[i] for i in p.owned]
+
+
+def rebuild(p: Plan | None, owned: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Every output, from the Function's ``owned`` outputs and the caller's ``inputs``."""
+    if p is None:
+        return list(owned)
+    full: list[torch.Tensor | None] = [None] * len(p.views)
+    for i, o in zip(p.owned, owned):
+        full[i] = o
+    for i, v in enumerate(p.views):
+        if v is None:
+            continue
+        base = inputs[v.source] if v.of_input else full[v.source]
+        assert base is not None
+        full[i] = _make_view(base, v)
+    return full  # type: ignore[return-value]
+
+
+def _make_view(base: torch.Tensor, v: View) -> torch.Tensor:
+    if v.whole:
+        out = base
+    elif base.dtype == v.dtype:
+        out = base.as_strided(v.size, v.stride, v.offset)
+    else:
+        out = _reinterpret(base, v.dtype).as_strided(v.size, v.stride, v.offset)
+    if not v.differentiable and out.requires_grad:
+        out = out.detach()
+    return out
+
+
+def _reinterpret(base: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The whole storage under ``base`` as a flat tensor of ``dtype`` (a view, differentiable where torch allows)."""
+    n = bottom(base).untyped_storage().nbytes() // base.element_size()
+    flat = base.as_strided((n,), (1,), 0)
+    if flat.is_complex() and not torch.empty(0, dtype=dtype).is_complex() and flat.real.dtype == dtype:
+        return torch.view_as_real(flat).reshape(-1)
+    if not flat.is_complex() and torch.empty(0, dtype=dtype).is_complex() and torch.empty(0, dtype=dtype).real.dtype == flat.dtype:
+        return torch.view_as_complex(flat.reshape(-1, 2))
+    return flat.view(dtype)
