@@ -107,6 +107,10 @@ class Region:
         """Inputs to save without a version check (unused, or restored from a copy)."""
         return set()
 
+    def constant_outputs(self) -> set[int]:
+        """Outputs known not to depend differentiably on any input (``x.detach() * 2``)."""
+        return set()
+
 
 def _differentiable(t: torch.Tensor) -> bool:
     return t.is_floating_point() or t.is_complex()
@@ -176,6 +180,9 @@ class VjpRegion(Region):
     def __init__(self, base: Region, n_primals: int, needs: Sequence[bool]) -> None:
         self.base, self.n, self.needs = base, n_primals, tuple(needs)
         self.name = base.name
+        # Positions (among the needed gradients) the outputs do not depend on, as the
+        # forward run found: a Function cannot return None, so the caller restores it.
+        self.unused: set[int] = set()
 
     def release_kept(self) -> None:
         self.base.release_kept()
@@ -183,11 +190,10 @@ class VjpRegion(Region):
     def run(self, flat: Tensors, phase: Phase) -> Tensors:
         primals, cotangents = flat[: self.n], flat[self.n :]
         grads = vjp(self.base, primals, cotangents, self.needs, create_graph=_needs_graph(flat))
-        return tuple(
-            torch.zeros_like(p) if g is None else g
-            for p, g, need in zip(primals, grads, self.needs)
-            if need
-        )
+        needed = [(p, g) for p, g, need in zip(primals, grads, self.needs) if need]
+        if phase is Phase.FORWARD:
+            self.unused = {k for k, (_, g) in enumerate(needed) if g is None}
+        return tuple(torch.zeros_like(p) if g is None else g for p, g in needed)
 
 
 class JvpRegion(Region):
@@ -303,8 +309,13 @@ def _vjp_here(region: Region, primals: Tensors, cotangents: Tensors, needs: Sequ
     if top is not None and top.key() == TransformType.Vmap and not any(_batched_at(p, top.level()) for p in primals):
         return _vjp_of_batched_cotangents(region, primals, cotangents, needs, VmapInterpreter(top))
     if _needs_graph((*primals, *cotangents)) and not _only_forward_levels_active():
-        grads = iter(apply(VjpRegion(region, len(primals), needs), (*primals, *cotangents)))
-        return [next(grads) if need else None for need in needs]
+        vjp_region = VjpRegion(region, len(primals), needs)
+        grads = iter(apply(vjp_region, (*primals, *cotangents)))
+        needed = [next(grads) if need else None for need in needs]
+        positions = [i for i, need in enumerate(needs) if need]
+        for k in vjp_region.unused:  # unused inputs get None, as torch.autograd.grad(allow_unused=True) says
+            needed[positions[k]] = None
+        return needed
     return vjp(region, primals, cotangents, needs, create_graph=False)
 
 
@@ -396,8 +407,9 @@ class _RematFunction(torch.autograd.Function):
         ctx.save_for_forward(*flat)
         top = peek_interpreter_stack()
         ctx.level = 0 if top is None else top.level()
-        ctx.output_differentiable = [_differentiable(o) for o in output]
-        non_diff = [o for o in output if not _differentiable(o)]
+        constant = region.constant_outputs()
+        ctx.output_differentiable = [_differentiable(o) and i not in constant for i, o in enumerate(output)]
+        non_diff = [o for o, d in zip(output, ctx.output_differentiable) if not d]
         if non_diff:
             ctx.mark_non_differentiable(*non_diff)
 

@@ -494,8 +494,11 @@ def has_tangent(t: torch.Tensor) -> bool:
     """
     if fwAD._current_level < 0:
         return False
-    with _set_fwd_grad_enabled(True):
-        return fwAD.unpack_dual(t).tangent is not None
+    try:
+        with _set_fwd_grad_enabled(True):
+            return fwAD.unpack_dual(t).tangent is not None
+    except RuntimeError:  # inside vmap: no batching rule for _unpack_dual; assume it may carry one
+        return _C.is_functorch_wrapped_tensor(t)
 
 
 def local_graph_leaves(

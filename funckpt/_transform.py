@@ -394,6 +394,7 @@ class UserRegion(Region):
         self.caller_grad_enabled = torch.is_grad_enabled()
         self.out_digest: list[Digest | None] = []
         self.values_reproducible = True
+        self.constant: set[int] = set()  # outputs that did not require grad in the forward run's graph
         self.unchecked: set[int] = set()  # inputs saved without a version check (see _autograd.setup_context)
         # Outputs aliasing inputs or each other are rebuilt as views by the caller
         # (_aliasing.py), except inside vmap, whose batched tensors have no storage.
@@ -504,6 +505,9 @@ class UserRegion(Region):
 
     def unchecked_inputs(self) -> set[int]:
         return self.unchecked
+
+    def constant_outputs(self) -> set[int]:
+        return self.constant
 
     def release_kept(self) -> None:
         if self.saved is not None:
@@ -693,6 +697,8 @@ class UserRegion(Region):
             if self.plan is not None:
                 self._snapshot_viewed_inputs(flat)
         tensors = _aliasing.owned_outputs(self.plan, tensors)
+        if grad_forward:
+            self.constant = {i for i, t in enumerate(tensors) if not t.requires_grad}
         if grad_forward:  # drop the forward run's local graph
             tensors = [t.detach() if t.requires_grad else t for t in tensors]
         if forward:
