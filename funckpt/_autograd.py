@@ -44,8 +44,9 @@ so Dynamo does not trace the argument flattening and closure discovery either.
 
 from __future__ import annotations
 
+import contextlib
 import enum
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -251,7 +252,8 @@ def vjp(
         # result can be differentiated again.
         with torch.enable_grad():
             leaves = tuple(_local_leaf(p, i in wrt, create_graph) for i, p in enumerate(primals))
-            outs = region.run(leaves, Phase.RECOMPUTE)
+            with _outside_legacy_vmap():
+                outs = region.run(leaves, Phase.RECOMPUTE)
             pairs = [(o, c) for o, c in zip(outs, cotangents) if o.requires_grad]
             if not pairs:
                 return [None] * len(primals)
@@ -296,6 +298,31 @@ def _recompute_of(
     return f
 
 
+def _in_legacy_vmap() -> bool:
+    """Inside autograd's own vmap mode (``is_grads_batched=True``), which batches the cotangents."""
+    depth = torch._C._vmapmode_increment_nesting() - 1
+    torch._C._vmapmode_decrement_nesting()
+    return depth > 0
+
+
+@contextlib.contextmanager
+def _outside_legacy_vmap() -> Iterator[None]:
+    """Leave autograd's own vmap mode (``torch.autograd.grad(..., is_grads_batched=True)``) for the body.
+
+    That mode batches the cotangents only; the recomputation runs on unbatched
+    primals, where random operators (dropout) are allowed and replay exactly.
+    """
+    depth = torch._C._vmapmode_increment_nesting() - 1
+    torch._C._vmapmode_decrement_nesting()
+    for _ in range(depth):
+        torch._C._vmapmode_decrement_nesting()
+    try:
+        yield
+    finally:
+        for _ in range(depth):
+            torch._C._vmapmode_increment_nesting()
+
+
 def _local_leaf(p: torch.Tensor, wrt: bool, create_graph: bool) -> torch.Tensor:
     if create_graph and p.requires_grad:
         return p.view_as(p) if wrt else p
@@ -308,7 +335,8 @@ def _vjp_here(region: Region, primals: Tensors, cotangents: Tensors, needs: Sequ
     top = peek_interpreter_stack()
     if top is not None and top.key() == TransformType.Vmap and not any(_batched_at(p, top.level()) for p in primals):
         return _vjp_of_batched_cotangents(region, primals, cotangents, needs, VmapInterpreter(top))
-    if _needs_graph((*primals, *cotangents)) and not _only_forward_levels_active():
+    needs_graph = _needs_graph((*primals, *cotangents))
+    if needs_graph and not _only_forward_levels_active() and not _in_legacy_vmap():
         vjp_region = VjpRegion(region, len(primals), needs)
         grads = iter(apply(vjp_region, (*primals, *cotangents)))
         needed = [next(grads) if need else None for need in needs]
@@ -316,7 +344,8 @@ def _vjp_here(region: Region, primals: Tensors, cotangents: Tensors, needs: Sequ
         for k in vjp_region.unused:  # unused inputs get None, as torch.autograd.grad(allow_unused=True) says
             needed[positions[k]] = None
         return needed
-    return vjp(region, primals, cotangents, needs, create_graph=False)
+    # Not remat'd (nothing to differentiate, or a case above): directly, differentiable if need be.
+    return vjp(region, primals, cotangents, needs, create_graph=needs_graph and _in_legacy_vmap())
 
 
 def _batched_at(t: torch.Tensor, level: int) -> bool:
@@ -401,9 +430,17 @@ class _RematFunction(torch.autograd.Function):
         # forward and backward is then no error; a change that matters to the
         # recomputation is caught by the determinism check, which compares values.
         unchecked = region.unchecked_inputs()
-        ctx.save_for_backward(
-            *(t if t.requires_grad and i not in unchecked else _unversioned_alias(t) for i, t in enumerate(flat))
-        )
+        saved: list[torch.Tensor | None] = []
+        ctx.unsaved = {}  # index -> tensor kept without save_for_backward (no version check)
+        for i, t in enumerate(flat):
+            if t.requires_grad and i not in unchecked:
+                saved.append(t)
+                continue
+            alias = _unversioned_alias(t)
+            if alias is None:  # a functorch wrapper: kept as it is, outside the version check
+                ctx.unsaved[i] = t
+            saved.append(alias)
+        ctx.save_for_backward(*saved)
         ctx.save_for_forward(*flat)
         top = peek_interpreter_stack()
         ctx.level = 0 if top is None else top.level()
@@ -417,7 +454,7 @@ class _RematFunction(torch.autograd.Function):
     @eager_under_compile
     def backward(ctx: Any, *cotangents: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         needs = ctx.needs_input_grad[1:]
-        primals = ctx.saved_tensors
+        primals = _saved_primals(ctx)
         if not any(needs):
             return (None,) * (1 + len(primals))
         region: Region = ctx.region
@@ -442,7 +479,7 @@ class _RematFunction(torch.autograd.Function):
 
     @staticmethod
     def jvp(ctx: Any, _region_tangent: Any, *tangents: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
-        primals = ctx.saved_tensors
+        primals = _saved_primals(ctx)
         region: Region = ctx.region
         tangents = tuple(torch.zeros_like(p) if t is None else t for p, t in zip(primals, tangents))
         interpreter = _own_live_level(ctx, TransformType.Jvp, primals)
@@ -467,16 +504,23 @@ class _RematFunction(torch.autograd.Function):
         return outs, (0,) * len(outs)
 
 
-def _unversioned_alias(t: torch.Tensor) -> torch.Tensor:
-    """``t``'s data under a new tensor with its own version counter (``t`` itself where that cannot be)."""
-    if type(t) is not torch.Tensor or t.is_sparse or t.device.type == "meta":
-        return t
+def _saved_primals(ctx: Any) -> Tensors:
+    saved = ctx.saved_tensors
+    if not ctx.unsaved:
+        return saved
+    return tuple(ctx.unsaved.get(i, t) for i, t in enumerate(saved))
+
+
+def _unversioned_alias(t: torch.Tensor) -> torch.Tensor | None:
+    """``t``'s data under a new tensor with its own version counter (``None`` where that cannot be)."""
+    if type(t) not in (torch.Tensor, torch.nn.Parameter) or t.is_sparse or t.device.type == "meta":
+        return t if not t.requires_grad else None
     try:
         return torch.empty(0, dtype=t.dtype, device=t.device).set_(
             t.untyped_storage(), t.storage_offset(), t.size(), t.stride()
         )
     except (RuntimeError, NotImplementedError, TypeError):  # functorch wrappers, exotic layouts
-        return t
+        return None
 
 
 def _as_view_of(base: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:
