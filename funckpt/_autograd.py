@@ -336,7 +336,12 @@ def _vjp_here(region: Region, primals: Tensors, cotangents: Tensors, needs: Sequ
     if top is not None and top.key() == TransformType.Vmap and not any(_batched_at(p, top.level()) for p in primals):
         return _vjp_of_batched_cotangents(region, primals, cotangents, needs, VmapInterpreter(top))
     needs_graph = _needs_graph((*primals, *cotangents))
-    if needs_graph and not _only_forward_levels_active() and not _in_legacy_vmap():
+    # Computed directly (not as a remat'd VjpRegion) where a transform of this backward
+    # must see its operations: a jvp level (jvp of grad), plain forward-mode AD around a
+    # create_graph backward, or autograd's vmap mode of is_grads_batched.
+    plain_forward_mode = peek_interpreter_stack() is None and fwAD._current_level >= 0
+    direct = _only_forward_levels_active() or _in_legacy_vmap() or plain_forward_mode
+    if needs_graph and not direct:
         vjp_region = VjpRegion(region, len(primals), needs)
         grads = iter(apply(vjp_region, (*primals, *cotangents)))
         needed = [next(grads) if need else None for need in needs]
@@ -344,8 +349,7 @@ def _vjp_here(region: Region, primals: Tensors, cotangents: Tensors, needs: Sequ
         for k in vjp_region.unused:  # unused inputs get None, as torch.autograd.grad(allow_unused=True) says
             needed[positions[k]] = None
         return needed
-    # Not remat'd (nothing to differentiate, or a case above): directly, differentiable if need be.
-    return vjp(region, primals, cotangents, needs, create_graph=needs_graph and _in_legacy_vmap())
+    return vjp(region, primals, cotangents, needs, create_graph=needs_graph and (plain_forward_mode or _in_legacy_vmap()))
 
 
 def _batched_at(t: torch.Tensor, level: int) -> bool:
@@ -384,6 +388,12 @@ def _vjp_of_batched_cotangents(
 
 def _jvp_here(region: Region, primals: Tensors, tangents: Tensors) -> Tensors:
     if _needs_graph((*primals, *tangents)):
+        if peek_interpreter_stack() is None and fwAD._current_level >= 0:
+            # Plain forward-mode AD: the primals are duals at the user's level; the remat'd
+            # jvp region takes their primal parts (else applying it would ask for its own jvp).
+            with _set_fwd_grad_enabled(True):
+                primals = tuple(fwAD.unpack_dual(p).primal for p in primals)
+                tangents = tuple(fwAD.unpack_dual(t).primal for t in tangents)
         return apply(JvpRegion(region, len(primals)), (*primals, *tangents))
     return JvpRegion(region, len(primals)).run((*primals, *tangents), Phase.RECOMPUTE)
 
