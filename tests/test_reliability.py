@@ -143,3 +143,62 @@ def test_retain_graph_keeps_them_for_the_second_backward(monkeypatch):
     (second,) = torch.autograd.grad(loss_value, w)
     assert_close(first, second)
     assert _alive(kept[0]) == 0
+
+
+class _Block(torch.nn.Module):
+    """A pre-norm GPT block: LayerNorm, causal SDPA with dropout, an MLP with dropout."""
+
+    def __init__(self, d: int = 16, heads: int = 2) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = torch.nn.LayerNorm(d), torch.nn.LayerNorm(d)
+        self.qkv, self.proj = torch.nn.Linear(d, 3 * d), torch.nn.Linear(d, d)
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(d, 4 * d), torch.nn.GELU(), torch.nn.Linear(4 * d, d))
+        self.drop = torch.nn.Dropout(0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        a = torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, is_causal=True, dropout_p=0.1 if self.training else 0.0
+        )
+        x = x + self.drop(self.proj(a.transpose(1, 2).reshape(b, t, d)))
+        return x + self.drop(self.mlp(self.ln2(x)))
+
+
+def _train_stack(use_remat: bool, steps: int, functional: bool) -> list[torch.Tensor]:
+    torch.manual_seed(0)
+    blocks = torch.nn.ModuleList(_Block() for _ in range(3))
+    stack = torch.nn.ModuleList(remat(b) for b in blocks) if use_remat else blocks
+    data = torch.randn(steps, 2, 8, 16)
+    opt = torch.optim.AdamW(stack.parameters(), lr=1e-3)
+    params = dict(stack.named_parameters())
+
+    def loss_fn(p: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        return tf.functional_call(stack, p, (x,), strict=True).pow(2).mean()
+
+    stack.forward = lambda x: _chain_layers(stack, x)  # type: ignore[method-assign]
+    for i in range(steps):
+        opt.zero_grad()
+        if functional:
+            grads = tf.grad(loss_fn)({k: v.detach() for k, v in params.items()}, data[i])
+            for k, p in params.items():
+                p.grad = grads[k]
+        else:
+            stack(data[i]).pow(2).mean().backward()
+        opt.step()
+    return [p.detach().clone() for p in stack.parameters()]
+
+
+def _chain_layers(layers: torch.nn.ModuleList, x: torch.Tensor) -> torch.Tensor:
+    for layer in layers:
+        x = layer(x)
+    return x
+
+
+@pytest.mark.parametrize("functional, steps", [(False, 300), (True, 100)], ids=["backward", "torch_func_grad"])
+def test_stress_transformer_stack_with_default_options_never_raises(functional, steps):
+    """Hundreds of training steps of a dropout transformer stack with every block remat'd
+    (default options: the determinism check on): no alarm, and the same parameters as
+    training without remat (dropout replays exactly)."""
+    assert_close(_train_stack(True, steps, functional), _train_stack(False, steps, functional))
