@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from . import compile, core, policies, rng, sequential
+from . import compile, core, overhead, policies, rng, sequential
 from ._common import machine_header
 
-SECTIONS = [core.run, policies.run, sequential.run, rng.run, compile.run]
+SECTIONS = [core.run, overhead.run, policies.run, sequential.run, rng.run, compile.run]
 
 
 def main() -> None:

@@ -5,8 +5,9 @@ yields belong to a different function. With ``determinism_check="default"``
 every recomputation compares its outputs against the forward run's:
 
 * their metadata (shape, dtype, device), exactly;
-* their values, through a two-number digest of each output (its sum and its
-  L2 norm, in float64), within a tolerance set by the dtype.
+* their values, through a two-number digest of each output (the mean and
+  standard deviation of its values, from which its sum and L2 norm follow),
+  within a tolerance set by the dtype.
 
 Comparing values, not the operators or the autograd graph that produced them,
 is what makes the check free of false alarms: ATen decomposes an operator
@@ -18,7 +19,7 @@ beyond rounding. And it catches what matters under every transform alike,
 because the digest is taken of the plain tensor under all functorch wrappers:
 a recomputation that takes another path (``sin`` then ``cos``), slices
 differently, reads an exhausted iterator or a changed global, or starts from an
-input modified in place after the call. The cost is two reductions per output
+input modified in place after the call. The cost is one reduction per output
 per run, and one host synchronisation per recomputation on an accelerator.
 
 With ``preserve_rng_state=False`` random operators legitimately draw other
@@ -37,6 +38,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
+import torch.autograd.forward_ad as fwAD
 from torch.autograd.forward_ad import _set_fwd_grad_enabled
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -192,12 +194,16 @@ _RTOL_OTHER_FLOAT = 1e-1  # 8-bit floating-point types
 
 
 class Digest:
-    """Sum and L2 norm (float64) of one output's values, taken without autograd or functorch."""
+    """The mean and standard deviation of one output's values (``stats``), and how to compare them."""
 
     __slots__ = ("stats", "numel", "rtol")
 
     def __init__(self, stats: torch.Tensor, numel: int, rtol: float) -> None:
         self.stats, self.numel, self.rtol = stats, numel, rtol
+
+    def sum_and_norm(self, mean: float, std: float) -> tuple[float, float]:
+        """Sum and L2 norm of the values, from their mean and (population) standard deviation."""
+        return mean * self.numel, math.sqrt(max(std * std + mean * mean, 0.0) * self.numel)
 
 
 def _digestible(t: torch.Tensor) -> bool:
@@ -210,33 +216,47 @@ def _digestible(t: torch.Tensor) -> bool:
     )
 
 
+def _stats(v: torch.Tensor) -> torch.Tensor:
+    """``[std, mean]`` of ``v``'s values: one reduction kernel, accumulated in at least float32."""
+    if v.is_complex():
+        v = torch.view_as_real(v.resolve_conj())
+    if not v.is_floating_point():  # integers and booleans
+        v = v.to(torch.float64)
+    return torch.stack(torch.std_mean(v, correction=0))
+
+
 def digest(tensors: Sequence[torch.Tensor]) -> list[Digest | None]:
-    """A :class:`Digest` of each tensor (``None`` where values cannot be compared: meta, sparse, subclasses)."""
+    """A :class:`Digest` of each tensor (``None`` where values cannot be compared: meta, sparse, subclasses).
+
+    Taken of the plain tensor under any functorch wrapper, outside autograd,
+    functorch and forward-mode AD, so it records nothing and costs one small
+    reduction per output.
+    """
     digests: list[Digest | None] = []
-    with torch.no_grad(), DisableFuncTorch(), _set_fwd_grad_enabled(False):
-        for t in tensors:
-            b = bottom(t)
-            if not _digestible(b):
-                digests.append(None)
-                continue
-            v = b.detach()
-            if v.is_complex():
-                v = torch.view_as_real(v.resolve_conj())
-            if v.is_floating_point():
-                stats = torch.stack(
-                    [v.sum(dtype=torch.float64), torch.linalg.vector_norm(v, dtype=torch.float64)]
-                )
-                rtol = _RTOL.get(b.dtype, _RTOL_OTHER_FLOAT)
-            else:  # integers and booleans: exact
-                w = v.to(torch.float64)
-                stats = torch.stack([w.sum(), torch.linalg.vector_norm(w)])
-                rtol = 0.0
-            digests.append(Digest(stats, v.numel(), rtol))
+    plain = not torch._C._are_functorch_transforms_active()
+    with contextlib.ExitStack() if not plain or fwAD._current_level >= 0 else contextlib.nullcontext() as stack:
+        if stack is not None:
+            if not plain:
+                stack.enter_context(DisableFuncTorch())
+            stack.enter_context(_set_fwd_grad_enabled(False))
+        previous = torch.is_grad_enabled()
+        torch._C._set_grad_enabled(False)
+        try:
+            for t in tensors:
+                b = t if plain else bottom(t)
+                if not _digestible(b):
+                    digests.append(None)
+                    continue
+                exact = not (b.is_floating_point() or b.is_complex())
+                rtol = 0.0 if exact else _RTOL.get(b.dtype, _RTOL_OTHER_FLOAT)
+                digests.append(Digest(_stats(b), b.numel() * (2 if b.is_complex() else 1), rtol))
+        finally:
+            torch._C._set_grad_enabled(previous)
     return digests
 
 
 def _differing(forward: Sequence[Digest | None], recomputed: Sequence[Digest | None]) -> list[int]:
-    """Indices of the outputs whose digests differ beyond tolerance (one host sync, no operator)."""
+    """Indices of the outputs whose digests differ beyond tolerance (one host sync)."""
     pairs = [
         (i, a, b)
         for i, (a, b) in enumerate(zip(forward, recomputed))
@@ -245,10 +265,12 @@ def _differing(forward: Sequence[Digest | None], recomputed: Sequence[Digest | N
     if not pairs:
         return []
     with torch.no_grad(), DisableFuncTorch():
-        values = torch.cat([torch.cat([a.stats, b.stats]).cpu() for _, a, b in pairs]).tolist()
+        stats = [s for _, a, b in pairs for s in (a.stats, b.stats)]
+        values = torch.cat(stats).tolist() if stats[0].device.type == "cpu" else torch.cat(stats).cpu().tolist()
     differing = []
     for k, (i, a, _) in enumerate(pairs):
-        sum_f, norm_f, sum_r, norm_r = values[4 * k : 4 * k + 4]
+        std_f, mean_f, std_r, mean_r = (float(v) for v in values[4 * k : 4 * k + 4])
+        (sum_f, norm_f), (sum_r, norm_r) = a.sum_and_norm(mean_f, std_f), a.sum_and_norm(mean_r, std_r)
         scale = max(abs(norm_f), abs(norm_r))
         # |sum(x) - sum(y)| <= sqrt(n) |x - y|_2: the sum gets sqrt(n) times the norm's tolerance.
         for f, r, tol in ((sum_f, sum_r, scale * a.rtol * a.numel**0.5), (norm_f, norm_r, scale * a.rtol)):
@@ -271,7 +293,7 @@ def check_same_values(
     i = differing[0]
     a, b = forward[i], recomputed[i]
     assert a is not None and b is not None
-    (s_f, n_f), (s_r, n_r) = a.stats.tolist(), b.stats.tolist()
+    (s_f, n_f), (s_r, n_r) = a.sum_and_norm(*reversed(a.stats.tolist())), b.sum_and_norm(*reversed(b.stats.tolist()))
     message = (
         f"remat({name}): the recomputation during the backward pass did not reproduce the forward pass: "
         f"output tensor {i} has other values (sum {s_f:.6g}, norm {n_f:.6g} in the forward pass; "
