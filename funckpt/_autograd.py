@@ -515,7 +515,17 @@ class _RematFunction(torch.autograd.Function):
 
 
 def _saved_primals(ctx: Any) -> Tensors:
-    saved = ctx.saved_tensors
+    try:
+        saved = ctx.saved_tensors
+    except RuntimeError as e:
+        if "modified by an inplace operation" not in str(e):
+            raise
+        raise CheckpointError(
+            f"remat({ctx.region.name}): an input of the remat'd call that requires grad was modified in place "
+            "between the forward and the backward pass; the recomputation would start from the modified "
+            "values and the gradient would be wrong. Modify a copy (x = x.clone() before the update), or do "
+            "the update after the backward pass."
+        ) from e
     if not ctx.unsaved:
         return saved
     return tuple(ctx.unsaved.get(i, t) for i, t in enumerate(saved))

@@ -238,3 +238,25 @@ def test_inputs_that_share_a_storage_still_share_it_in_the_recomputation(write_w
         a2 = torch.ones(5, dtype=D)
         results.append(tf.grad(fn)(w.detach(), a2, a2[1:]))
     assert_close(results[2:], results[:2])
+
+
+@pytest.mark.parametrize("transform", ["backward", "vjp"])
+def test_input_modified_after_the_call_raises_a_checkpoint_error(transform):
+    """torch's own version-counter error would name no remat call and say nothing of what to do."""
+    x = X.clone().requires_grad_()
+    a = x * 1
+    if transform == "backward":
+        y = remat(torch.sin)(a)
+        a.mul_(2)
+        with pytest.raises(CheckpointError, match="modified in place between the forward and the backward"):
+            y.sum().backward()
+    else:
+        def f(x):
+            a = x * 1
+            y = remat(torch.sin)(a)
+            a.mul_(2)
+            return y
+
+        with pytest.raises(CheckpointError, match="modified in place between the forward and the backward"):
+            _, vjp_fn = tf.vjp(f, a.detach())
+            vjp_fn(torch.ones_like(X))
