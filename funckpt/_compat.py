@@ -13,6 +13,7 @@ required, and leaving it unset does not warn.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import inspect
 from collections.abc import Callable, Sequence
@@ -75,8 +76,9 @@ def _selective_policy(context_fn: Callable[..., Any]) -> Callable[..., bool] | N
     bound = inspect.signature(upstream.create_selective_checkpoint_contexts).bind(*context_fn.args, **context_fn.keywords)
     bound.apply_defaults()
     policy = from_torch(bound.arguments["policy_fn_or_list"])
-    policy.allow_cache_entry_mutation = bool(bound.arguments.get("allow_cache_entry_mutation", False))  # type: ignore[attr-defined]
-    return policy
+    return dataclasses.replace(
+        policy, allow_cache_entry_mutation=bool(bound.arguments.get("allow_cache_entry_mutation", False))
+    )
 
 
 def checkpoint(

@@ -79,6 +79,10 @@ def can_lower(options: RematOptions) -> bool:
 
 
 def _selective(policy: Policy) -> Callable[..., CheckpointPolicy]:
+    # An operator policy's plain predicate: Dynamo inlines a module-level function
+    # more readily than the frozen value's __call__.
+    policy = getattr(policy, "decide", policy)
+
     def torch_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
         return CheckpointPolicy.MUST_SAVE if policy(op, *args, **kwargs) else CheckpointPolicy.PREFER_RECOMPUTE
 

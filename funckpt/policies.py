@@ -8,7 +8,9 @@ returns ``True`` to keep that operator's outputs. Kept outputs are not computed
 again: during recomputation the operator returns its cached result (autograd
 still records it, so gradients are exact). Everything else is recomputed.
 
-Policies are plain predicates, so they compose with ordinary Python::
+Policies are predicates; the ones here are small frozen values with a readable
+``repr`` that say whether names matter to them (:class:`SavingPolicy`), and
+any plain function with the same signature is a policy too::
 
     >>> import torch, funckpt
     >>> from funckpt import policies
@@ -38,6 +40,7 @@ This mirrors ``jax.checkpoint_policies``; :func:`from_torch` adapts a
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import optree
@@ -46,6 +49,7 @@ import torch
 __all__ = [
     "CHECKPOINT_NAME",
     "Policy",
+    "SavingPolicy",
     "checkpoint_name",
     "dots_saveable",
     "dots_with_no_batch_dims_saveable",
@@ -108,39 +112,39 @@ _DOTS = _DOTS_NO_BATCH | _packets(
 )
 
 
-def everything_saveable(op: Any, *args: Any, **kwargs: Any) -> bool:
+def _everything_saveable(op: Any, *args: Any, **kwargs: Any) -> bool:
     """Keep every operator's outputs: no recomputation at all (the most memory).
 
         >>> import torch
-        >>> everything_saveable(torch.ops.aten.sin.default)
+        >>> _everything_saveable(torch.ops.aten.sin.default)
         True
     """
     return True
 
 
-def nothing_saveable(op: Any, *args: Any, **kwargs: Any) -> bool:
+def _nothing_saveable(op: Any, *args: Any, **kwargs: Any) -> bool:
     """Keep nothing but the inputs; recompute everything (the default, the least memory).
 
         >>> import torch
-        >>> nothing_saveable(torch.ops.aten.mm.default)
+        >>> _nothing_saveable(torch.ops.aten.mm.default)
         False
     """
     return False
 
 
-def dots_saveable(op: Any, *args: Any, **kwargs: Any) -> bool:
+def _dots_saveable(op: Any, *args: Any, **kwargs: Any) -> bool:
     """Keep the results of matrix multiplies (every ATen form), convolutions and attention.
 
     Recomputation then redoes only the cheap elementwise work around them.
 
         >>> import torch
-        >>> dots_saveable(torch.ops.aten.bmm.default), dots_saveable(torch.ops.aten.gelu.default)
+        >>> _dots_saveable(torch.ops.aten.bmm.default), dots_saveable(torch.ops.aten.gelu.default)
         (True, False)
     """
     return getattr(op, "overloadpacket", None) in _DOTS
 
 
-def dots_with_no_batch_dims_saveable(op: Any, *args: Any, **kwargs: Any) -> bool:
+def _dots_with_no_batch_dims_saveable(op: Any, *args: Any, **kwargs: Any) -> bool:
     """Keep the results of matrix multiplies without batch dimensions (``mm``, ``addmm``, ``mv``, ...).
 
     Batched products (``bmm``, attention scores) are recomputed, as in JAX. A
@@ -148,11 +152,11 @@ def dots_with_no_batch_dims_saveable(op: Any, *args: Any, **kwargs: Any) -> bool
     torch lowers ``einsum('ij,jk->ik', a, b)`` to one, and JAX keeps it.
 
         >>> import torch
-        >>> dots_with_no_batch_dims_saveable(torch.ops.aten.mm.default)
+        >>> _dots_with_no_batch_dims_saveable(torch.ops.aten.mm.default)
         True
-        >>> dots_with_no_batch_dims_saveable(torch.ops.aten.bmm.default, torch.ones(4, 2, 2), torch.ones(4, 2, 2))
+        >>> _dots_with_no_batch_dims_saveable(torch.ops.aten.bmm.default, torch.ones(4, 2, 2), torch.ones(4, 2, 2))
         False
-        >>> dots_with_no_batch_dims_saveable(torch.ops.aten.bmm.default, torch.ones(1, 2, 3), torch.ones(1, 3, 2))
+        >>> _dots_with_no_batch_dims_saveable(torch.ops.aten.bmm.default, torch.ones(1, 2, 3), torch.ones(1, 3, 2))
         True
     """
     packet = getattr(op, "overloadpacket", None)
@@ -168,10 +172,54 @@ def dots_with_no_batch_dims_saveable(op: Any, *args: Any, **kwargs: Any) -> bool
 _SINGLE_BATCH_DOTS = _packets("bmm", "baddbmm")
 
 
-# These decide by operator alone: naming a value changes nothing for them, so
-# remat need not track which operator produced each value.
-for _policy in (everything_saveable, nothing_saveable, dots_saveable, dots_with_no_batch_dims_saveable):
-    _policy.uses_names = False  # type: ignore[attr-defined]
+# ------------------------------------------------------------------ policy values
+
+
+@dataclass(frozen=True, repr=False)
+class SavingPolicy:
+    """A policy as a small frozen value: ``policy(op, *args, **kwargs) -> bool``, plus what remat asks of it.
+
+    ``uses_names``: can naming a value (``checkpoint_name``) change what it keeps?
+    (If not, remat need not track which operator produced each value, and under
+    ``torch.compile`` the region can be lowered.) ``excluded_names``: names whose
+    values it refuses to keep even where it keeps everything else. Plain
+    callables are policies too; for them remat assumes names matter.
+    """
+
+    def __call__(self, op: Any, *args: Any, **kwargs: Any) -> bool:
+        raise NotImplementedError
+
+    @property
+    def uses_names(self) -> bool:
+        return True
+
+    @property
+    def excluded_names(self) -> frozenset[str]:
+        return frozenset()
+
+
+@dataclass(frozen=True, repr=False)
+class OperatorPolicy(SavingPolicy):
+    """Decides by operator alone (``dots_saveable`` and kin)."""
+
+    name: str
+    decide: Callable[..., bool]
+
+    def __call__(self, op: Any, *args: Any, **kwargs: Any) -> bool:
+        return self.decide(op, *args, **kwargs)
+
+    @property
+    def uses_names(self) -> bool:
+        return False
+
+    def __repr__(self) -> str:
+        return f"policies.{self.name}"
+
+
+everything_saveable = OperatorPolicy("everything_saveable", _everything_saveable)
+nothing_saveable = OperatorPolicy("nothing_saveable", _nothing_saveable)
+dots_saveable = OperatorPolicy("dots_saveable", _dots_saveable)
+dots_with_no_batch_dims_saveable = OperatorPolicy("dots_with_no_batch_dims_saveable", _dots_with_no_batch_dims_saveable)
 
 
 def uses_names(policy: Policy) -> bool:
@@ -195,12 +243,7 @@ def save_only_these_names(*names: str) -> Policy:
         >>> policy(CHECKPOINT_NAME, torch.ones(1), "hidden"), policy(CHECKPOINT_NAME, torch.ones(1), "other")
         (True, False)
     """
-    keep = _names(names, "save_only_these_names")
-
-    def policy(op: Any, *args: Any, **kwargs: Any) -> bool:
-        return op is CHECKPOINT_NAME and args[1] in keep
-
-    return policy
+    return SaveOnlyTheseNames(_names(names, "save_only_these_names"))
 
 
 def save_any_names_but_these(*names: str) -> Policy:
@@ -211,12 +254,7 @@ def save_any_names_but_these(*names: str) -> Policy:
         >>> policy(CHECKPOINT_NAME, torch.ones(1), "small"), policy(CHECKPOINT_NAME, torch.ones(1), "big")
         (True, False)
     """
-    skip = _names(names, "save_any_names_but_these")
-
-    def policy(op: Any, *args: Any, **kwargs: Any) -> bool:
-        return op is CHECKPOINT_NAME and args[1] not in skip
-
-    return policy
+    return SaveAnyNamesButThese(_names(names, "save_any_names_but_these"))
 
 
 def save_anything_except_these_names(*names: str) -> Policy:
@@ -227,13 +265,7 @@ def save_anything_except_these_names(*names: str) -> Policy:
         >>> policy(torch.ops.aten.mm.default), policy(CHECKPOINT_NAME, torch.ones(1), "big")
         (True, False)
     """
-    skip = _names(names, "save_anything_except_these_names")
-
-    def policy(op: Any, *args: Any, **kwargs: Any) -> bool:
-        return args[1] not in skip if op is CHECKPOINT_NAME else True
-
-    policy.excluded_names = skip  # type: ignore[attr-defined]
-    return policy
+    return SaveAnythingExceptTheseNames(_names(names, "save_anything_except_these_names"))
 
 
 def save_from_both_policies(policy_1: Policy, policy_2: Policy) -> Policy:
@@ -248,11 +280,7 @@ def save_from_both_policies(policy_1: Policy, policy_2: Policy) -> Policy:
         if not callable(p):
             raise TypeError(f"save_from_both_policies: {arg} must be a callable policy, got {p!r}")
 
-    def policy(op: Any, *args: Any, **kwargs: Any) -> bool:
-        return bool(policy_1(op, *args, **kwargs) or policy_2(op, *args, **kwargs))
-
-    policy.excluded_names = excluded_names(policy_1) & excluded_names(policy_2)  # type: ignore[attr-defined]
-    return policy
+    return SaveFromBothPolicies(policy_1, policy_2)
 
 
 def excluded_names(policy: Policy) -> frozenset[str]:
@@ -274,22 +302,8 @@ def from_torch(policy_fn_or_list: Callable[..., Any] | Iterable[Any]) -> Policy:
         >>> keep_mm(torch.ops.aten.mm.default)
         True
     """
-    from torch.utils.checkpoint import CheckpointPolicy, SelectiveCheckpointContext
-
     if callable(policy_fn_or_list):
-        torch_policy = policy_fn_or_list
-        context = SelectiveCheckpointContext(is_recompute=False)
-
-        def policy(op: Any, *args: Any, **kwargs: Any) -> bool:
-            if op is CHECKPOINT_NAME:
-                return False
-            verdict = torch_policy(context, op, *args, **kwargs)
-            if isinstance(verdict, bool):
-                return verdict
-            return verdict in (CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_SAVE)
-
-        policy.uses_names = False  # type: ignore[attr-defined]
-        return policy
+        return FromTorch(policy_fn_or_list)
     try:
         ops = list(policy_fn_or_list)
     except TypeError:
@@ -299,14 +313,89 @@ def from_torch(policy_fn_or_list: Callable[..., Any] | Iterable[Any]) -> Policy:
     bad = [op for op in ops if not isinstance(op, (torch._ops.OpOverload, torch._ops.OpOverloadPacket))]
     if bad:
         raise TypeError(f"from_torch: the list must hold OpOverload or OpOverloadPacket objects, got {bad!r}")
-    overloads = frozenset(op for op in ops if isinstance(op, torch._ops.OpOverload))
-    packets = frozenset(op for op in ops if isinstance(op, torch._ops.OpOverloadPacket))
+    return FromTorch(tuple(ops))
 
-    def policy(op: Any, *args: Any, **kwargs: Any) -> bool:
-        return op in overloads or getattr(op, "overloadpacket", None) in packets
 
-    policy.uses_names = False  # type: ignore[attr-defined]
-    return policy
+@dataclass(frozen=True, repr=False)
+class _NamePolicy(SavingPolicy):
+    names: frozenset[str]
+
+    def __repr__(self) -> str:
+        factory = {
+            "SaveOnlyTheseNames": "save_only_these_names",
+            "SaveAnyNamesButThese": "save_any_names_but_these",
+            "SaveAnythingExceptTheseNames": "save_anything_except_these_names",
+        }[type(self).__name__]
+        return f"policies.{factory}({', '.join(repr(n) for n in sorted(self.names))})"
+
+
+@dataclass(frozen=True, repr=False)
+class SaveOnlyTheseNames(_NamePolicy):
+    def __call__(self, op: Any, *args: Any, **kwargs: Any) -> bool:
+        return op is CHECKPOINT_NAME and args[1] in self.names
+
+
+@dataclass(frozen=True, repr=False)
+class SaveAnyNamesButThese(_NamePolicy):
+    def __call__(self, op: Any, *args: Any, **kwargs: Any) -> bool:
+        return op is CHECKPOINT_NAME and args[1] not in self.names
+
+
+@dataclass(frozen=True, repr=False)
+class SaveAnythingExceptTheseNames(_NamePolicy):
+    def __call__(self, op: Any, *args: Any, **kwargs: Any) -> bool:
+        return args[1] not in self.names if op is CHECKPOINT_NAME else True
+
+    @property
+    def excluded_names(self) -> frozenset[str]:
+        return self.names
+
+
+@dataclass(frozen=True, repr=False)
+class SaveFromBothPolicies(SavingPolicy):
+    policy_1: Policy
+    policy_2: Policy
+
+    def __call__(self, op: Any, *args: Any, **kwargs: Any) -> bool:
+        return bool(self.policy_1(op, *args, **kwargs) or self.policy_2(op, *args, **kwargs))
+
+    @property
+    def uses_names(self) -> bool:
+        return uses_names(self.policy_1) or uses_names(self.policy_2)
+
+    @property
+    def excluded_names(self) -> frozenset[str]:
+        return excluded_names(self.policy_1) & excluded_names(self.policy_2)
+
+    def __repr__(self) -> str:
+        return f"policies.save_from_both_policies({self.policy_1!r}, {self.policy_2!r})"
+
+
+@dataclass(frozen=True, repr=False)
+class FromTorch(SavingPolicy):
+    """A ``torch.utils.checkpoint`` selective policy: a function ``(ctx, op, ...)`` or a tuple of ops."""
+
+    source: Callable[..., Any] | tuple[Any, ...]
+    allow_cache_entry_mutation: bool = False
+
+    def __call__(self, op: Any, *args: Any, **kwargs: Any) -> bool:
+        if op is CHECKPOINT_NAME:
+            return False
+        if isinstance(self.source, tuple):
+            return op in self.source or getattr(op, "overloadpacket", None) in self.source
+        from torch.utils.checkpoint import CheckpointPolicy, SelectiveCheckpointContext
+
+        verdict = self.source(SelectiveCheckpointContext(is_recompute=False), op, *args, **kwargs)
+        if isinstance(verdict, bool):
+            return verdict
+        return verdict in (CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_SAVE)
+
+    @property
+    def uses_names(self) -> bool:
+        return False
+
+    def __repr__(self) -> str:
+        return f"policies.from_torch({self.source!r})"
 
 
 def is_policy_factory(obj: Any) -> bool:

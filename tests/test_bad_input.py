@@ -179,7 +179,7 @@ ROWS: dict[str, Row] = {
         _differentiable_input_modified_inside, CheckpointError, r"modified one of its differentiable inputs in place"
     ),
     "saved input modified between forward and backward": Row(
-        _mutated_between_forward_and_backward, RuntimeError, r"modified by an inplace operation"
+        _mutated_between_forward_and_backward, CheckpointError, r"modified in place between the forward and the backward"
     ),
     "closure tensor rebound before the backward": Row(
         _closure_rebound_between_forward_and_backward, CheckpointError, r"closure variable, global or partial argument was rebound"

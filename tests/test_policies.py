@@ -276,3 +276,21 @@ def test_policy_results_must_be_bools_and_policy_errors_are_explained():
     my_factory = lambda *names: (lambda op, *a, **k: False)  # noqa: E731
     with pytest.raises(CheckpointError, match=r"returned <function .*a policy returns True \(keep\) or False"):
         remat(block, policy=my_factory)(W1, W2, X)
+
+
+def test_policies_are_small_values_with_a_readable_repr():
+    both = policies.save_from_both_policies(policies.dots_saveable, policies.from_torch([torch.ops.aten.mm]))
+    assert repr(policies.dots_saveable) == "policies.dots_saveable"
+    assert repr(policies.save_only_these_names("b", "a")) == "policies.save_only_these_names('a', 'b')"
+    assert repr(both).startswith("policies.save_from_both_policies(policies.dots_saveable, policies.from_torch(")
+    assert policies.save_only_these_names("a") == policies.save_only_these_names("a")  # values, not closures
+
+
+def test_combinators_compose_what_names_mean():
+    """Names matter to a combination if they matter to either part; exclusions hold where both exclude."""
+    by_op = policies.save_from_both_policies(policies.dots_saveable, policies.from_torch([torch.ops.aten.mm]))
+    by_name = policies.save_from_both_policies(policies.dots_saveable, policies.save_only_these_names("h"))
+    assert not policies.uses_names(by_op) and policies.uses_names(by_name)
+    a, b = policies.save_anything_except_these_names("x", "y"), policies.save_anything_except_these_names("y")
+    assert policies.save_from_both_policies(a, b).excluded_names == frozenset({"y"})
+    assert policies.uses_names(lambda op, *args, **kwargs: True)  # a plain function: assume names matter
