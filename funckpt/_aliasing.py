@@ -77,25 +77,25 @@ def plan(inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor], grad_r
     ``grad_recorded``: the run recorded a local graph, so an output's
     ``requires_grad`` says whether it is differentiable (a ``detach()``ed view is not).
     """
-    input_of: dict[int, int] = {}
+    inputs_on: dict[int, list[int]] = {}
     for j, t in enumerate(inputs):
         key = storage_of(t)
         if key is not None:
-            input_of.setdefault(key, j)
+            inputs_on.setdefault(key, []).append(j)
     groups: dict[int, list[int]] = {}
     for i, o in enumerate(outputs):
         key = storage_of(o)
         if key is not None:
             groups.setdefault(key, []).append(i)
-    if not any(key in input_of or len(members) > 1 for key, members in groups.items()):
+    if not any(key in inputs_on or len(members) > 1 for key, members in groups.items()):
         return None
     views: list[View | None] = [None] * len(outputs)
     copied: set[int] = set()
     for key, members in groups.items():
-        if key in input_of:
-            j = input_of[key]
+        if key in inputs_on:
             for i in members:
                 o = outputs[i]
+                j = _source(o, inputs, inputs_on[key])
                 differentiable = o.requires_grad if grad_recorded else (o.is_floating_point() or o.is_complex())
                 views[i] = _view(j, True, o, inputs[j], differentiable)
             continue
@@ -105,7 +105,9 @@ def plan(inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor], grad_r
         if not roots:  # views of an internal tensor none of them is
             copied.update(members[1:])
             continue
-        r = roots[0]
+        # A differentiable root, if any: rebuilding a differentiable output as a view of
+        # a detached one (``return h.detach(), h``) would cut its gradient.
+        r = next((i for i in roots if outputs[i].requires_grad), roots[0])
         for i in members:
             if i != r:
                 o = outputs[i]
@@ -113,6 +115,38 @@ def plan(inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor], grad_r
                 views[i] = _view(r, False, o, outputs[r], differentiable)
     owned = tuple(i for i, v in enumerate(views) if v is None)
     return Plan(tuple(views), owned, frozenset(copied))
+
+
+def _byte_range(t: torch.Tensor) -> tuple[int, int]:
+    """First and last byte of the storage that ``t``'s elements touch."""
+    size = t.element_size()
+    start = t.storage_offset() * size
+    if t.numel() == 0:
+        return start, start
+    low = sum((n - 1) * st for n, st in zip(t.size(), t.stride()) if st < 0) * size
+    high = sum((n - 1) * st for n, st in zip(t.size(), t.stride()) if st > 0) * size
+    return start + low, start + high + size - 1
+
+
+def _source(out: torch.Tensor, inputs: Sequence[torch.Tensor], candidates: list[int]) -> int:
+    """The input ``out`` is a view of, among the ``candidates`` sharing its storage.
+
+    The input itself, or the one whose view it is (``_base``), or one of the same
+    geometry; else the smallest one whose bytes contain ``out``'s. Two chunks of one
+    tensor passed as two arguments share a storage: the view of the second must be
+    rebuilt from the second, or its gradient goes to the first.
+    """
+    for j in candidates:
+        if inputs[j] is out or out._base is inputs[j]:
+            return j
+    for j in candidates:
+        if _geometry(inputs[j]) == _geometry(out) and inputs[j].dtype == out.dtype:
+            return j
+    first, last = _byte_range(out)
+    containing = [j for j in candidates if _byte_range(inputs[j])[0] <= first and last <= _byte_range(inputs[j])[1]]
+    if containing:
+        return min(containing, key=lambda j: _byte_range(inputs[j])[1] - _byte_range(inputs[j])[0])
+    return candidates[0]
 
 
 def owned_outputs(p: Plan | None, outputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:

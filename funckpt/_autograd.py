@@ -112,6 +112,10 @@ class Region:
         """Outputs known not to depend differentiably on any input (``x.detach() * 2``)."""
         return set()
 
+    def checked_constants(self) -> set[int]:
+        """Inputs no gradient flows into that are still saved with a version check (read by the run)."""
+        return set()
+
 
 def _differentiable(t: torch.Tensor) -> bool:
     return t.is_floating_point() or t.is_complex()
@@ -439,15 +443,17 @@ class _RematFunction(torch.autograd.Function):
         # own version counter. A BatchNorm elsewhere bumping its statistics between
         # forward and backward is then no error; a change that matters to the
         # recomputation is caught by the determinism check, which compares values.
-        unchecked = region.unchecked_inputs()
+        unchecked, read = region.unchecked_inputs(), region.checked_constants()
         saved: list[torch.Tensor | None] = []
         ctx.unsaved = {}  # index -> tensor kept without save_for_backward (no version check)
         for i, t in enumerate(flat):
-            if t.requires_grad and i not in unchecked:
+            if (t.requires_grad or i in read) and i not in unchecked and not t.is_inference():
                 saved.append(t)
                 continue
-            alias = _unversioned_alias(t)
-            if alias is None:  # a functorch wrapper: kept as it is, outside the version check
+            # One that requires grad is kept itself (a higher-order gradient must reach it
+            # through this very tensor); others as an alias with a fresh version counter.
+            alias = None if t.requires_grad or t.is_inference() else _unversioned_alias(t)
+            if alias is None:  # kept as it is, outside the version check
                 ctx.unsaved[i] = t
             saved.append(alias)
         ctx.save_for_backward(*saved)
@@ -521,8 +527,8 @@ def _saved_primals(ctx: Any) -> Tensors:
         if "modified by an inplace operation" not in str(e):
             raise
         raise CheckpointError(
-            f"remat({ctx.region.name}): an input of the remat'd call that requires grad was modified in place "
-            "between the forward and the backward pass; the recomputation would start from the modified "
+            f"remat({ctx.region.name}): an input of the remat'd call was modified in place between the "
+            "forward and the backward pass; the recomputation would start from the modified "
             "values and the gradient would be wrong. Modify a copy (x = x.clone() before the update), or do "
             "the update after the backward pass."
         ) from e

@@ -414,6 +414,7 @@ class Substitute(TorchFunctionMode):
         self.known = {id(t) for t in inputs}
         self.first_node = first_node
         self.uninitialized = False  # did the run allocate memory it may read before writing?
+        self.used: set[int] = set()  # ids of the inputs passed to a torch function during the run
 
     def __enter__(self) -> Substitute:
         _active.maps.append(self.mapping)
@@ -433,9 +434,16 @@ class Substitute(TorchFunctionMode):
         if isinstance(value, torch.Tensor):
             key = id(value)
             replacement = self.mapping.get(key)
+            # Usage is not recorded while Dynamo inlines this handler (a compiled function
+            # called inside remat): it cannot trace the mutation of this set of ids.
             if replacement is not None:
+                if not torch.compiler.is_compiling():
+                    self.used.add(id(replacement))
                 return replacement
-            if key not in self.known and key not in self.inside:
+            if key in self.known:
+                if not torch.compiler.is_compiling():
+                    self.used.add(key)
+            elif key not in self.inside:
                 self._check(value)
             return value
         if isinstance(value, (list, tuple)) and value and any(isinstance(v, torch.Tensor) for v in value):

@@ -63,6 +63,30 @@ _UNANNOTATED_WRITES = {
 }
 
 
+# Batch-norm operators with running statistics at positions 3 and 4 and the training
+# flag at 5: in evaluation mode they read the statistics and write nothing, whatever
+# their schema says.
+_RUNNING_STATS: dict[Any, int] = {}
+
+
+def _is_batch_norm_with_stats(op: Any) -> bool:
+    verdict = _RUNNING_STATS.get(op)
+    if verdict is None:
+        arguments = op._schema.arguments
+        verdict = _RUNNING_STATS[op] = int(
+            "batch_norm" in op._schema.name
+            and len(arguments) > 5
+            and arguments[3].name == "running_mean"
+            and arguments[5].name == "training"
+        )
+    return bool(verdict)
+
+
+def _evaluating(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    training = args[5] if len(args) > 5 else kwargs.get("training", True)
+    return training is False
+
+
 def _written_args(op: Any) -> tuple[int, ...]:
     """Positions of the arguments whose values ``op`` writes (in-place and out= operators).
 
@@ -274,7 +298,10 @@ class WriteWatch(TorchDispatchMode):
     def _watch(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[int | None]:
         """Call ``before_write`` for the inputs ``func`` is about to write; return the storages written."""
         written = []
-        for i in _written_args(func):
+        positions = _written_args(func)
+        if positions and _is_batch_norm_with_stats(func) and _evaluating(func, args, kwargs):
+            positions = tuple(i for i in positions if i not in (3, 4))  # batch norm in eval mode reads them
+        for i in positions:
             target = args[i] if i < len(args) else kwargs.get(func._schema.arguments[i].name)
             for t in _tensors(target):
                 storage = storage_of(t)

@@ -36,6 +36,7 @@ from ._capture import (
     changed_captures,
     differentiable_input,
     find_captured,
+    has_tangent,
     local_graph_leaves,
     tensors_inside,
     next_sequence_nr,
@@ -344,8 +345,8 @@ def _forward_mode_active() -> bool:
 
 
 def _restored(t: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
-    """``value``, with ``t``'s gradient connection when ``t`` is differentiable."""
-    if t.requires_grad or torch._C._functorch.is_functorch_wrapped_tensor(t):
+    """``value``, keeping ``t``'s derivatives (its graph, its level, its forward-mode tangent)."""
+    if t.requires_grad or torch._C._functorch.is_functorch_wrapped_tensor(t) or has_tangent(t):
         return t + (value - t).detach()
     return value
 
@@ -395,7 +396,8 @@ class UserRegion(Region):
         self.out_digest: list[Digest | None] = []
         self.values_reproducible = True
         self.constant: set[int] = set()  # outputs that did not require grad in the forward run's graph
-        self.unchecked: set[int] = set()  # inputs saved without a version check (see _autograd.setup_context)
+        self.unchecked: set[int] = set()
+        self.used_constants: set[int] = set()  # non-differentiable inputs the forward run read  # inputs saved without a version check (see _autograd.setup_context)
         # Outputs aliasing inputs or each other are rebuilt as views by the caller
         # (_aliasing.py), except inside vmap, whose batched tensors have no storage.
         self.views_outside = not _vmap_active()
@@ -505,6 +507,26 @@ class UserRegion(Region):
 
     def unchecked_inputs(self) -> set[int]:
         return self.unchecked
+
+    def checked_constants(self) -> set[int]:
+        return self.used_constants
+
+    def _refuse_differentiable_writes(self, flat: tuple[torch.Tensor, ...]) -> None:
+        """Raise if the forward run wrote a differentiable value into an input that had none.
+
+        ``buf[:, :2] = x @ w`` on a buffer argument puts the caller's ``buf`` into the
+        graph without remat; with it the write lands on the caller's tensor but its
+        graph stays in the forward run, so a gradient through ``buf`` would be missing.
+        """
+        written = [i for i, t in enumerate(flat) if t.requires_grad and not self.differentiable[i]]
+        if written:
+            shape = tuple(flat[written[0]].shape)
+            raise CheckpointError(
+                f"remat({self.name}): the function wrote a value that requires grad into one of its inputs "
+                f"that does not (shape {shape}) in place; remat cannot give the caller's tensor that graph, "
+                "so a gradient through it would be missing. Build a new tensor instead (torch.cat, "
+                "torch.where, or buf.clone() before writing) and return it."
+            )
 
     def constant_outputs(self) -> set[int]:
         return self.constant
@@ -650,21 +672,24 @@ class UserRegion(Region):
                 # The caller's ``with torch.device(...)`` is not in force where the
                 # autograd engine runs the backward (a device thread, for instance).
                 stack.enter_context(torch.device(self.default_device))
-            substitute = Substitute(mapping, flat, forward, self.name, first_node) if forward or mapping else None
-            if substitute is not None:
-                stack.enter_context(substitute)
+            # The dispatch modes are built before the torch-function mode is entered: building
+            # them reads the inputs' storages, which must not count as the function's use.
+            modes: list[Any] = []
             if forward:
                 # With a policy, the recorder watches input writes too: one dispatch mode, not two.
                 # Without one, a watch is needed only for non-differentiable inputs (writes to
                 # differentiable ones are caught by their version counters after the run).
                 if self.saved is not None:
-                    stack.enter_context(self.saved.recorder(self._write_watch(flat, plain_autograd)))
+                    modes.append(self.saved.recorder(self._write_watch(flat, plain_autograd)))
                 elif not all(self.differentiable):
-                    stack.enter_context(self._write_watch(flat, plain_autograd))
+                    modes.append(self._write_watch(flat, plain_autograd))
             elif self.saved is not None and not _forward_mode_active():
-                stack.enter_context(
-                    self.saved.replayer(getattr(self.options.policy, "allow_cache_entry_mutation", False))
-                )
+                modes.append(self.saved.replayer(getattr(self.options.policy, "allow_cache_entry_mutation", False)))
+            substitute = Substitute(mapping, flat, forward, self.name, first_node) if forward or mapping else None
+            if substitute is not None:
+                stack.enter_context(substitute)
+            for mode in modes:
+                stack.enter_context(mode)
             trace = stack.enter_context(OpTrace()) if debug else None
             out = self._call_fn(args, kwargs, forward, grad_forward)
         tensors, slots = flatten(out)
@@ -685,6 +710,17 @@ class UserRegion(Region):
             # Reachable but unused (other layers of a stage the function closes over):
             # neither saved with a version check nor differentiated.
             self.unchecked.update(i for i, t in enumerate(flat) if t.requires_grad and id(t) not in reached)
+        if forward and substitute is not None:
+            # Inputs that no gradient flows into but the function read (a mask, frozen
+            # weights) keep their version check: a change before the backward would change
+            # the recomputation in ways a value digest may not see (a permutation).
+            self.used_constants = {
+                i
+                for i, t in enumerate(flat)
+                if not t.requires_grad and id(t) in substitute.used and i not in self.snapshots
+            }
+        if grad_forward:
+            self._refuse_differentiable_writes(flat)
         if foreign:
             raise CheckpointError(
                 f"remat({self.name}): a differentiable tensor reached the function's result without being "

@@ -2090,3 +2090,102 @@ def test_checkpoint_name_of_a_pytree_with_other_name_policies(policy, kept):
     else:
         assert len(rs) == kept and all("pair" in r.source for r in rs)
     assert_close(derivative("backward", wrapped, x), derivative("backward", fn, x))
+
+
+# =============================================================================================
+# Found by a second hunt: aliasing, version checks and write detection.
+# =============================================================================================
+
+
+def test_chunks_of_one_tensor_passed_as_two_arguments_route_each_view_to_its_own_input():
+    """The RevNet coupling pattern: y1 = x2, y2 = x1 * 2 with x1, x2 chunks of one tensor."""
+
+    def run(f):
+        h = torch.arange(4.0, dtype=D, requires_grad=True)
+        a, b = h.chunk(2)
+        out_b, out_a = f(a, b)
+        (out_b.sum() * 3 + out_a.sum()).backward()
+        return out_b.detach(), out_a.detach(), h.grad
+
+    f = lambda a, b: (b, a * 2)  # noqa: E731
+    assert_close(run(remat(f)), run(f))
+
+
+def test_detached_alias_returned_before_the_real_output_keeps_its_gradient():
+    def f(x):
+        h = x * 2
+        return h.detach(), h
+
+    def run(g):
+        x = torch.ones(3, dtype=D, requires_grad=True)
+        logged, h = g(x)
+        flags = (h.requires_grad, logged.requires_grad)
+        (h.square().sum() + logged.sum()).backward()
+        return flags, x.grad
+
+    (flags, grad), (flags_ref, grad_ref) = run(remat(f)), run(f)
+    assert flags == flags_ref
+    assert_close(grad, grad_ref)
+
+
+def test_non_differentiable_input_permuted_in_place_before_the_backward_raises():
+    """A value digest cannot see a permutation; the version check on inputs the run read does."""
+    w = randn(4, 3, seed=1).requires_grad_()
+    x = randn(5, 4, seed=2)
+    y = remat(lambda w, x: x @ w)(w, x)
+    x.copy_(x.flip(0))
+    with pytest.raises(CheckpointError, match="modified in place between the forward and the backward"):
+        (y * randn(5, 3, seed=3)).sum().backward()
+
+
+def test_batchnorm_in_eval_mode_under_vmap_of_an_ensemble_is_no_write():
+    torch.manual_seed(0)
+    models = [nn.Sequential(nn.Linear(8, 16, dtype=D), nn.BatchNorm1d(16, dtype=D)).eval() for _ in range(3)]
+    params, buffers = tf.stack_module_state(models)
+    x = randn(5, 8, seed=1)
+
+    def run(base):
+        return tf.vmap(lambda p, b: tf.functional_call(base, (p, b), (x,)))(params, buffers)
+
+    import copy
+
+    assert_close(run(remat(copy.deepcopy(models[0]))), run(copy.deepcopy(models[0])))
+
+
+def test_differentiable_value_written_into_a_buffer_argument_raises():
+    """Without remat the caller's buffer joins the graph; remat cannot give it that graph."""
+
+    def f(buf, w, x):
+        buf[:, :2] = x @ w
+        return buf
+
+    w = randn(2, 2, seed=1).requires_grad_()
+    with pytest.raises(CheckpointError, match="wrote a value that requires grad into one of its inputs"):
+        remat(f)(torch.zeros(3, 4, dtype=D), w, randn(3, 2, seed=2))
+
+
+def test_double_backward_with_an_output_that_is_a_view_of_the_input():
+    f = lambda x: (x.view(2, 2), x.exp())  # noqa: E731
+
+    def run(g):
+        x = torch.tensor([0.5, -1.0, 2.0, 0.1], dtype=D, requires_grad=True)
+        a, b = g(x)
+        (gx,) = torch.autograd.grad((a**3).sum() + b.sum(), x, create_graph=True)
+        (hx,) = torch.autograd.grad(gx.sum(), x)
+        return gx.detach(), hx
+
+    assert_close(run(remat(f)), run(f))
+
+
+@pytest.mark.parametrize("how", ["jvp", "dual"])
+def test_forward_mode_with_an_output_that_is_the_input_itself(how):
+    f = lambda x: (x, x * 2, x.sin())  # noqa: E731
+    x, t = randn(3, seed=1), randn(3, seed=2)
+
+    def run(g):
+        if how == "jvp":
+            return tf.jvp(g, (x,), (t,))
+        with fwAD.dual_level():
+            return [fwAD.unpack_dual(o).tangent for o in g(fwAD.make_dual(x, t))]
+
+    assert_close(run(remat(f)), run(f))
