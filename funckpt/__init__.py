@@ -6,25 +6,25 @@ pass and recomputes the rest, under ``torch.func.grad``, ``vjp``, ``jvp``,
 autograd, ``torch.compile`` and DDP/FSDP2. See the README for a tour.
 """
 
+from . import policies
 from ._compat import checkpoint, checkpoint_sequential, noop_context_fn
 from ._errors import CheckpointError, set_checkpoint_debug_enabled
 from ._residuals import Residual, print_saved_residuals, saved_residuals
 from ._transform import remat
-from . import policies
 from .policies import checkpoint_name
 
 __version__ = "0.1.0"
 
 __all__ = [
     "CheckpointError",
+    "Residual",
     "checkpoint",
     "checkpoint_name",
     "checkpoint_sequential",
     "noop_context_fn",
     "policies",
     "print_saved_residuals",
-    "Residual",
-    "saved_residuals",
     "remat",
+    "saved_residuals",
     "set_checkpoint_debug_enabled",
 ]

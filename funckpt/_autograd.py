@@ -50,26 +50,37 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
-from torch._C._functorch import (
-    TransformType,
-    _add_batch_dim,
-    _unwrap_batched,
-    _unwrap_for_grad,
-    _wrap_for_grad,
-    is_batchedtensor,
-    is_dead_tensor_wrapper,
-    maybe_get_level,
-    peek_interpreter_stack,
-    unwrap_if_dead,
-)
-from torch._functorch.autograd_function import custom_function_call
-from torch._functorch.pyfunctorch import GradInterpreter, JvpInterpreter, VmapInterpreter
-from torch._functorch.utils import enable_single_level_autograd_function
 import torch.autograd.forward_ad as fwAD
-from torch.autograd.forward_ad import _set_fwd_grad_enabled
 
 from ._errors import CheckpointError
-from ._saving import storage_of
+from ._internals import (
+    GradInterpreter,
+    JvpInterpreter,
+    SingleLevelFunction,
+    TransformType,
+    VmapInterpreter,
+    add_batch_dim,
+    custom_function_call,
+    enable_single_level_autograd_function,
+    forward_ad_level,
+    grad_levels_active,
+    graph_task_keeps_graph,
+    is_batchedtensor,
+    is_dead_tensor_wrapper,
+    jvp_levels_active,
+    legacy_vmap_decrement,
+    legacy_vmap_depth,
+    legacy_vmap_increment,
+    maybe_get_level,
+    peek_interpreter_stack,
+    set_fwd_grad_enabled,
+    storage_of,
+    transforms_active,
+    unwrap_batched,
+    unwrap_for_grad,
+    unwrap_if_dead,
+    wrap_for_grad,
+)
 
 Tensors = tuple[torch.Tensor, ...]
 
@@ -121,9 +132,7 @@ def _differentiable(t: torch.Tensor) -> bool:
     return t.is_floating_point() or t.is_complex()
 
 
-def _grad_levels_active() -> bool:
-    stack = torch._C._functorch.get_interpreter_stack() or []
-    return any(i.key() == TransformType.Grad for i in stack)
+_grad_levels_active = grad_levels_active
 
 
 def _only_forward_levels_active() -> bool:
@@ -133,8 +142,7 @@ def _only_forward_levels_active() -> bool:
     every operation; remat'ing it as a VjpRegion gave wrong tangents when a plain
     tensor requiring grad was among the primals.
     """
-    stack = torch._C._functorch.get_interpreter_stack() or []
-    return any(i.key() == TransformType.Jvp for i in stack) and not any(i.key() == TransformType.Grad for i in stack)
+    return jvp_levels_active() and not grad_levels_active()
 
 
 def _needs_graph(tensors: Sequence[torch.Tensor]) -> bool:
@@ -150,7 +158,7 @@ def apply(region: Region, flat: Sequence[torch.Tensor]) -> Tensors:
     ``inspect.signature(forward).bind(...)`` (about 100 us), a no-op here since
     ``forward`` takes positional arguments only, with no defaults.
     """
-    if torch._C._are_functorch_transforms_active():
+    if transforms_active():
         return custom_function_call(_RematFunction, region, *flat)
     flat = tuple(unwrap_if_dead(t) for t in flat)  # as Function.apply does
     return super(torch.autograd.Function, _RematFunction).apply(region, *flat)  # type: ignore[misc]
@@ -223,10 +231,10 @@ class JvpRegion(Region):
 
         diff_p = tuple(primals[i] for i in diff)
         diff_t = tuple(tangents[i] for i in diff)
-        if peek_interpreter_stack() is None and fwAD._current_level >= 0:
+        if peek_interpreter_stack() is None and forward_ad_level() >= 0:
             # Plain forward-mode AD (inside the user's fwAD.dual_level): torch.func.jvp
             # cannot nest there, so make duals at the user's level instead.
-            with _set_fwd_grad_enabled(True):
+            with set_fwd_grad_enabled(True):
                 outs = f(*(fwAD.make_dual(fwAD.unpack_dual(p).primal, t) for p, t in zip(diff_p, diff_t)))
                 unpacked = [fwAD.unpack_dual(o) for o in outs]
             outs = tuple(u.primal for u in unpacked)
@@ -304,9 +312,7 @@ def _recompute_of(
 
 def _in_legacy_vmap() -> bool:
     """Inside autograd's own vmap mode (``is_grads_batched=True``), which batches the cotangents."""
-    depth = torch._C._vmapmode_increment_nesting() - 1
-    torch._C._vmapmode_decrement_nesting()
-    return depth > 0
+    return legacy_vmap_depth() > 0
 
 
 @contextlib.contextmanager
@@ -316,15 +322,14 @@ def _outside_legacy_vmap() -> Iterator[None]:
     That mode batches the cotangents only; the recomputation runs on unbatched
     primals, where random operators (dropout) are allowed and replay exactly.
     """
-    depth = torch._C._vmapmode_increment_nesting() - 1
-    torch._C._vmapmode_decrement_nesting()
+    depth = legacy_vmap_depth()
     for _ in range(depth):
-        torch._C._vmapmode_decrement_nesting()
+        legacy_vmap_decrement()
     try:
         yield
     finally:
         for _ in range(depth):
-            torch._C._vmapmode_increment_nesting()
+            legacy_vmap_increment()
 
 
 def _local_leaf(p: torch.Tensor, wrt: bool, create_graph: bool) -> torch.Tensor:
@@ -343,7 +348,7 @@ def _vjp_here(region: Region, primals: Tensors, cotangents: Tensors, needs: Sequ
     # Computed directly (not as a remat'd VjpRegion) where a transform of this backward
     # must see its operations: a jvp level (jvp of grad), plain forward-mode AD around a
     # create_graph backward, or autograd's vmap mode of is_grads_batched.
-    plain_forward_mode = peek_interpreter_stack() is None and fwAD._current_level >= 0
+    plain_forward_mode = peek_interpreter_stack() is None and forward_ad_level() >= 0
     direct = _only_forward_levels_active() or _in_legacy_vmap() or plain_forward_mode
     if needs_graph and not direct:
         vjp_region = VjpRegion(region, len(primals), needs)
@@ -369,7 +374,7 @@ def _vjp_of_batched_cotangents(
     operators may run (the vmap may forbid them); only the vjp is batched.
     """
     level = interpreter.level()
-    unwrapped = [_unwrap_batched(c, level) for c in cotangents]
+    unwrapped = [unwrap_batched(c, level) for c in cotangents]
     wrt = [i for i, need in enumerate(needs) if need]
     differentiable: list[bool] = []
     f = _recompute_of(region, primals, wrt, differentiable)
@@ -386,16 +391,16 @@ def _vjp_of_batched_cotangents(
             grads = vjp_fn(cts)
     result: list[Any] = [None] * len(primals)
     for i, g in zip(wrt, grads):
-        result[i] = _add_batch_dim(g, 0, level) if batched else g
+        result[i] = add_batch_dim(g, 0, level) if batched else g
     return result
 
 
 def _jvp_here(region: Region, primals: Tensors, tangents: Tensors) -> Tensors:
     if _needs_graph((*primals, *tangents)):
-        if peek_interpreter_stack() is None and fwAD._current_level >= 0:
+        if peek_interpreter_stack() is None and forward_ad_level() >= 0:
             # Plain forward-mode AD: the primals are duals at the user's level; the remat'd
             # jvp region takes their primal parts (else applying it would ask for its own jvp).
-            with _set_fwd_grad_enabled(True):
+            with set_fwd_grad_enabled(True):
                 primals = tuple(fwAD.unpack_dual(p).primal for p in primals)
                 tangents = tuple(fwAD.unpack_dual(t).primal for t in tangents)
         return apply(JvpRegion(region, len(primals)), (*primals, *tangents))
@@ -479,16 +484,16 @@ class _RematFunction(torch.autograd.Function):
             primals = tuple(unwrap_if_dead(p) for p in primals)
             cotangents = tuple(unwrap_if_dead(c) for c in cotangents)
             grads = _vjp_here(region, primals, cotangents, needs)
-            if not torch._C._autograd._get_current_graph_task_keep_graph():
+            if not graph_task_keeps_graph():
                 region.release_kept()  # no second backward through this node: free them now
             return (None, *grads)
         level = interpreter.level()
-        lowered_p = tuple(_unwrap_for_grad(p, level) for p in primals)
-        lowered_c = tuple(_unwrap_for_grad(c, level) for c in cotangents)
+        lowered_p = tuple(unwrap_for_grad(p, level) for p in primals)
+        lowered_c = tuple(unwrap_for_grad(c, level) for c in cotangents)
         with interpreter.lower():
             grads = _vjp_here(region, lowered_p, lowered_c, needs)
         region.release_kept()  # this level's backward runs once
-        wrapped = [None if g is None else _wrap_for_grad(g, level) for g in grads]
+        wrapped = [None if g is None else wrap_for_grad(g, level) for g in grads]
         if torch.is_grad_enabled():
             wrapped = _guard_same_level(region, wrapped, primals)
         return (None, *wrapped)
@@ -502,15 +507,15 @@ class _RematFunction(torch.autograd.Function):
         # Autograd calls jvp with forward-mode AD off; enclosing jvp levels must
         # still see this computation (jvp of jvp), so turn it back on.
         if interpreter is None:
-            with _set_fwd_grad_enabled(True):
+            with set_fwd_grad_enabled(True):
                 out = _jvp_here(region, primals, tangents)
         else:
             level = interpreter.level()
-            lowered_p = tuple(_unwrap_for_grad(p, level) for p in primals)
-            lowered_t = tuple(_unwrap_for_grad(t, level) for t in tangents)
-            with interpreter.lower(), _set_fwd_grad_enabled(True):
+            lowered_p = tuple(unwrap_for_grad(p, level) for p in primals)
+            lowered_t = tuple(unwrap_for_grad(t, level) for t in tangents)
+            with interpreter.lower(), set_fwd_grad_enabled(True):
                 lowered_out = _jvp_here(region, lowered_p, lowered_t)
-            out = tuple(_wrap_for_grad(t, level) for t in lowered_out)
+            out = tuple(wrap_for_grad(t, level) for t in lowered_out)
         # Outputs marked non-differentiable (integer tensors) take no tangent.
         return tuple(t if d else None for t, d in zip(out, ctx.output_differentiable))
 
@@ -579,11 +584,11 @@ def _guard_same_level(region: Region, grads: list[Any], primals: Tensors) -> lis
     return [None if g is None else next(guarded) for g in grads]
 
 
-class _SameLevelGuard(torch.autograd.function._SingleLevelFunction):
+class _SameLevelGuard(SingleLevelFunction):
     @staticmethod
     def forward(name: str, level: int, n: int, *tensors: torch.Tensor) -> Tensors:  # type: ignore[override]
         # Fresh wrappers of the same values: new tensors for autograd, no copy.
-        return tuple(_wrap_for_grad(_unwrap_for_grad(t, level), level) for t in tensors[:n])
+        return tuple(wrap_for_grad(unwrap_for_grad(t, level), level) for t in tensors[:n])
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:

@@ -49,13 +49,21 @@ from typing import Any
 
 import torch
 import torch.autograd.forward_ad as fwAD
-from torch.autograd.forward_ad import _set_fwd_grad_enabled
-from torch.nn.utils.stateless import _reparametrize_module
 from torch.overrides import TorchFunctionMode
 
 from ._errors import CheckpointError
-
-_C = torch._C._functorch
+from ._internals import (
+    TransformType,
+    forward_ad_level,
+    fsdp2_training_state,
+    interpreter_stack,
+    is_batchedtensor,
+    is_dead_tensor_wrapper,
+    is_functorch_wrapped,
+    maybe_get_level,
+    reparametrize_module,
+    set_fwd_grad_enabled,
+)
 
 # Code from these packages is library code: we do not walk its globals.
 _LIBRARY_ROOTS = frozenset(
@@ -270,7 +278,7 @@ def changed_captures(fn: Callable[..., Any], before: Captured) -> list[torch.Ten
         if id(t) not in seen
         and id(t) not in held
         and (
-            (_C.is_functorch_wrapped_tensor(t) and not _C.is_dead_tensor_wrapper(t))
+            (is_functorch_wrapped(t) and not is_dead_tensor_wrapper(t))
             or (t.requires_grad and t.grad_fn is None)
         )
     ]
@@ -320,7 +328,7 @@ def _fsdp_hooks_would_run(module: torch.nn.Module) -> bool:
     if isinstance(module, getattr(fsdp, "FullyShardedDataParallel", ())):
         return True
     try:
-        return module._get_fsdp_state()._training_state.name not in ("FORWARD", "PRE_BACKWARD")  # type: ignore[operator]
+        return fsdp2_training_state(module) not in ("FORWARD", "PRE_BACKWARD")
     except Exception:  # FSDP's internals moved: refuse rather than guess
         return True
 
@@ -334,7 +342,7 @@ def reparametrized(
         for module, named in modules:
             mapping = {name: replace.get(id(t), t) for name, t in named.items()}
             stack.enter_context(
-                _reparametrize_module(module, mapping, tie_weights=False, strict=False, stack_weights=False)
+                reparametrize_module(module, mapping, tie_weights=False, strict=False, stack_weights=False)
             )
         yield
 
@@ -424,7 +432,7 @@ class Substitute(TorchFunctionMode):
             _active.maps.pop()
             raise
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         try:
             super().__exit__(*exc)
         finally:
@@ -456,7 +464,7 @@ class Substitute(TorchFunctionMode):
         # inside. A plain tensor is foreign if it requires grad and was not made
         # inside this run: a leaf, or the result of an autograd node created
         # before the run started (autograd numbers nodes in creation order).
-        wrapped = _C.is_functorch_wrapped_tensor(t)
+        wrapped = is_functorch_wrapped(t)
         if wrapped:
             foreign = _foreign_level(t)
         else:
@@ -500,13 +508,13 @@ def has_tangent(t: torch.Tensor) -> bool:
     Read with forward-mode AD enabled: a custom Function's forward runs with it
     disabled, which hides tangents.
     """
-    if fwAD._current_level < 0:
+    if forward_ad_level() < 0:
         return False
     try:
-        with _set_fwd_grad_enabled(True):
+        with set_fwd_grad_enabled(True):
             return fwAD.unpack_dual(t).tangent is not None
     except RuntimeError:  # inside vmap: no batching rule for _unpack_dual; assume it may carry one
-        return _C.is_functorch_wrapped_tensor(t)
+        return is_functorch_wrapped(t)
 
 
 def local_graph_leaves(
@@ -562,13 +570,13 @@ def next_sequence_nr() -> int:
 
 def _foreign_level(t: torch.Tensor) -> bool:
     """A live functorch tensor whose level is not the same kind of level on the stack now."""
-    if _C.is_dead_tensor_wrapper(t):
+    if is_dead_tensor_wrapper(t):
         return False
-    level = _C.maybe_get_level(t)
-    stack = _C.get_interpreter_stack() or []
+    level = maybe_get_level(t)
+    stack = interpreter_stack()
     for interpreter in stack:
         if interpreter.level() == level:
             kind = interpreter.key()
-            batched = _C.is_batchedtensor(t)
-            return batched != (kind == _C.TransformType.Vmap)
+            batched = is_batchedtensor(t)
+            return batched != (kind == TransformType.Vmap)
     return True

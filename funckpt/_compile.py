@@ -47,11 +47,15 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch._dynamo.comptime import comptime
 from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    checkpoint,
+    create_selective_checkpoint_contexts,
+)
 
 from ._errors import debug_enabled
+from ._internals import comptime, skip_code, transforms_active
 from .policies import Policy, uses_names
 
 if TYPE_CHECKING:
@@ -62,8 +66,6 @@ __all__ = ["can_lower", "lowered_call", "skip_as_frame"]
 
 def skip_as_frame(fn: Callable[..., Any]) -> None:
     """Dynamo may inline ``fn`` into a graph but never compiles a call of it on its own."""
-    from torch._dynamo.eval_frame import skip_code
-
     skip_code(fn.__code__)
 
 
@@ -74,7 +76,7 @@ def can_lower(options: RematOptions) -> bool:
         and not debug_enabled(options.debug)
         and (options.policy is None or not uses_names(options.policy))
         # Last: Dynamo records this call in the graph rather than folding it.
-        and not torch._C._are_functorch_transforms_active()
+        and not transforms_active()
     )
 
 

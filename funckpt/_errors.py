@@ -38,11 +38,16 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
-import torch.autograd.forward_ad as fwAD
-from torch.autograd.forward_ad import _set_fwd_grad_enabled
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ._internals import DisableFuncTorch, bottom
+from ._internals import (
+    DisableFuncTorch,
+    bottom,
+    forward_ad_level,
+    set_fwd_grad_enabled,
+    set_grad_enabled,
+    transforms_active,
+)
 
 __all__ = ["CheckpointError", "set_checkpoint_debug_enabled"]
 
@@ -196,7 +201,7 @@ _RTOL_OTHER_FLOAT = 1e-1  # 8-bit floating-point types
 class Digest:
     """The mean and standard deviation of one output's values (``stats``), and how to compare them."""
 
-    __slots__ = ("stats", "numel", "rtol")
+    __slots__ = ("numel", "rtol", "stats")
 
     def __init__(self, stats: torch.Tensor, numel: int, rtol: float) -> None:
         self.stats, self.numel, self.rtol = stats, numel, rtol
@@ -233,14 +238,14 @@ def digest(tensors: Sequence[torch.Tensor]) -> list[Digest | None]:
     reduction per output.
     """
     digests: list[Digest | None] = []
-    plain = not torch._C._are_functorch_transforms_active()
-    with contextlib.ExitStack() if not plain or fwAD._current_level >= 0 else contextlib.nullcontext() as stack:
+    plain = not transforms_active()
+    with contextlib.ExitStack() if not plain or forward_ad_level() >= 0 else contextlib.nullcontext() as stack:
         if stack is not None:
             if not plain:
                 stack.enter_context(DisableFuncTorch())
-            stack.enter_context(_set_fwd_grad_enabled(False))
+            stack.enter_context(set_fwd_grad_enabled(False))
         previous = torch.is_grad_enabled()
-        torch._C._set_grad_enabled(False)
+        set_grad_enabled(False)
         try:
             for t in tensors:
                 b = t if plain else bottom(t)
@@ -251,7 +256,7 @@ def digest(tensors: Sequence[torch.Tensor]) -> list[Digest | None]:
                 rtol = 0.0 if exact else _RTOL.get(b.dtype, _RTOL_OTHER_FLOAT)
                 digests.append(Digest(_stats(b), b.numel() * (2 if b.is_complex() else 1), rtol))
         finally:
-            torch._C._set_grad_enabled(previous)
+            set_grad_enabled(previous)
     return digests
 
 

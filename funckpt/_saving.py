@@ -40,8 +40,6 @@ from ._errors import CheckpointError
 from ._internals import bottom, storage_of
 from .policies import CHECKPOINT_NAME, excluded_names, uses_names
 
-
-
 # Not numbered: autograd dispatches a detach when it saves an op's output for
 # backward, so grad-enabled recomputations have detaches the no-grad forward run
 # lacks. They alias their input and are never kept, so skipping them is safe.
@@ -332,7 +330,7 @@ class Recorder(WriteWatch):
             _active.stack.pop()
             raise
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         try:
             super().__exit__(*exc)
         finally:

@@ -25,11 +25,9 @@ from dataclasses import dataclass
 from typing import Any, TypeVar, overload
 
 import torch
-from torch._C._functorch import peek_interpreter_stack
 
 from . import _aliasing, _autocast, _rng
 from ._autograd import Phase, Region, apply, eager_under_compile
-from ._compile import can_lower, lowered_call, skip_as_frame
 from ._capture import (
     Captured,
     Substitute,
@@ -38,11 +36,12 @@ from ._capture import (
     find_captured,
     has_tangent,
     local_graph_leaves,
-    tensors_inside,
     next_sequence_nr,
     reparametrized,
     route_through_enclosing,
+    tensors_inside,
 )
+from ._compile import can_lower, lowered_call, skip_as_frame
 from ._errors import (
     DETERMINISM_CHECKS,
     CheckpointError,
@@ -53,6 +52,14 @@ from ._errors import (
     debug_enabled,
     digest,
     tensor_meta,
+)
+from ._internals import (
+    forward_ad_level,
+    forward_mode_active,
+    is_functorch_wrapped,
+    peek_interpreter_stack,
+    transforms_active,
+    vmap_active,
 )
 from ._modules import Remat, RematSequential
 from ._pytree import ArgSpec, TreeSlots, flatten, flatten_args
@@ -298,20 +305,12 @@ def _call_eagerly(fn: Callable[..., Any], options: RematOptions, args: tuple[Any
     return region.out_slots.fill(_aliasing.rebuild(region.plan, outs, routed))
 
 
-def _vmap_active() -> bool:
-    stack = torch._C._functorch.get_interpreter_stack() or []
-    return any(i.key() == torch._C._functorch.TransformType.Vmap for i in stack)
+_vmap_active = vmap_active
 
 
 def _nothing_to_differentiate() -> bool:
     """No grad mode, no torch.func transform, no forward-mode level: nothing to recompute for."""
-    import torch.autograd.forward_ad as fwAD
-
-    return (
-        not torch.is_grad_enabled()
-        and not torch._C._are_functorch_transforms_active()
-        and fwAD._current_level < 0
-    )
+    return not torch.is_grad_enabled() and not transforms_active() and forward_ad_level() < 0
 
 
 def _check_static_argnums(name: str, options: RematOptions, args: tuple[Any, ...]) -> tuple[int, ...]:
@@ -338,15 +337,12 @@ def _in_place_error(name: str) -> CheckpointError:
 
 def _forward_mode_active() -> bool:
     """Is forward-mode AD (a functorch jvp level or a dual level) computing tangents here?"""
-    import torch.autograd.forward_ad as fwAD
-
-    stack = torch._C._functorch.get_interpreter_stack() or []
-    return fwAD._current_level >= 0 or any(i.key() == torch._C._functorch.TransformType.Jvp for i in stack)
+    return forward_mode_active()
 
 
 def _restored(t: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
     """``value``, keeping ``t``'s derivatives (its graph, its level, its forward-mode tangent)."""
-    if t.requires_grad or torch._C._functorch.is_functorch_wrapped_tensor(t) or has_tangent(t):
+    if t.requires_grad or is_functorch_wrapped(t) or has_tangent(t):
         return t + (value - t).detach()
     return value
 

@@ -46,6 +46,8 @@ from typing import Any, TypeVar
 import optree
 import torch
 
+from ._internals import OpOverload, OpOverloadPacket
+
 __all__ = [
     "CHECKPOINT_NAME",
     "Policy",
@@ -310,7 +312,7 @@ def from_torch(policy_fn_or_list: Callable[..., Any] | Iterable[Any]) -> Policy:
         raise TypeError(
             f"from_torch: expected a policy function or a list of ops, got {policy_fn_or_list!r}"
         ) from None
-    bad = [op for op in ops if not isinstance(op, (torch._ops.OpOverload, torch._ops.OpOverloadPacket))]
+    bad = [op for op in ops if not isinstance(op, (OpOverload, OpOverloadPacket))]
     if bad:
         raise TypeError(f"from_torch: the list must hold OpOverload or OpOverloadPacket objects, got {bad!r}")
     return FromTorch(tuple(ops))
