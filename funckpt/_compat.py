@@ -23,7 +23,8 @@ import torch
 import torch.utils.checkpoint as upstream
 
 from ._modules import run_in_segments
-from ._transform import RematOptions, call
+from ._call import call
+from ._options import RematOptions
 from .policies import from_torch
 
 __all__ = ["checkpoint", "checkpoint_sequential", "noop_context_fn"]

@@ -31,7 +31,7 @@ A lowered region Dynamo cannot trace (say an op given an explicit
 ``torch.Generator``) must also end up eager, and not in ``torch.utils.checkpoint``
 run eagerly, which does not replay explicit generators: Dynamo would graph-break
 at the innermost frame that calls ``checkpoint`` and run that call as is. So the
-frame that chooses, ``_transform.call``, is :func:`skip_as_frame`: Dynamo inlines
+frame that chooses, ``_call.call``, is :func:`skip_as_frame`: Dynamo inlines
 it into a caller's graph, but when it must run a call of it on its own (after a
 graph break) it runs it uncompiled, where ``torch.compiler.is_compiling()`` is
 false and the eager path is taken.
@@ -59,7 +59,7 @@ from ._internals import comptime, skip_code, transforms_active
 from .policies import Policy, uses_names
 
 if TYPE_CHECKING:
-    from ._transform import RematOptions
+    from ._options import RematOptions
 
 __all__ = ["can_lower", "lowered_call", "skip_as_frame"]
 

@@ -21,12 +21,12 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-if TYPE_CHECKING:
-    from ._transform import RematOptions
+from ._call import call
+from ._options import RematOptions
 
 
 class Remat(torch.nn.Module):
@@ -44,8 +44,6 @@ class Remat(torch.nn.Module):
         self.training = module.training
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        from ._transform import call
-
         return call(self.wrapped, self._remat_options, args, kwargs)
 
     def train(self, mode: bool = True) -> Remat:
@@ -80,8 +78,6 @@ def run_in_segments(
     layers: Sequence[Any], segments: int, x: Any, options: RematOptions, *, checkpoint_last: bool
 ) -> Any:
     """Run ``layers`` in order in ``segments`` remat'd chunks; the last one plainly unless ``checkpoint_last``."""
-    from ._transform import call
-
     ranges = split(len(layers), segments)
     remat_ranges = ranges if checkpoint_last else ranges[:-1]
     for a, b in remat_ranges:

@@ -14,13 +14,22 @@ import contextlib
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import optree
 import torch
 
-if TYPE_CHECKING:
-    from ._transform import UserRegion
+
+
+class UserRegion(Protocol):
+    """What a residual report reads of a remat'd call's region (``_call.UserRegion``)."""
+
+    name: str
+    saved: Any
+    argspec: Any
+    arg_index: list[int]
+    captured: Any
+    captured_index: list[int]
 
 __all__ = ["Residual", "print_saved_residuals", "saved_residuals"]
 

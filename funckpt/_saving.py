@@ -28,7 +28,6 @@ Safety:
 
 from __future__ import annotations
 
-import threading
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -38,6 +37,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ._errors import CheckpointError
 from ._internals import bottom, storage_of
+from ._naming import active
 from .policies import CHECKPOINT_NAME, excluded_names, uses_names
 
 # Not numbered: autograd dispatches a detach when it saves an op's output for
@@ -271,20 +271,6 @@ def _versions(out: Any) -> list[int]:
     return [t._version for t in _tensors(out)]
 
 
-class _Active(threading.local):
-    def __init__(self) -> None:
-        self.stack: list[Saved] = []
-
-
-_active = _Active()
-
-
-def note_name(x: torch.Tensor, name: str) -> None:
-    """Called by ``checkpoint_name``: tell the innermost recording region."""
-    if _active.stack:
-        _active.stack[-1].name_value(x, name)
-
-
 class WriteWatch(TorchDispatchMode):
     """Calls ``before_write(index)`` before any operator writes to input ``index``'s storage."""
 
@@ -323,18 +309,18 @@ class Recorder(WriteWatch):
         self.saved = saved
 
     def __enter__(self) -> Recorder:
-        _active.stack.append(self.saved)
+        active.stack.append(self.saved)
         try:
             return super().__enter__()
         except BaseException:
-            _active.stack.pop()
+            active.stack.pop()
             raise
 
     def __exit__(self, *exc: object) -> None:
         try:
             super().__exit__(*exc)
         finally:
-            _active.stack.pop()
+            active.stack.pop()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
         kwargs = kwargs or {}

@@ -47,6 +47,7 @@ import optree
 import torch
 
 from ._internals import OpOverload, OpOverloadPacket
+from ._naming import note_name
 
 __all__ = [
     "CHECKPOINT_NAME",
@@ -429,8 +430,6 @@ def checkpoint_name(x: T, name: str) -> T:
     """
     if not isinstance(name, str):
         raise TypeError(f"checkpoint_name: name must be a string, got {name!r}")
-    from ._saving import note_name
-
     if isinstance(x, torch.Tensor):
         note_name(x, name)
         return x

@@ -1,0 +1,590 @@
+"""One checkpointed call: the eager path, and the region of the user's function.
+
+``call`` turns ``fn(*args, **kwargs)`` into a *region* for the autograd
+machinery in ``_autograd.py``: it flattens the arguments with optree
+(``_pytree.py``), adds the tensors ``fn`` reaches through closures, partials
+and modules (``_capture.py``) as inputs, applies the region, and rebuilds the
+outputs (views of inputs and of each other included, ``_aliasing.py``).
+
+:class:`UserRegion` owns what one call must replay: the random-number
+generators (``_rng.py``), autocast (``_autocast.py``), snapshots of the inputs
+``fn`` writes in place, and what the determinism check compares against
+(``_errors.py``). Its forward run and its recomputation are two methods, each
+reading top to bottom; they share the context they run ``fn`` in
+(:meth:`UserRegion._running`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import types
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from . import _aliasing, _autocast, _rng
+from ._autograd import Phase, Region, apply, eager_under_compile
+from ._capture import (
+    Captured,
+    Substitute,
+    changed_captures,
+    differentiable_input,
+    find_captured,
+    has_tangent,
+    local_graph_leaves,
+    next_sequence_nr,
+    reparametrized,
+    route_through_enclosing,
+    tensors_inside,
+)
+from ._compile import can_lower, lowered_call, skip_as_frame
+from ._errors import (
+    CheckpointError,
+    Digest,
+    OpTrace,
+    check_same_outputs,
+    check_same_values,
+    debug_enabled,
+    digest,
+    tensor_meta,
+)
+from ._internals import (
+    bottom,
+    forward_ad_level,
+    forward_mode_active,
+    is_functorch_wrapped,
+    peek_interpreter_stack,
+    storage_of,
+    transforms_active,
+    vmap_active,
+)
+from ._options import RematOptions, callable_name, check_static_argnums
+from ._pytree import ArgSpec, TreeSlots, flatten, flatten_args
+from ._residuals import notify
+from ._saving import Saved, WriteWatch, clone_together
+from .policies import nothing_saveable
+
+__all__ = ["UserRegion", "call"]
+
+
+def call(fn: Callable[..., Any], options: RematOptions, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """One checkpointed call of ``fn(*args, **kwargs)``.
+
+    Under ``torch.compile`` the call becomes the compiler's checkpoint region
+    where it can, and otherwise a graph break around the eager call below
+    (``_compile.py`` says which and why).
+    """
+    if torch.compiler.is_compiling() and can_lower(options):
+        return lowered_call(fn, options, args, kwargs)
+    return _call_eagerly(fn, options, args, kwargs)
+
+
+skip_as_frame(call)
+
+
+@eager_under_compile
+def _call_eagerly(fn: Callable[..., Any], options: RematOptions, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    name = callable_name(fn)
+    if _nothing_to_differentiate():
+        # Under no_grad or inference_mode with no transform: nothing will be
+        # recomputed, so remat is fn itself (a function that enables grad inside
+        # then records its graph, as it would without remat).
+        check_static_argnums(name, options, args)
+        return fn(*args, **kwargs)
+    static = check_static_argnums(name, options, args)
+    arg_tensors, argspec = flatten_args(args, kwargs, static)
+
+    flat: list[torch.Tensor] = []
+    slot_of: dict[int, int] = {}
+
+    def slot(t: torch.Tensor) -> int:
+        if id(t) not in slot_of:
+            slot_of[id(t)] = len(flat)
+            flat.append(t)
+        return slot_of[id(t)]
+
+    arg_index = [slot(t) for t in arg_tensors]
+    # Non-tensor arguments (modules, objects optree does not flatten, static arguments)
+    # are walked like captured values, so the tensors they hold are routed:
+    # remat(lambda x, m: m(x))(x, net) works.
+    objects = [
+        leaf
+        for leaf in (*argspec.dynamic.leaves, *argspec.static.values())
+        if leaf is not None and not isinstance(leaf, (str, bytes, int, float, complex))
+    ]
+    captured = find_captured((fn, *objects) if objects else fn)
+    captured_index = [slot(t) for t in captured.tensors]
+    routed = route_through_enclosing(flat)
+    region = UserRegion(
+        fn,
+        name,
+        options,
+        argspec,
+        arg_index,
+        captured,
+        captured_index,
+        differentiable=[differentiable_input(t) for t in routed],
+        outer=flat,
+        objects=objects,
+    )
+    notify(region, tuple(routed))
+    outs = apply(region, routed)
+    assert region.out_slots is not None
+    return region.out_slots.fill(_aliasing.rebuild(region.plan, outs, routed))
+
+
+_vmap_active = vmap_active
+
+
+def _nothing_to_differentiate() -> bool:
+    """No grad mode, no torch.func transform, no forward-mode level: nothing to recompute for."""
+    return not torch.is_grad_enabled() and not transforms_active() and forward_ad_level() < 0
+
+
+def _in_place_error(name: str) -> CheckpointError:
+    return CheckpointError(
+        f"remat({name}): the function modified one of its differentiable inputs in place. The "
+        "recomputation during the backward pass would start from the modified values and produce "
+        "wrong gradients. Compute out of place (y = x + 1, not x.add_(1)) or move the in-place "
+        "update outside the remat'd function."
+    )
+
+
+def _forward_mode_active() -> bool:
+    """Is forward-mode AD (a functorch jvp level or a dual level) computing tangents here?"""
+    return forward_mode_active()
+
+
+def _restored(t: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """``value``, keeping ``t``'s derivatives (its graph, its level, its forward-mode tangent)."""
+    if t.requires_grad or is_functorch_wrapped(t) or has_tangent(t):
+        return t + (value - t).detach()
+    return value
+
+
+def _default_device() -> torch.device | None:
+    """The device factory functions use now (``with torch.device(...)``), if torch can say."""
+    get = getattr(torch, "get_default_device", None)  # torch >= 2.3
+    return get() if get is not None else None
+
+
+def _two_contexts(context_fn: Callable[[], tuple[Any, Any]], name: str) -> tuple[Any, Any]:
+    contexts = context_fn()
+    if not (isinstance(contexts, tuple) and len(contexts) == 2):
+        raise TypeError(
+            f"remat({name}): context_fn must return a tuple of two context managers "
+            f"(forward, recomputation), got {contexts!r}"
+        )
+    return contexts
+
+
+class UserRegion(Region):
+    """The user's function as a region, with the state one call must replay."""
+
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        name: str,
+        options: RematOptions,
+        argspec: ArgSpec,
+        arg_index: list[int],
+        captured: Captured,
+        captured_index: list[int],
+        differentiable: list[bool],
+        outer: Sequence[torch.Tensor],
+        objects: Sequence[Any] = (),
+    ) -> None:
+        self.fn, self.name, self.options = fn, name, options
+        # The caller's tensors (arguments and captures), by id: alive for the whole forward run.
+        self.outer_ids = frozenset(id(t) for t in outer)
+        self.objects = tuple(objects)  # the non-tensor arguments
+        self.argspec, self.arg_index = argspec, arg_index
+        self.captured, self.captured_index = captured, captured_index
+        self.differentiable = differentiable
+        self._originals = {id(t): t for t in captured.tensors}
+        # Like torch.utils.checkpoint, the forward run executes with the caller's grad mode.
+        self.caller_grad_enabled = torch.is_grad_enabled()
+        self.out_digest: list[Digest | None] = []
+        self.values_reproducible = True
+        self.constant: set[int] = set()  # outputs that did not require grad in the forward run's graph
+        self.unchecked: set[int] = set()
+        self.used_constants: set[int] = set()  # non-differentiable inputs the forward run read  # inputs saved without a version check (see _autograd.setup_context)
+        # Outputs aliasing inputs or each other are rebuilt as views by the caller
+        # (_aliasing.py), except inside vmap, whose batched tensors have no storage.
+        self.views_outside = not _vmap_active()
+        self.plan: _aliasing.Plan | None = None
+        self.default_device: torch.device | None = None
+        self.snapshots: dict[int, torch.Tensor] = {}  # input index -> its value before the forward wrote it
+        self.out_slots: TreeSlots | None = None
+        self.out_meta: list[tuple[Any, ...]] = []
+        self.forward_trace: list[str] | None = None
+        self.rng: _rng.RngState | None = None
+        policy = options.policy
+        self.saved = None if policy is None or policy is nothing_saveable else Saved(policy, name)
+        self._recompute_context: Any = None
+        self.autocast: list[_autocast.AutocastState] = []
+        self.generators = [
+            *(leaf for leaf in argspec.dynamic.leaves if isinstance(leaf, torch.Generator)),
+            *captured.generators,
+        ]
+
+    def _user_context(self, forward: bool) -> Any:
+        """``context_fn``'s first context for the forward run, its second for a recomputation.
+
+        ``context_fn`` is called once per forward run; a recomputation beyond the
+        first (a second backward pass) asks it for a fresh pair.
+        """
+        assert self.options.context_fn is not None
+        if forward:
+            forward_context, self._recompute_context = _two_contexts(self.options.context_fn, self.name)
+            return forward_context
+        context = self._recompute_context
+        self._recompute_context = None
+        return context if context is not None else _two_contexts(self.options.context_fn, self.name)[1]
+
+    def _write_watch(self, flat: tuple[torch.Tensor, ...], snapshots_possible: bool) -> WriteWatch:
+        """Snapshot each non-differentiable input before the forward run first writes it.
+
+        The recomputation must start from the values the forward run started
+        from (say a buffer that is updated and then read). Writing to a
+        differentiable input raises: the caller's graph would not know of it.
+        """
+        storages: dict[int, int] = {}  # storage -> the first input on it
+        on_same_storage: dict[int, list[int]] = {}  # that input -> every input on its storage
+        for i, t in enumerate(flat):
+            key = storage_of(bottom(t))
+            if key is not None:
+                first = storages.setdefault(key, i)
+                on_same_storage.setdefault(first, []).append(i)
+
+        def before_write(index: int, t: torch.Tensor) -> None:
+            # ``t`` is what the operator writes: the input or any view of its storage.
+            # Every input on that storage is snapshotted whole, not ``t``.
+            written = on_same_storage[index]
+            if any(self.differentiable[i] for i in written):
+                raise _in_place_error(self.name)
+            if not snapshots_possible:
+                raise CheckpointError(
+                    f"remat({self.name}): the function modified one of its inputs in place under a "
+                    "torch.func transform that batches it (vmap); remat cannot restore its value for the "
+                    "recomputation. Compute out of place, or move the update outside the remat'd function."
+                )
+            fresh = [i for i in written if i not in self.snapshots]
+            self.snapshots.update(zip(fresh, clone_together([flat[i] for i in fresh])))
+
+        return WriteWatch(storages, before_write)
+
+    def _call_fn(self, args: tuple[Any, ...], kwargs: dict[str, Any], forward: bool, grad_forward: bool) -> Any:
+        try:
+            return self.fn(*args, **kwargs)
+        except CheckpointError:
+            raise
+        except RuntimeError as e:
+            if grad_forward and "leaf Variable that requires grad is being used in an in-place" in str(e):
+                raise _in_place_error(self.name) from e
+            if forward or isinstance(e, torch.OutOfMemoryError):
+                raise
+            raise self._recomputation_raised(e) from e
+        except Exception as e:
+            if forward:
+                raise
+            raise self._recomputation_raised(e) from e
+
+    def _recomputation_raised(self, e: Exception) -> CheckpointError:
+        """A CheckpointError that is also of ``e``'s type, so ``except type(e)`` still catches it."""
+        try:
+            kind = type(f"CheckpointError[{type(e).__name__}]", (CheckpointError, type(e)), {})
+        except TypeError:  # incompatible layouts: a plain CheckpointError, chained to e
+            kind = CheckpointError
+        return kind(
+            f"remat({self.name}): the recomputation during the backward pass raised {type(e).__name__}: {e} "
+            "where the forward pass did not. The function must compute the same thing when called again "
+            "with the same inputs: it may depend on state that changed between the forward and the backward "
+            "pass (an exhausted iterator or generator, a counter, a global, a module attribute). Pass such "
+            "values as tensors, or compute them outside the remat'd function."
+        )
+
+    def _check_captures_unchanged(self) -> None:
+        changed = changed_captures(self.fn, self.captured)
+        if changed:
+            shapes = ", ".join(str(tuple(t.shape)) for t in changed)
+            raise CheckpointError(
+                f"remat({self.name}): between the forward pass and its recomputation, the function came to "
+                f"reach other differentiable tensors than at the call (shapes {shapes}): a closure variable, "
+                "global or partial argument was rebound. The recomputation would use the new tensors and "
+                "the gradient would be wrong. Pass such tensors to the remat'd function as arguments, or "
+                "do not rebind them before the backward pass."
+            )
+
+    def unchecked_inputs(self) -> set[int]:
+        return self.unchecked
+
+    def checked_constants(self) -> set[int]:
+        return self.used_constants
+
+    def _refuse_differentiable_writes(self, flat: tuple[torch.Tensor, ...]) -> None:
+        """Raise if the forward run wrote a differentiable value into an input that had none.
+
+        ``buf[:, :2] = x @ w`` on a buffer argument puts the caller's ``buf`` into the
+        graph without remat; with it the write lands on the caller's tensor but its
+        graph stays in the forward run, so a gradient through ``buf`` would be missing.
+        """
+        written = [i for i, t in enumerate(flat) if t.requires_grad and not self.differentiable[i]]
+        if written:
+            shape = tuple(flat[written[0]].shape)
+            raise CheckpointError(
+                f"remat({self.name}): the function wrote a value that requires grad into one of its inputs "
+                f"that does not (shape {shape}) in place; remat cannot give the caller's tensor that graph, "
+                "so a gradient through it would be missing. Build a new tensor instead (torch.cat, "
+                "torch.where, or buf.clone() before writing) and return it."
+            )
+
+    def constant_outputs(self) -> set[int]:
+        return self.constant
+
+    def release_kept(self) -> None:
+        if self.saved is not None:
+            self.saved.release()
+
+    def note_mutated_inputs(self, indices: list[int]) -> None:
+        if any(self.differentiable[i] for i in indices):
+            raise _in_place_error(self.name)
+        # Non-differentiable inputs (buffers such as BatchNorm's running statistics)
+        # are updated once, by the forward run; the write watch snapshotted them
+        # before the first write and recomputations start from a copy of that.
+        # One changed without a snapshot (an in-place view such as unsqueeze_, or
+        # through a storage the watch cannot see) cannot be restored.
+        missed = [i for i in indices if i not in self.snapshots]
+        if missed:
+            raise CheckpointError(
+                f"remat({self.name}): the function modified {len(missed)} of its inputs in place in a way "
+                "remat cannot undo for the recomputation (for example an in-place view such as "
+                "unsqueeze_). Compute out of place, or move the update outside the remat'd function."
+            )
+
+    def _refuse_hidden_tensors(self, leaves: tuple[Any, ...], plain_autograd: bool) -> None:
+        """Raise if a non-tensor output leaf holds a tensor whose gradient would be lost.
+
+        optree does not look inside types it does not know (a plain class, a
+        returned closure), so a tensor held there is not an output of the autograd
+        Function: a gradient through it would be silently missing, or would reach
+        remat's own copy of an input instead of the caller's tensor. Tensors the
+        caller passed in or fn captured are fine (returned as they are), and so are
+        tensors no gradient can flow through: integer ones, and under plain autograd
+        those that do not require grad. Under a torch.func transform the forward
+        run cannot tell, so every other floating-point tensor is refused.
+        """
+        for leaf in leaves:
+            if type(leaf) in weakref.ProxyTypes:
+                continue  # it keeps nothing alive (and a dead one raises on any use)
+            if leaf is None or isinstance(leaf, (str, bytes, int, float, complex, torch.dtype, torch.device)):
+                continue
+            hidden = [
+                t
+                for t in tensors_inside(leaf)
+                if id(t) not in self.outer_ids
+                and (t.is_floating_point() or t.is_complex())
+                and (t.requires_grad or not plain_autograd)
+            ]
+            if hidden:
+                shape, kind = tuple(hidden[0].shape), type(leaf).__qualname__
+                if callable(leaf) and not isinstance(leaf, torch.nn.Module):
+                    raise CheckpointError(
+                        f"remat({self.name}): the function returned a callable ({kind}) that holds a tensor "
+                        f"of shape {shape} computed or received inside the remat'd call; a gradient through "
+                        "it would be silently missing or reach remat's internal copy of an input. Return "
+                        "the tensor itself, or have the callable take it as an argument."
+                    )
+                raise CheckpointError(
+                    f"remat({self.name}): the function returned a tensor of shape {shape} inside a {kind}, "
+                    f"a type optree does not flatten, so a gradient through it would be silently missing. "
+                    f"Register {kind} as a pytree node (optree.register_pytree_node({kind}, flatten_fn, "
+                    "unflatten_fn, namespace='funckpt')), return the tensor in a tuple, list, dict or "
+                    "namedtuple, or detach it if no gradient should flow through it."
+                )
+
+    def _refuse_stored_tensors(self) -> None:
+        """Raise if the forward run stored a tensor it computed into an argument or closure.
+
+        ``o.cache = h`` on an argument, ``losses.append(aux)`` on a closure list:
+        the stored tensor belongs to the run's local graph, not to the caller's,
+        so a gradient through it would be silently missing. Checked under plain
+        autograd, where such a tensor requires grad (a detached one is fine), in
+        the non-module arguments and in the closure cells, defaults and partial
+        arguments of ``fn``, breadth first and bounded, not entering modules
+        (whose internals hooks and wrappers such as FSDP fill during a call).
+        Stores into module attributes and under torch.func transforms are not
+        caught (see the README's limits).
+        """
+        roots: list[Any] = [o for o in self.objects if not isinstance(o, torch.nn.Module)]
+        fn = self.fn
+        if isinstance(fn, functools.partial):
+            roots += [fn.args, fn.keywords]
+            fn = fn.func
+        if isinstance(fn, types.FunctionType):
+            roots += [*(fn.__closure__ or ()), fn.__defaults__, fn.__kwdefaults__]
+        stored = [
+            t
+            for t in tensors_inside(roots, budget=10_000, into_modules=False)
+            if t.requires_grad and id(t) not in self.outer_ids
+        ]
+        if stored:
+            raise CheckpointError(
+                f"remat({self.name}): the function stored a tensor of shape {tuple(stored[0].shape)} that it "
+                "computed into an object outside the call (an argument or a closure variable). remat "
+                "records no graph for it in the caller's autograd, so a gradient through it would be "
+                "silently missing. Return it from the function instead, or detach it if it is only "
+                "kept for logging."
+            )
+
+    def run(self, flat: tuple[torch.Tensor, ...], phase: Phase) -> tuple[torch.Tensor, ...]:
+        forward = phase is Phase.FORWARD
+        plain_autograd = peek_interpreter_stack() is None
+        # The forward run records a local graph (dropped when it ends) when the
+        # caller could differentiate, so fn can use autograd inside, as it can
+        # under torch.utils.checkpoint. Under torch.func it runs without one.
+        grad_forward = forward and plain_autograd and self.caller_grad_enabled
+        if grad_forward:
+            flat = tuple(
+                t.detach().requires_grad_(True) if d and (t.is_floating_point() or t.is_complex()) else t
+                for t, d in zip(flat, self.differentiable)
+            )
+        if not forward:
+            self._check_captures_unchanged()
+            if self.snapshots:
+                # Recompute from the values the forward run started from, on copies
+                # that alias each other as the inputs did.
+                copies = dict(zip(self.snapshots, clone_together(list(self.snapshots.values()))))
+                flat = tuple(_restored(t, copies[i]) if i in copies else t for i, t in enumerate(flat))
+        args, kwargs = self.argspec.rebuild([flat[i] for i in self.arg_index])
+        replace = {id(orig): flat[i] for orig, i in zip(self.captured.tensors, self.captured_index)}
+        mapping = {k: v for k, v in replace.items() if v is not self._originals.get(k)}
+        debug = debug_enabled(self.options.debug)
+        first_node = next_sequence_nr() if forward or mapping else 0
+        with contextlib.ExitStack() as stack:
+            if grad_forward:
+                stack.enter_context(torch.enable_grad())
+            if self.captured.modules:
+                stack.enter_context(reparametrized(self.captured.modules, replace))
+            if self.options.context_fn is not None:
+                stack.enter_context(self._user_context(forward))
+            if forward:
+                self.autocast = _autocast.capture(flat)
+            else:
+                stack.enter_context(_autocast.replay(self.autocast))
+            if self.options.preserve_rng_state:
+                if forward:
+                    self.rng = _rng.capture(flat, self.generators)
+                elif self.rng is not None:
+                    stack.enter_context(_rng.replay(self.rng))
+            if forward:
+                self.default_device = _default_device()
+            elif self.default_device is not None and self.default_device != _default_device():
+                # The caller's ``with torch.device(...)`` is not in force where the
+                # autograd engine runs the backward (a device thread, for instance).
+                stack.enter_context(torch.device(self.default_device))
+            # The dispatch modes are built before the torch-function mode is entered: building
+            # them reads the inputs' storages, which must not count as the function's use.
+            modes: list[Any] = []
+            if forward:
+                # With a policy, the recorder watches input writes too: one dispatch mode, not two.
+                # Without one, a watch is needed only for non-differentiable inputs (writes to
+                # differentiable ones are caught by their version counters after the run).
+                if self.saved is not None:
+                    modes.append(self.saved.recorder(self._write_watch(flat, plain_autograd)))
+                elif not all(self.differentiable):
+                    modes.append(self._write_watch(flat, plain_autograd))
+            elif self.saved is not None and not _forward_mode_active():
+                modes.append(self.saved.replayer(getattr(self.options.policy, "allow_cache_entry_mutation", False)))
+            substitute = Substitute(mapping, flat, forward, self.name, first_node) if forward or mapping else None
+            if substitute is not None:
+                stack.enter_context(substitute)
+            for mode in modes:
+                stack.enter_context(mode)
+            trace = stack.enter_context(OpTrace()) if debug else None
+            out = self._call_fn(args, kwargs, forward, grad_forward)
+        tensors, slots = flatten(out)
+        if forward:
+            self._refuse_hidden_tensors(slots.leaves, plain_autograd)
+            if grad_forward:
+                self._refuse_stored_tensors()
+        if forward and self.saved is not None:
+            self.saved.finish_forward(tuple(tensors))
+        if forward and substitute is not None and substitute.uninitialized:
+            self.values_reproducible = False
+        foreign, reached = (
+            local_graph_leaves(tensors, flat, first_node, substitute.inside)
+            if grad_forward and substitute is not None
+            else (False, None)
+        )
+        if reached is not None:
+            # Reachable but unused (other layers of a stage the function closes over):
+            # neither saved with a version check nor differentiated.
+            self.unchecked.update(i for i, t in enumerate(flat) if t.requires_grad and id(t) not in reached)
+        if forward and substitute is not None:
+            # Inputs that no gradient flows into but the function read (a mask, frozen
+            # weights) keep their version check: a change before the backward would change
+            # the recomputation in ways a value digest may not see (a permutation).
+            self.used_constants = {
+                i
+                for i, t in enumerate(flat)
+                if not t.requires_grad and id(t) in substitute.used and i not in self.snapshots
+            }
+        if grad_forward:
+            self._refuse_differentiable_writes(flat)
+        if foreign:
+            raise CheckpointError(
+                f"remat({self.name}): a differentiable tensor reached the function's result without being "
+                "routed through remat: typically a closure or global tensor passed straight to a custom "
+                "autograd.Function (whose .apply remat cannot intercept). Its gradient would be missing. "
+                "Pass the tensor to the remat'd function as an argument."
+            )
+        if forward:
+            self.plan = _aliasing.plan(flat, tensors, grad_forward) if self.views_outside and plain_autograd else None
+            if self.plan is not None:
+                self._snapshot_viewed_inputs(flat)
+        tensors = _aliasing.owned_outputs(self.plan, tensors)
+        if grad_forward:
+            self.constant = {i for i, t in enumerate(tensors) if not t.requires_grad}
+        if grad_forward:  # drop the forward run's local graph
+            tensors = [t.detach() if t.requires_grad else t for t in tensors]
+        if forward:
+            self.out_slots = slots
+            self.out_meta = [tensor_meta(t) for t in tensors]
+            if self._compares_values():
+                self.out_digest = digest(tensors)
+            self.forward_trace = trace.lines if trace is not None else None
+        elif self.options.determinism_check == "default":
+            assert self.out_slots is not None
+            traces = (self.forward_trace or [], trace.lines) if trace is not None else None
+            if slots.treespec != self.out_slots.treespec:
+                raise CheckpointError(
+                    f"remat({self.name}): the recomputation returned a different structure than the "
+                    f"forward pass: {slots.treespec} vs {self.out_slots.treespec}. "
+                    "Pass determinism_check='none' to skip this check."
+                )
+            check_same_outputs(self.name, self.out_meta, tensors, traces)
+            if self._compares_values():
+                check_same_values(self.name, self.out_digest, digest(tensors), traces)
+        return tuple(tensors)
+
+    def _snapshot_viewed_inputs(self, flat: tuple[torch.Tensor, ...]) -> None:
+        """Copy the differentiable inputs the caller gets views of: it may update them in place.
+
+        ``fn`` returning ``x[1:]`` hands the caller a view of ``x``; an in-place
+        update through it (allowed without remat) must not change what the
+        recomputation starts from. The copy replaces the version-counter check.
+        """
+        assert self.plan is not None
+        viewed = sorted({v.source for v in self.plan.views if v is not None and v.of_input})
+        fresh = [j for j in viewed if self.differentiable[j] and j not in self.snapshots]
+        self.snapshots.update(zip(fresh, clone_together([flat[j].detach() for j in fresh])))
+        self.unchecked.update(fresh)
+
+    def _compares_values(self) -> bool:
+        """Compare output values too? Not when random operators are allowed to draw anew,
+        nor when the forward run read memory it allocated uninitialized."""
+        return self.options.determinism_check == "default" and self.options.preserve_rng_state and self.values_reproducible
