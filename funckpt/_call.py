@@ -20,7 +20,8 @@ import contextlib
 import functools
 import types
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -179,6 +180,17 @@ def _two_contexts(context_fn: Callable[[], tuple[Any, Any]], name: str) -> tuple
             f"(forward, recomputation), got {contexts!r}"
         )
     return contexts
+
+
+@dataclass
+class _Run:
+    """What :meth:`UserRegion._running` sets up for one run of ``fn``."""
+
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    substitute: Substitute | None
+    trace: OpTrace | None
+    first_node: int
 
 
 class UserRegion(Region):
@@ -441,125 +453,144 @@ class UserRegion(Region):
             )
 
     def run(self, flat: tuple[torch.Tensor, ...], phase: Phase) -> tuple[torch.Tensor, ...]:
-        forward = phase is Phase.FORWARD
-        plain_autograd = peek_interpreter_stack() is None
-        # The forward run records a local graph (dropped when it ends) when the
-        # caller could differentiate, so fn can use autograd inside, as it can
-        # under torch.utils.checkpoint. Under torch.func it runs without one.
-        grad_forward = forward and plain_autograd and self.caller_grad_enabled
-        if grad_forward:
-            flat = tuple(
-                t.detach().requires_grad_(True) if d and (t.is_floating_point() or t.is_complex()) else t
-                for t, d in zip(flat, self.differentiable)
-            )
-        if not forward:
-            self._check_captures_unchanged()
-            if self.snapshots:
-                # Recompute from the values the forward run started from, on copies
-                # that alias each other as the inputs did.
-                copies = dict(zip(self.snapshots, clone_together(list(self.snapshots.values()))))
-                flat = tuple(_restored(t, copies[i]) if i in copies else t for i, t in enumerate(flat))
+        return self.forward_run(flat) if phase is Phase.FORWARD else self.recompute(flat)
+
+    @contextlib.contextmanager
+    def _running(
+        self, flat: tuple[torch.Tensor, ...], *, forward: bool, states: Sequence[Any], modes: Sequence[Any]
+    ) -> Iterator[_Run]:
+        """The context ``fn`` runs in, both runs: its inputs and reparametrized modules,
+        the user's ``context_fn``, the run's ``states`` (captured or replayed), the
+        substitution of captured tensors, the run's dispatch ``modes``, and the debug trace.
+
+        The dispatch modes are built by the caller before the torch-function mode is
+        entered: building them reads the inputs' storages, which must not count as the
+        function's use of them.
+        """
         args, kwargs = self.argspec.rebuild([flat[i] for i in self.arg_index])
         replace = {id(orig): flat[i] for orig, i in zip(self.captured.tensors, self.captured_index)}
         mapping = {k: v for k, v in replace.items() if v is not self._originals.get(k)}
-        debug = debug_enabled(self.options.debug)
         first_node = next_sequence_nr() if forward or mapping else 0
         with contextlib.ExitStack() as stack:
-            if grad_forward:
-                stack.enter_context(torch.enable_grad())
             if self.captured.modules:
                 stack.enter_context(reparametrized(self.captured.modules, replace))
             if self.options.context_fn is not None:
                 stack.enter_context(self._user_context(forward))
-            if forward:
-                self.autocast = _autocast.capture(flat)
-            else:
-                stack.enter_context(_autocast.replay(self.autocast))
-            if self.options.preserve_rng_state:
-                if forward:
-                    self.rng = _rng.capture(flat, self.generators)
-                elif self.rng is not None:
-                    stack.enter_context(_rng.replay(self.rng))
-            if forward:
-                self.default_device = _default_device()
-            elif self.default_device is not None and self.default_device != _default_device():
-                # The caller's ``with torch.device(...)`` is not in force where the
-                # autograd engine runs the backward (a device thread, for instance).
-                stack.enter_context(torch.device(self.default_device))
-            # The dispatch modes are built before the torch-function mode is entered: building
-            # them reads the inputs' storages, which must not count as the function's use.
-            modes: list[Any] = []
-            if forward:
-                # With a policy, the recorder watches input writes too: one dispatch mode, not two.
-                # Without one, a watch is needed only for non-differentiable inputs (writes to
-                # differentiable ones are caught by their version counters after the run).
-                if self.saved is not None:
-                    modes.append(self.saved.recorder(self._write_watch(flat, plain_autograd)))
-                elif not all(self.differentiable):
-                    modes.append(self._write_watch(flat, plain_autograd))
-            elif self.saved is not None and not _forward_mode_active():
-                modes.append(self.saved.replayer(getattr(self.options.policy, "allow_cache_entry_mutation", False)))
+            for state in states:
+                stack.enter_context(state())
             substitute = Substitute(mapping, flat, forward, self.name, first_node) if forward or mapping else None
             if substitute is not None:
                 stack.enter_context(substitute)
             for mode in modes:
                 stack.enter_context(mode)
-            trace = stack.enter_context(OpTrace()) if debug else None
-            out = self._call_fn(args, kwargs, forward, grad_forward)
+            trace = stack.enter_context(OpTrace()) if debug_enabled(self.options.debug) else None
+            yield _Run(args, kwargs, substitute, trace, first_node)
+
+    def forward_run(self, flat: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        """The first run, in the forward pass: record what a recomputation must replay and check."""
+        plain_autograd = peek_interpreter_stack() is None
+        # The forward run records a local graph (dropped when it ends) when the
+        # caller could differentiate, so fn can use autograd inside, as it can
+        # under torch.utils.checkpoint. Under torch.func it runs without one.
+        grad_forward = plain_autograd and self.caller_grad_enabled
+        if grad_forward:
+            flat = tuple(
+                t.detach().requires_grad_(True) if d and (t.is_floating_point() or t.is_complex()) else t
+                for t, d in zip(flat, self.differentiable)
+            )
+        # With a policy, the recorder watches input writes too: one dispatch mode, not two.
+        # Without one, a watch is needed only for non-differentiable inputs (writes to
+        # differentiable ones are caught by their version counters after the run).
+        modes: list[Any] = []
+        if self.saved is not None:
+            modes.append(self.saved.recorder(self._write_watch(flat, plain_autograd)))
+        elif not all(self.differentiable):
+            modes.append(self._write_watch(flat, plain_autograd))
+        states = [torch.enable_grad] if grad_forward else []
+        states.append(lambda: self._capture_state(flat))
+        with self._running(flat, forward=True, states=states, modes=modes) as run:
+            out = self._call_fn(run.args, run.kwargs, True, grad_forward)
         tensors, slots = flatten(out)
-        if forward:
-            self._refuse_hidden_tensors(slots.leaves, plain_autograd)
-            if grad_forward:
-                self._refuse_stored_tensors()
-        if forward and self.saved is not None:
+        self._refuse_hidden_tensors(slots.leaves, plain_autograd)
+        if grad_forward:
+            self._refuse_stored_tensors()
+        if self.saved is not None:
             self.saved.finish_forward(tuple(tensors))
-        if forward and substitute is not None and substitute.uninitialized:
+        substitute = run.substitute
+        assert substitute is not None
+        if substitute.uninitialized:
             self.values_reproducible = False
-        foreign, reached = (
-            local_graph_leaves(tensors, flat, first_node, substitute.inside)
-            if grad_forward and substitute is not None
-            else (False, None)
-        )
-        if reached is not None:
+        if grad_forward:
+            foreign, reached = local_graph_leaves(tensors, flat, run.first_node, substitute.inside)
             # Reachable but unused (other layers of a stage the function closes over):
             # neither saved with a version check nor differentiated.
             self.unchecked.update(i for i, t in enumerate(flat) if t.requires_grad and id(t) not in reached)
-        if forward and substitute is not None:
-            # Inputs that no gradient flows into but the function read (a mask, frozen
-            # weights) keep their version check: a change before the backward would change
-            # the recomputation in ways a value digest may not see (a permutation).
-            self.used_constants = {
-                i
-                for i, t in enumerate(flat)
-                if not t.requires_grad and id(t) in substitute.used and i not in self.snapshots
-            }
-        if grad_forward:
+            if foreign:
+                raise CheckpointError(
+                    f"remat({self.name}): a differentiable tensor reached the function's result without being "
+                    "routed through remat: typically a closure or global tensor passed straight to a custom "
+                    "autograd.Function (whose .apply remat cannot intercept). Its gradient would be missing. "
+                    "Pass the tensor to the remat'd function as an argument."
+                )
             self._refuse_differentiable_writes(flat)
-        if foreign:
-            raise CheckpointError(
-                f"remat({self.name}): a differentiable tensor reached the function's result without being "
-                "routed through remat: typically a closure or global tensor passed straight to a custom "
-                "autograd.Function (whose .apply remat cannot intercept). Its gradient would be missing. "
-                "Pass the tensor to the remat'd function as an argument."
-            )
-        if forward:
-            self.plan = _aliasing.plan(flat, tensors, grad_forward) if self.views_outside and plain_autograd else None
-            if self.plan is not None:
-                self._snapshot_viewed_inputs(flat)
+        # Inputs that no gradient flows into but the function read (a mask, frozen
+        # weights) keep their version check: a change before the backward would change
+        # the recomputation in ways a value digest may not see (a permutation).
+        self.used_constants = {
+            i for i, t in enumerate(flat) if not t.requires_grad and id(t) in substitute.used and i not in self.snapshots
+        }
+        self.plan = _aliasing.plan(flat, tensors, grad_forward) if self.views_outside and plain_autograd else None
+        if self.plan is not None:
+            self._snapshot_viewed_inputs(flat)
         tensors = _aliasing.owned_outputs(self.plan, tensors)
-        if grad_forward:
+        if grad_forward:  # what the caller's graph must know, then drop the run's local graph
             self.constant = {i for i, t in enumerate(tensors) if not t.requires_grad}
-        if grad_forward:  # drop the forward run's local graph
             tensors = [t.detach() if t.requires_grad else t for t in tensors]
-        if forward:
-            self.out_slots = slots
-            self.out_meta = [tensor_meta(t) for t in tensors]
-            if self._compares_values():
-                self.out_digest = digest(tensors)
-            self.forward_trace = trace.lines if trace is not None else None
-        elif self.options.determinism_check == "default":
+        self.out_slots = slots
+        self.out_meta = [tensor_meta(t) for t in tensors]
+        if self._compares_values():
+            self.out_digest = digest(tensors)
+        self.forward_trace = run.trace.lines if run.trace is not None else None
+        return tuple(tensors)
+
+    def _capture_state(self, flat: tuple[torch.Tensor, ...]) -> contextlib.AbstractContextManager[None]:
+        """Record the state a recomputation replays: autocast, the generators, the default device."""
+        self.autocast = _autocast.capture(flat)
+        if self.options.preserve_rng_state:
+            self.rng = _rng.capture(flat, self.generators)
+        self.default_device = _default_device()
+        return contextlib.nullcontext()
+
+    def _replay_state(self) -> contextlib.AbstractContextManager[None]:
+        """Put back the state the forward run recorded, for the recomputation."""
+        stack = contextlib.ExitStack()
+        stack.enter_context(_autocast.replay(self.autocast))
+        if self.options.preserve_rng_state and self.rng is not None:
+            stack.enter_context(_rng.replay(self.rng))
+        if self.default_device is not None and self.default_device != _default_device():
+            # The caller's ``with torch.device(...)`` is not in force where the
+            # autograd engine runs the backward (a device thread, for instance).
+            stack.enter_context(torch.device(self.default_device))
+        return stack
+
+    def recompute(self, flat: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        """A later run (backward, jvp, double backward): the forward run again, checked against it."""
+        self._check_captures_unchanged()
+        if self.snapshots:
+            # Recompute from the values the forward run started from, on copies
+            # that alias each other as the inputs did.
+            copies = dict(zip(self.snapshots, clone_together(list(self.snapshots.values()))))
+            flat = tuple(_restored(t, copies[i]) if i in copies else t for i, t in enumerate(flat))
+        modes: list[Any] = []
+        if self.saved is not None and not _forward_mode_active():
+            modes.append(self.saved.replayer(getattr(self.options.policy, "allow_cache_entry_mutation", False)))
+        with self._running(flat, forward=False, states=[self._replay_state], modes=modes) as run:
+            out = self._call_fn(run.args, run.kwargs, False, False)
+        tensors, slots = flatten(out)
+        tensors = _aliasing.owned_outputs(self.plan, tensors)
+        if self.options.determinism_check == "default":
             assert self.out_slots is not None
-            traces = (self.forward_trace or [], trace.lines) if trace is not None else None
+            traces = (self.forward_trace or [], run.trace.lines) if run.trace is not None else None
             if slots.treespec != self.out_slots.treespec:
                 raise CheckpointError(
                     f"remat({self.name}): the recomputation returned a different structure than the "
