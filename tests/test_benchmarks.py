@@ -1,0 +1,14 @@
+"""The benchmarks stay runnable (tiny settings: a smoke test; their figures come from BENCHMARKS.md)."""
+
+from benchmarks import gpu, overhead
+
+
+def test_gpu_benchmark_runs_in_its_small_configuration():
+    report = gpu.run(small=True)
+    for variant in gpu.variants(gpu.SMALL, gpu.torch.device("cpu")):
+        assert f"`{variant}`" in report
+
+
+def test_per_call_overhead_benchmark_runs():
+    report = overhead.run(rounds=2)
+    assert "overhead per call" in report and "torch.utils.checkpoint" in report
