@@ -168,6 +168,10 @@ def test_compiled_torch_func_transforms_of_remat(transform):
 
     x = torch.randn(3, D, dtype=torch.double)
     expected = transform(loss(block))(x)
+    without_remat = torch.compile(transform(loss(block)), backend="aot_eager")(x)
+    if not torch.allclose(without_remat, expected):
+        # torch 2.11 compiles jacrev(grad(f)) wrongly with no remat anywhere.
+        pytest.skip(f"torch {torch.__version__} compiles this transform wrongly without remat too")
     compiled = torch.compile(transform(loss(remat(block))), backend="aot_eager")
     torch.testing.assert_close(compiled(x), expected)
 
