@@ -32,6 +32,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 
@@ -62,7 +63,7 @@ class Plan:
 
 
 def _geometry(t: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...], int]:
-    return tuple(t.size()), tuple(t.stride()), t.storage_offset()
+    return tuple(t.size()), tuple(t.stride()), cast(int, t.storage_offset())
 
 
 def _view(source: int, of_input: bool, out: torch.Tensor, base: torch.Tensor, differentiable: bool) -> View:
@@ -120,7 +121,7 @@ def plan(inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor], grad_r
 def _byte_range(t: torch.Tensor) -> tuple[int, int]:
     """First and last byte of the storage that ``t``'s elements touch."""
     size = t.element_size()
-    start = t.storage_offset() * size
+    start = cast(int, t.storage_offset()) * size
     if t.numel() == 0:
         return start, start
     low = sum((n - 1) * st for n, st in zip(t.size(), t.stride()) if st < 0) * size

@@ -47,10 +47,9 @@ from __future__ import annotations
 import contextlib
 import enum
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
-import torch.autograd.forward_ad as fwAD
 
 from ._errors import CheckpointError
 from ._internals import (
@@ -60,6 +59,8 @@ from ._internals import (
     TransformType,
     VmapInterpreter,
     add_batch_dim,
+    apply_function,
+    compiler_disable,
     custom_function_call,
     enable_single_level_autograd_function,
     forward_ad_level,
@@ -71,11 +72,13 @@ from ._internals import (
     legacy_vmap_decrement,
     legacy_vmap_depth,
     legacy_vmap_increment,
+    make_dual,
     maybe_get_level,
     peek_interpreter_stack,
     set_fwd_grad_enabled,
     storage_of,
     transforms_active,
+    unpack_dual,
     unwrap_batched,
     unwrap_for_grad,
     unwrap_if_dead,
@@ -90,10 +93,7 @@ _EAGER_REASON = (
     "or inside a torch.func transform. Such a call is a graph break, so fullgraph=True cannot "
     "include it: use an operator-based policy (dots_saveable, ...), or compile without fullgraph=True"
 )
-try:
-    eager_under_compile = torch.compiler.disable(reason=_EAGER_REASON)
-except TypeError:  # torch < 2.8: no reason argument
-    eager_under_compile = torch.compiler.disable
+eager_under_compile = compiler_disable(_EAGER_REASON)
 
 
 class Phase(enum.Enum):
@@ -159,9 +159,9 @@ def apply(region: Region, flat: Sequence[torch.Tensor]) -> Tensors:
     ``forward`` takes positional arguments only, with no defaults.
     """
     if transforms_active():
-        return custom_function_call(_RematFunction, region, *flat)
+        return cast(Tensors, custom_function_call(_RematFunction, region, *flat))
     flat = tuple(unwrap_if_dead(t) for t in flat)  # as Function.apply does
-    return super(torch.autograd.Function, _RematFunction).apply(region, *flat)  # type: ignore[misc]
+    return cast(Tensors, apply_function(_RematFunction, region, *flat))
 
 
 # ----------------------------------------------------------------- derived regions
@@ -235,12 +235,12 @@ class JvpRegion(Region):
             # Plain forward-mode AD (inside the user's fwAD.dual_level): torch.func.jvp
             # cannot nest there, so make duals at the user's level instead.
             with set_fwd_grad_enabled(True):
-                outs = f(*(fwAD.make_dual(fwAD.unpack_dual(p).primal, t) for p, t in zip(diff_p, diff_t)))
-                unpacked = [fwAD.unpack_dual(o) for o in outs]
+                outs = f(*(make_dual(unpack_dual(p).primal, t) for p, t in zip(diff_p, diff_t)))
+                unpacked = [unpack_dual(o) for o in outs]
             outs = tuple(u.primal for u in unpacked)
             out_tangents = tuple(torch.zeros_like(u.primal) if u.tangent is None else u.tangent for u in unpacked)
         else:
-            outs, out_tangents = torch.func.jvp(f, diff_p, diff_t)
+            outs, out_tangents = cast("tuple[Tensors, Tensors]", torch.func.jvp(f, diff_p, diff_t))
         return tuple(t if _differentiable(o) else torch.zeros_like(o) for o, t in zip(outs, out_tangents))
 
 
@@ -280,7 +280,7 @@ def vjp(
         # Under torch.func transforms: a fresh vjp level on top of the current stack.
         differentiable: list[bool] = []
         f = _recompute_of(region, primals, wrt, differentiable)
-        outs, vjp_fn = torch.func.vjp(f, *(primals[i] for i in wrt))
+        outs, vjp_fn = cast("tuple[Tensors, Callable[..., Any]]", torch.func.vjp(f, *(primals[i] for i in wrt)))
         if not outs:
             return [None] * len(primals)
         grads = vjp_fn(tuple(c for c, d in zip(cotangents, differentiable) if d), create_graph=create_graph)
@@ -379,7 +379,7 @@ def _vjp_of_batched_cotangents(
     differentiable: list[bool] = []
     f = _recompute_of(region, primals, wrt, differentiable)
     with interpreter.lower():
-        outs, vjp_fn = torch.func.vjp(f, *(primals[i] for i in wrt))
+        outs, vjp_fn = cast("tuple[Any, Callable[..., Any]]", torch.func.vjp(f, *(primals[i] for i in wrt)))
         cts = tuple(c for (c, _), d in zip(unwrapped, differentiable) if d)
         dims = tuple(b for (_, b), d in zip(unwrapped, differentiable) if d)
         if not outs:
@@ -401,8 +401,8 @@ def _jvp_here(region: Region, primals: Tensors, tangents: Tensors) -> Tensors:
             # Plain forward-mode AD: the primals are duals at the user's level; the remat'd
             # jvp region takes their primal parts (else applying it would ask for its own jvp).
             with set_fwd_grad_enabled(True):
-                primals = tuple(fwAD.unpack_dual(p).primal for p in primals)
-                tangents = tuple(fwAD.unpack_dual(t).primal for t in tangents)
+                primals = tuple(unpack_dual(p).primal for p in primals)
+                tangents = tuple(unpack_dual(t).primal for t in tangents)
         return apply(JvpRegion(region, len(primals)), (*primals, *tangents))
     return JvpRegion(region, len(primals)).run((*primals, *tangents), Phase.RECOMPUTE)
 
@@ -425,7 +425,7 @@ def _own_live_level(ctx: Any, kind: TransformType, tensors: Sequence[torch.Tenso
 
 class _RematFunction(torch.autograd.Function):
     @staticmethod
-    def forward(region: Region, *flat: torch.Tensor) -> Tensors:  # type: ignore[override]
+    def forward(region: Region, *flat: torch.Tensor) -> Tensors:
         versions = [_version(t) for t in flat]
         outs = region.run(flat, Phase.FORWARD)
         mutated = [i for i, (t, v) in enumerate(zip(flat, versions)) if v is not None and _version(t) != v]
@@ -502,17 +502,17 @@ class _RematFunction(torch.autograd.Function):
     def jvp(ctx: Any, _region_tangent: Any, *tangents: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
         primals = _saved_primals(ctx)
         region: Region = ctx.region
-        tangents = tuple(torch.zeros_like(p) if t is None else t for p, t in zip(primals, tangents))
+        filled = tuple(torch.zeros_like(p) if t is None else t for p, t in zip(primals, tangents))
         interpreter = _own_live_level(ctx, TransformType.Jvp, primals)
         # Autograd calls jvp with forward-mode AD off; enclosing jvp levels must
         # still see this computation (jvp of jvp), so turn it back on.
         if interpreter is None:
             with set_fwd_grad_enabled(True):
-                out = _jvp_here(region, primals, tangents)
+                out = _jvp_here(region, primals, filled)
         else:
             level = interpreter.level()
             lowered_p = tuple(unwrap_for_grad(p, level) for p in primals)
-            lowered_t = tuple(unwrap_for_grad(t, level) for t in tangents)
+            lowered_t = tuple(unwrap_for_grad(t, level) for t in filled)
             with interpreter.lower(), set_fwd_grad_enabled(True):
                 lowered_out = _jvp_here(region, lowered_p, lowered_t)
             out = tuple(wrap_for_grad(t, level) for t in lowered_out)
@@ -538,7 +538,7 @@ def _saved_primals(ctx: Any) -> Tensors:
             "the update after the backward pass."
         ) from e
     if not ctx.unsaved:
-        return saved
+        return cast(Tensors, saved)
     return tuple(ctx.unsaved.get(i, t) for i, t in enumerate(saved))
 
 
@@ -584,9 +584,9 @@ def _guard_same_level(region: Region, grads: list[Any], primals: Tensors) -> lis
     return [None if g is None else next(guarded) for g in grads]
 
 
-class _SameLevelGuard(SingleLevelFunction):
+class _SameLevelGuard(SingleLevelFunction):  # type: ignore[misc]  # torch's private class, typed Any in _internals
     @staticmethod
-    def forward(name: str, level: int, n: int, *tensors: torch.Tensor) -> Tensors:  # type: ignore[override]
+    def forward(name: str, level: int, n: int, *tensors: torch.Tensor) -> Tensors:
         # Fresh wrappers of the same values: new tensors for autograd, no copy.
         return tuple(wrap_for_grad(unwrap_for_grad(t, level), level) for t in tensors[:n])
 

@@ -264,7 +264,7 @@ class UserRegion(Region):
         from (say a buffer that is updated and then read). Writing to a
         differentiable input raises: the caller's graph would not know of it.
         """
-        storages: dict[int, int] = {}  # storage -> the first input on it
+        storages: dict[int | None, int] = {}  # storage -> the first input on it
         on_same_storage: dict[int, list[int]] = {}  # that input -> every input on its storage
         for i, t in enumerate(flat):
             key = storage_of(bottom(t))
@@ -308,7 +308,7 @@ class UserRegion(Region):
     def _recomputation_raised(self, e: Exception) -> CheckpointError:
         """A CheckpointError that is also of ``e``'s type, so ``except type(e)`` still catches it."""
         try:
-            kind = type(f"CheckpointError[{type(e).__name__}]", (CheckpointError, type(e)), {})
+            kind: type[CheckpointError] = type(f"CheckpointError[{type(e).__name__}]", (CheckpointError, type(e)), {})
         except TypeError:  # incompatible layouts: a plain CheckpointError, chained to e
             kind = CheckpointError
         return kind(
@@ -506,7 +506,9 @@ class UserRegion(Region):
             modes.append(self.saved.recorder(self._write_watch(flat, plain_autograd)))
         elif not all(self.differentiable):
             modes.append(self._write_watch(flat, plain_autograd))
-        states = [torch.enable_grad] if grad_forward else []
+        states: list[Callable[[], contextlib.AbstractContextManager[object]]] = (
+            [torch.enable_grad] if grad_forward else []
+        )
         states.append(lambda: self._capture_state(flat))
         with self._running(flat, forward=True, states=states, modes=modes) as run:
             out = self._call_fn(run.args, run.kwargs, True, grad_forward)
@@ -561,7 +563,7 @@ class UserRegion(Region):
         self.default_device = _default_device()
         return contextlib.nullcontext()
 
-    def _replay_state(self) -> contextlib.AbstractContextManager[None]:
+    def _replay_state(self) -> contextlib.ExitStack[bool | None]:
         """Put back the state the forward run recorded, for the recomputation."""
         stack = contextlib.ExitStack()
         stack.enter_context(_autocast.replay(self.autocast))

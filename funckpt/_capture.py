@@ -45,10 +45,9 @@ import types
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
-import torch.autograd.forward_ad as fwAD
 from torch.overrides import TorchFunctionMode
 
 from ._errors import CheckpointError
@@ -63,6 +62,7 @@ from ._internals import (
     maybe_get_level,
     reparametrize_module,
     set_fwd_grad_enabled,
+    unpack_dual,
 )
 
 # Code from these packages is library code: we do not walk its globals.
@@ -84,7 +84,7 @@ class Captured:
     modules: list[tuple[torch.nn.Module, dict[str, torch.Tensor]]] = field(default_factory=list)
 
 
-def find_captured(fn: Callable[..., Any]) -> Captured:
+def find_captured(fn: Callable[..., Any] | tuple[Any, ...]) -> Captured:
     """Tensors reachable from ``fn`` other than through its call arguments.
 
     Walks modules (parameters, buffers and plain tensor attributes), bound
@@ -305,7 +305,7 @@ def _named_tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     return named
 
 
-def _sharded_types() -> tuple[type, ...]:
+def _sharded_types() -> tuple[type[Any], ...]:
     """FSDP's module types, if FSDP was imported (else no module can be one)."""
     fsdp = sys.modules.get("torch.distributed.fsdp")
     if fsdp is None:
@@ -427,14 +427,14 @@ class Substitute(TorchFunctionMode):
     def __enter__(self) -> Substitute:
         _active.maps.append(self.mapping)
         try:
-            return super().__enter__()
+            return cast(Substitute, super().__enter__())  # type: ignore[no-untyped-call]
         except BaseException:
             _active.maps.pop()
             raise
 
     def __exit__(self, *exc: object) -> None:
         try:
-            super().__exit__(*exc)
+            super().__exit__(*exc)  # type: ignore[no-untyped-call]
         finally:
             _active.maps.pop()
 
@@ -481,7 +481,9 @@ class Substitute(TorchFunctionMode):
                 "an argument (or make it a parameter or buffer of the module you remat)."
             )
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+    def __torch_function__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
         swap = self._swap
         args = tuple([swap(a) for a in args])
         if kwargs:
@@ -512,7 +514,7 @@ def has_tangent(t: torch.Tensor) -> bool:
         return False
     try:
         with set_fwd_grad_enabled(True):
-            return fwAD.unpack_dual(t).tangent is not None
+            return unpack_dual(t).tangent is not None
     except RuntimeError:  # inside vmap: no batching rule for _unpack_dual; assume it may carry one
         return is_functorch_wrapped(t)
 
@@ -578,5 +580,5 @@ def _foreign_level(t: torch.Tensor) -> bool:
         if interpreter.level() == level:
             kind = interpreter.key()
             batched = is_batchedtensor(t)
-            return batched != (kind == TransformType.Vmap)
+            return bool(batched != (kind == TransformType.Vmap))
     return True

@@ -47,7 +47,6 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils.checkpoint import (
     CheckpointPolicy,
     checkpoint,
@@ -55,7 +54,7 @@ from torch.utils.checkpoint import (
 )
 
 from ._errors import debug_enabled
-from ._internals import comptime, skip_code, transforms_active
+from ._internals import StorageWeakRef, comptime, skip_code, storage_weak_ref, transforms_active
 from .policies import Policy, uses_names
 
 if TYPE_CHECKING:
@@ -135,9 +134,9 @@ def _writes(node: torch.fx.Node) -> bool:
     return name.endswith("_") and (not name.startswith("_") or name.startswith("_foreach_")) and name != "requires_grad_"
 
 
-def _storage(value: Any) -> Any:
+def _storage(value: Any) -> StorageWeakRef | None:
     if isinstance(value, torch.Tensor):
-        return StorageWeakRef(value.untyped_storage())
+        return storage_weak_ref(value.untyped_storage())
     return None
 
 

@@ -111,14 +111,16 @@ def debug_enabled(requested: bool) -> bool:
     return requested if override is None else override
 
 
-class OpTrace(TorchDispatchMode):
+class OpTrace(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's untyped __init_subclass__
     """Records ``op -> output shapes`` for every ATen operator executed under it."""
 
     def __init__(self) -> None:
-        super().__init__()
+        super().__init__()  # type: ignore[no-untyped-call]
         self.lines: list[str] = []
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
         out = func(*args, **(kwargs or {}))
         shapes = [
             f"{tuple(t.shape)}:{str(t.dtype).removeprefix('torch.')}"

@@ -14,10 +14,66 @@ oldest version it claims.
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar, cast
 
 import torch
 import torch.autograd.forward_ad as _fwAD
+from torch.multiprocessing.reductions import StorageWeakRef
+
+__all__ = [
+    "DisableFuncTorch",
+    "GradInterpreter",
+    "JvpInterpreter",
+    "OpOverload",
+    "OpOverloadPacket",
+    "SingleLevelFunction",
+    "StorageWeakRef",
+    "TransformType",
+    "VmapInterpreter",
+    "add_batch_dim",
+    "apply_function",
+    "bottom",
+    "clone_storage",
+    "compiler_disable",
+    "comptime",
+    "custom_function_call",
+    "define_operator",
+    "enable_single_level_autograd_function",
+    "forward_ad_level",
+    "forward_mode_active",
+    "fsdp2_training_state",
+    "grad_levels_active",
+    "graph_task_keeps_graph",
+    "interpreter_stack",
+    "is_batchedtensor",
+    "is_dead_tensor_wrapper",
+    "is_functorch_wrapped",
+    "jvp_levels_active",
+    "legacy_vmap_decrement",
+    "legacy_vmap_depth",
+    "legacy_vmap_increment",
+    "level_kinds",
+    "make_dual",
+    "maybe_get_level",
+    "peek_interpreter_stack",
+    "reparametrize_module",
+    "set_fwd_grad_enabled",
+    "set_grad_enabled",
+    "skip_code",
+    "storage_of",
+    "storage_weak_ref",
+    "transforms_active",
+    "unpack_dual",
+    "unwrap_batched",
+    "unwrap_for_grad",
+    "unwrap_if_dead",
+    "unwrap_one_level",
+    "vmap_active",
+    "wrap_for_grad",
+]
+
+_F = TypeVar("_F", bound=Callable[..., Any])
 
 # --------------------------------------------------------------- functorch: levels
 # torch._C._functorch: the C++ side of torch.func (torch >= 2.0).
@@ -28,20 +84,20 @@ peek_interpreter_stack = _C.peek_interpreter_stack
 #: The kinds of transform level (Grad, Jvp, Vmap, Functionalize).
 TransformType = _C.TransformType
 #: Is ``t`` a functorch wrapper (GradTrackingTensor, BatchedTensor)?
-is_functorch_wrapped = _C.is_functorch_wrapped_tensor
+is_functorch_wrapped: Callable[[torch.Tensor], bool] = _C.is_functorch_wrapped_tensor
 #: The tensor one level below a functorch wrapper.
-unwrap_one_level = _C.get_unwrapped
+unwrap_one_level: Callable[[torch.Tensor], torch.Tensor] = _C.get_unwrapped
 #: Is ``t`` a BatchedTensor (vmap)? Its vmap level, if any.
-is_batchedtensor = _C.is_batchedtensor
-maybe_get_level = _C.maybe_get_level
+is_batchedtensor: Callable[[torch.Tensor], bool] = _C.is_batchedtensor
+maybe_get_level: Callable[[torch.Tensor], int] = _C.maybe_get_level
 #: A wrapper whose transform has returned (a ``vjp_fn`` called later), and its inner tensor.
-is_dead_tensor_wrapper = _C.is_dead_tensor_wrapper
-unwrap_if_dead = _C.unwrap_if_dead
+is_dead_tensor_wrapper: Callable[[torch.Tensor], bool] = _C.is_dead_tensor_wrapper
+unwrap_if_dead: Callable[[torch.Tensor], torch.Tensor] = _C.unwrap_if_dead
 #: Move a tensor out of / into a grad level, and out of / into a vmap level.
-unwrap_for_grad = _C._unwrap_for_grad
-wrap_for_grad = _C._wrap_for_grad
-unwrap_batched = _C._unwrap_batched
-add_batch_dim = _C._add_batch_dim
+unwrap_for_grad: Callable[[torch.Tensor, int], torch.Tensor] = _C._unwrap_for_grad
+wrap_for_grad: Callable[[torch.Tensor, int], torch.Tensor] = _C._wrap_for_grad
+unwrap_batched: Callable[[torch.Tensor, int], tuple[torch.Tensor, int | None]] = _C._unwrap_batched
+add_batch_dim: Callable[[torch.Tensor, int, int], torch.Tensor] = _C._add_batch_dim
 
 #: Runs the body with functorch's dispatch keys off: ops on plain tensors stay plain
 #: even while transforms are active (torch >= 2.0).
@@ -55,6 +111,12 @@ from torch._functorch.utils import enable_single_level_autograd_function  # noqa
 
 #: An autograd.Function that lives at one functorch level only (torch >= 2.1).
 SingleLevelFunction: Any = torch.autograd.function._SingleLevelFunction
+
+
+#: ``function.apply(*args)`` without its per-call ``inspect.signature(forward).bind``: the C++ entry point.
+def apply_function(function: type[torch.autograd.Function], *args: Any) -> Any:
+    # ignore: the stubs do not declare _C._FunctionBase.apply
+    return super(torch.autograd.Function, function).apply(*args)  # type: ignore[misc]
 
 
 def interpreter_stack() -> list[Any]:
@@ -91,6 +153,16 @@ def forward_ad_level() -> int:
 
 #: Turn forward-mode AD on or off for the body (a custom Function's forward runs with it off).
 set_fwd_grad_enabled = _fwAD._set_fwd_grad_enabled
+
+
+#: ``forward_ad.unpack_dual``, typed: ``(primal, tangent)`` of ``t`` at the innermost dual level.
+def unpack_dual(t: torch.Tensor) -> _fwAD.UnpackedDualTensor:
+    return cast(_fwAD.UnpackedDualTensor, _fwAD.unpack_dual(t))  # type: ignore[no-untyped-call]
+
+
+#: ``forward_ad.make_dual``, typed: a dual tensor of ``t`` and ``tangent`` at the innermost dual level.
+def make_dual(t: torch.Tensor, tangent: torch.Tensor) -> torch.Tensor:
+    return cast(torch.Tensor, _fwAD.make_dual(t, tangent))  # type: ignore[no-untyped-call]
 
 
 def forward_mode_active() -> bool:
@@ -150,10 +222,34 @@ def comptime(fn: Any) -> None:
     _comptime(fn)
 
 
+def compiler_disable(reason: str) -> Callable[[_F], _F]:
+    """``torch.compiler.disable``, typed: a decorator that keeps Dynamo from tracing a function."""
+    try:
+        return cast("Callable[[_F], _F]", torch.compiler.disable(reason=reason))  # type: ignore[no-untyped-call]
+    except TypeError:  # torch < 2.8: no reason argument
+        return cast("Callable[[_F], _F]", torch.compiler.disable)
+
+
+#: ``StorageWeakRef(storage)``, typed: a weak, hashable handle on a storage (equal for the same storage).
+def storage_weak_ref(storage: torch.UntypedStorage) -> StorageWeakRef:
+    return StorageWeakRef(storage)  # type: ignore[no-untyped-call]
+
+
 # ------------------------------------------------------------ operators
 #: ATen operator overloads and their packets, for policies.
 OpOverload: Any = torch._ops.OpOverload
 OpOverloadPacket: Any = torch._ops.OpOverloadPacket
+
+
+#: ``torch.library``, typed: define the operator ``ns::schema`` with one kernel for ``dispatch_key``.
+#: Returns the library, which must be kept alive for the operator to stay registered.
+def define_operator(
+    ns: str, schema: str, name: str, kernel: Callable[..., Any], dispatch_key: str
+) -> torch.library.Library:
+    lib = torch.library.Library(ns, "DEF")  # type: ignore[no-untyped-call]  # noqa: TOR901 - the namespace is ours
+    lib.define(schema)  # type: ignore[no-untyped-call]
+    lib.impl(name, kernel, dispatch_key)  # type: ignore[no-untyped-call]
+    return lib
 
 
 # ------------------------------------------------------------ tensors
@@ -162,6 +258,11 @@ def bottom(x: torch.Tensor) -> torch.Tensor:
     while is_functorch_wrapped(x):
         x = unwrap_one_level(x)
     return x
+
+
+#: ``UntypedStorage.clone()``, typed: a copy of ``storage`` on its device.
+def clone_storage(storage: torch.UntypedStorage) -> torch.UntypedStorage:
+    return cast(torch.UntypedStorage, storage.clone())  # type: ignore[no-untyped-call]
 
 
 def storage_of(t: torch.Tensor) -> int | None:

@@ -32,6 +32,10 @@ from ._options import RematOptions
 class Remat(torch.nn.Module):
     """Checkpoints ``module``'s forward; same parameters, buffers and keys as ``module``."""
 
+    # Set with object.__setattr__ in __init__, outside nn.Module's registries.
+    wrapped: torch.nn.Module
+    _remat_options: RematOptions
+
     def __init__(self, module: torch.nn.Module, options: RematOptions) -> None:
         super().__init__()
         # Not registered as a child: its state is shared below, under its own names.
@@ -107,6 +111,9 @@ class RematSequential(Remat):
     The layers are read at every call, so replacing a layer of the wrapped
     ``Sequential`` afterwards is seen.
     """
+
+    wrapped: torch.nn.Sequential
+    requested_segments: int | None
 
     def __init__(self, module: torch.nn.Sequential, options: RematOptions) -> None:
         super().__init__(module, dataclasses.replace(options, segments=None))

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from ._errors import DETERMINISM_CHECKS
 from .policies import is_policy_factory
@@ -58,7 +58,7 @@ def normalize_static_argnums(static_argnums: int | Sequence[int]) -> tuple[int, 
     if isinstance(static_argnums, int) and not isinstance(static_argnums, bool):
         return (static_argnums,)
     try:
-        items = tuple(static_argnums)
+        items = tuple(cast("Iterable[int]", static_argnums))  # a bool raises TypeError here
     except TypeError:
         items = None
     if items is None or not all(isinstance(i, int) and not isinstance(i, bool) for i in items):

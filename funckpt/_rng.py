@@ -20,22 +20,23 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
+from typing import Any, cast
 
 import torch
 
 __all__ = ["RngState", "capture", "replay"]
 
 
-def _device_module(device: torch.device):  # type: ignore[no-untyped-def]
+def _device_module(device: torch.device) -> Any:
     return getattr(torch, device.type, None)
 
 
 def _get_state(device: torch.device) -> torch.Tensor:
     module = _device_module(device)
     try:
-        return module.get_rng_state(device)
+        return cast(torch.Tensor, module.get_rng_state(device))
     except TypeError:  # e.g. mps: one device, no argument
-        return module.get_rng_state()
+        return cast(torch.Tensor, module.get_rng_state())
 
 
 def _set_state(device: torch.device, state: torch.Tensor) -> None:

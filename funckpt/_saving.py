@@ -30,13 +30,13 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ._errors import CheckpointError
-from ._internals import bottom, storage_of
+from ._internals import bottom, clone_storage, storage_of
 from ._naming import active
 from .policies import CHECKPOINT_NAME, excluded_names, uses_names
 
@@ -118,7 +118,7 @@ def clone_together(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
             out.append(t.clone())
             continue
         if key not in copies:
-            copies[key] = t.untyped_storage().clone()
+            copies[key] = clone_storage(t.untyped_storage())
         out.append(torch.empty(0, dtype=t.dtype, device=t.device).set_(copies[key], t.storage_offset(), t.size(), t.stride()))
     return out
 
@@ -271,11 +271,11 @@ def _versions(out: Any) -> list[int]:
     return [t._version for t in _tensors(out)]
 
 
-class WriteWatch(TorchDispatchMode):
+class WriteWatch(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's untyped __init_subclass__
     """Calls ``before_write(index)`` before any operator writes to input ``index``'s storage."""
 
-    def __init__(self, storages: dict[int, int], before_write: Callable[[int, torch.Tensor], None]) -> None:
-        super().__init__()
+    def __init__(self, storages: dict[int | None, int], before_write: Callable[[int, torch.Tensor], None]) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
         self.storages = storages
         self.before_write = before_write
 
@@ -295,34 +295,40 @@ class WriteWatch(TorchDispatchMode):
                     self.before_write(index, t)
         return written
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
         kwargs = kwargs or {}
         self._watch(func, args, kwargs)
         return func(*args, **kwargs)
 
 
-class Recorder(WriteWatch):
+class Recorder(WriteWatch):  # type: ignore[no-untyped-call]  # torch's untyped __init_subclass__
     """Records the forward run for a policy (and watches input writes, as WriteWatch does)."""
 
-    def __init__(self, saved: Saved, storages: dict[int, int], before_write: Callable[[int, torch.Tensor], None]) -> None:
+    def __init__(
+        self, saved: Saved, storages: dict[int | None, int], before_write: Callable[[int, torch.Tensor], None]
+    ) -> None:
         super().__init__(storages, before_write)
         self.saved = saved
 
     def __enter__(self) -> Recorder:
         active.stack.append(self.saved)
         try:
-            return super().__enter__()
+            return cast(Recorder, super().__enter__())  # type: ignore[no-untyped-call]
         except BaseException:
             active.stack.pop()
             raise
 
     def __exit__(self, *exc: object) -> None:
         try:
-            super().__exit__(*exc)
+            super().__exit__(*exc)  # type: ignore[no-untyped-call]
         finally:
             active.stack.pop()
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
         kwargs = kwargs or {}
         if func in _UNNUMBERED:
             return func(*args, **kwargs)
@@ -345,15 +351,17 @@ class Recorder(WriteWatch):
         return out
 
 
-class Replayer(TorchDispatchMode):
+class Replayer(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's untyped __init_subclass__
     def __init__(self, saved: Saved, allow_mutation: bool) -> None:
-        super().__init__()
+        super().__init__()  # type: ignore[no-untyped-call]
         self.saved = saved
         self.allow_mutation = allow_mutation
         self.position = 0
         self.diverged = False
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
         kwargs = kwargs or {}
         if func in _UNNUMBERED:
             return func(*args, **kwargs)

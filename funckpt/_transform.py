@@ -29,9 +29,31 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 
 @overload
-def remat(fn: F, /, **options: Any) -> F: ...
+def remat(
+    fn: F,
+    /,
+    *,
+    policy: Callable[..., bool] | None = ...,
+    static_argnums: int | Sequence[int] = ...,
+    preserve_rng_state: bool = ...,
+    determinism_check: str = ...,
+    debug: bool = ...,
+    context_fn: Callable[[], tuple[Any, Any]] | None = ...,
+    segments: int | None = ...,
+) -> F: ...
 @overload
-def remat(fn: None = None, /, **options: Any) -> Callable[[F], F]: ...
+def remat(
+    fn: None = None,
+    /,
+    *,
+    policy: Callable[..., bool] | None = ...,
+    static_argnums: int | Sequence[int] = ...,
+    preserve_rng_state: bool = ...,
+    determinism_check: str = ...,
+    debug: bool = ...,
+    context_fn: Callable[[], tuple[Any, Any]] | None = ...,
+    segments: int | None = ...,
+) -> Callable[[F], F]: ...
 
 
 def remat(

@@ -41,12 +41,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import optree
 import torch
 
-from ._internals import OpOverload, OpOverloadPacket
+from ._internals import OpOverload, OpOverloadPacket, define_operator
 from ._naming import note_name
 
 __all__ = [
@@ -70,9 +70,13 @@ T = TypeVar("T")
 
 aten = torch.ops.aten
 
-_lib = torch.library.Library("funckpt", "DEF")  # noqa: TOR901 - the namespace is ours
-_lib.define("checkpoint_name(Tensor x, str name) -> Tensor")
-_lib.impl("checkpoint_name", lambda x, name: x.clone(), "CompositeExplicitAutograd")
+_lib = define_operator(
+    "funckpt",
+    "checkpoint_name(Tensor x, str name) -> Tensor",
+    "checkpoint_name",
+    lambda x, name: x.clone(),
+    "CompositeExplicitAutograd",
+)
 
 #: The operator a policy is asked about for a :func:`checkpoint_name`, with args ``(x, name)``:
 #: ``policy(CHECKPOINT_NAME, x, "hidden")``. A policy compares ``op is CHECKPOINT_NAME``.
@@ -291,7 +295,7 @@ def excluded_names(policy: Policy) -> frozenset[str]:
     return frozenset(getattr(policy, "excluded_names", frozenset()))
 
 
-def from_torch(policy_fn_or_list: Callable[..., Any] | Iterable[Any]) -> Policy:
+def from_torch(policy_fn_or_list: Callable[..., Any] | Iterable[Any]) -> FromTorch:
     """Adapt a ``torch.utils.checkpoint`` selective-checkpointing policy.
 
     Accepts what ``torch.utils.checkpoint.create_selective_checkpoint_contexts``
@@ -433,7 +437,7 @@ def checkpoint_name(x: T, name: str) -> T:
     if isinstance(x, torch.Tensor):
         note_name(x, name)
         return x
-    leaves = optree.tree_leaves(x, none_is_leaf=False, namespace="funckpt")
+    leaves: list[Any] = optree.tree_leaves(cast(Any, x), none_is_leaf=False, namespace="funckpt")
     tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
     if not tensors:
         raise TypeError(
