@@ -93,6 +93,9 @@ def plan(inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor], grad_r
     views: list[View | None] = [None] * len(outputs)
     copied: set[int] = set()
     for key, members in groups.items():
+        bits = [i for i in members if _has_bits(outputs[i])]
+        copied.update(bits)  # as_strided drops the conjugate and negative bits: copies
+        members = [i for i in members if i not in bits]
         if key in inputs_on:
             for i in members:
                 o = outputs[i]
@@ -116,6 +119,11 @@ def plan(inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor], grad_r
                 views[i] = _view(r, False, o, outputs[r], differentiable)
     owned = tuple(i for i, v in enumerate(views) if v is None)
     return Plan(tuple(views), owned, frozenset(copied))
+
+
+def _has_bits(t: torch.Tensor) -> bool:
+    """A lazy conjugate or negative view (``z.conj()``, its ``.imag``), which ``as_strided`` would not keep."""
+    return bool(t.is_conj() or t.is_neg())
 
 
 def _byte_range(t: torch.Tensor) -> tuple[int, int]:
@@ -154,7 +162,12 @@ def owned_outputs(p: Plan | None, outputs: Sequence[torch.Tensor]) -> list[torch
     """The Function's outputs: the owned ones, copies made where planned."""
     if p is None:
         return list(outputs)
-    return [outputs[i].clone() if i in p.copied else outputs[i] for i in p.owned]
+    return [_copy(outputs[i]) if i in p.copied else outputs[i] for i in p.owned]
+
+
+def _copy(t: torch.Tensor) -> torch.Tensor:
+    """A copy in fresh memory, lazy conjugate and negative bits resolved (a clone keeps them)."""
+    return t.resolve_conj().resolve_neg() if _has_bits(t) else t.clone()
 
 
 def rebuild(p: Plan | None, owned: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:

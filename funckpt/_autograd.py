@@ -557,7 +557,9 @@ def _unversioned_alias(t: torch.Tensor) -> torch.Tensor | None:
 def _as_view_of(base: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:
     if base is None:
         return out
-    if base.dtype != out.dtype:  # a view with another dtype (x.view(torch.int64), .real): a copy
+    if base.dtype != out.dtype or out.is_conj() or out.is_neg():
+        # A view with another dtype (x.view(torch.int64), .real), or a lazy conjugate or
+        # negative view, which as_strided would not keep: a copy.
         return out.clone()
     return base.as_strided(out.size(), out.stride(), out.storage_offset())
 

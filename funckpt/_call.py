@@ -535,18 +535,20 @@ class UserRegion(Region):
                     "Pass the tensor to the remat'd function as an argument."
                 )
             self._refuse_differentiable_writes(flat)
+        self.plan = _aliasing.plan(flat, tensors, grad_forward) if self.views_outside and plain_autograd else None
+        if self.plan is not None:
+            self._snapshot_viewed_inputs(flat)
         # Inputs that no gradient flows into but the function read (a mask, frozen
         # weights) keep their version check: a change before the backward would change
         # the recomputation in ways a value digest may not see (a permutation).
         self.used_constants = {
             i for i, t in enumerate(flat) if not t.requires_grad and id(t) in substitute.used and i not in self.snapshots
         }
-        self.plan = _aliasing.plan(flat, tensors, grad_forward) if self.views_outside and plain_autograd else None
-        if self.plan is not None:
-            self._snapshot_viewed_inputs(flat)
+        if grad_forward:  # what the caller's graph must know (read before copies, made without grad)
+            owned = self.plan.owned if self.plan is not None else range(len(tensors))
+            self.constant = {k for k, i in enumerate(owned) if not tensors[i].requires_grad}
         tensors = _aliasing.owned_outputs(self.plan, tensors)
-        if grad_forward:  # what the caller's graph must know, then drop the run's local graph
-            self.constant = {i for i, t in enumerate(tensors) if not t.requires_grad}
+        if grad_forward:  # drop the run's local graph
             tensors = [t.detach() if t.requires_grad else t for t in tensors]
         self.out_slots = slots
         self.out_meta = [tensor_meta(t) for t in tensors]
@@ -605,7 +607,7 @@ class UserRegion(Region):
         return tuple(tensors)
 
     def _snapshot_viewed_inputs(self, flat: tuple[torch.Tensor, ...]) -> None:
-        """Copy the differentiable inputs the caller gets views of: it may update them in place.
+        """Copy the inputs the caller gets views of: it may update them in place.
 
         ``fn`` returning ``x[1:]`` hands the caller a view of ``x``; an in-place
         update through it (allowed without remat) must not change what the
@@ -613,7 +615,7 @@ class UserRegion(Region):
         """
         assert self.plan is not None
         viewed = sorted({v.source for v in self.plan.views if v is not None and v.of_input})
-        fresh = [j for j in viewed if self.differentiable[j] and j not in self.snapshots]
+        fresh = [j for j in viewed if j not in self.snapshots]
         self.snapshots.update(zip(fresh, clone_together([flat[j].detach() for j in fresh])))
         self.unchecked.update(fresh)
 

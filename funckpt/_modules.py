@@ -105,6 +105,13 @@ class _Chain:
         return x
 
 
+def _has_hooks(module: torch.nn.Module) -> bool:
+    """Does ``module`` itself have forward or backward hooks (its layers' are not counted)?"""
+    return bool(
+        module._forward_hooks or module._forward_pre_hooks or module._backward_hooks or module._backward_pre_hooks
+    )
+
+
 class RematSequential(Remat):
     """An ``nn.Sequential`` checkpointed segment by segment, every segment (the last included).
 
@@ -125,6 +132,10 @@ class RematSequential(Remat):
         return min(n, self.requested_segments or default_segments(n)) if n else 0
 
     def forward(self, x: Any) -> Any:
+        if _has_hooks(self.wrapped):
+            # Segments would call the layers, not the Sequential: its own hooks would not run.
+            # One region around the Sequential's own call keeps them.
+            return call(self.wrapped, self._remat_options, (x,), {})
         return run_in_segments(
             list(self.wrapped), self.num_segments or 1, x, self._remat_options, checkpoint_last=True
         )

@@ -2189,3 +2189,58 @@ def test_forward_mode_with_an_output_that_is_the_input_itself(how):
             return [fwAD.unpack_dual(o).tangent for o in g(fwAD.make_dual(x, t))]
 
     assert_close(run(remat(f)), run(f))
+
+
+# =============================================================================================
+# Found by a third hunt.
+# =============================================================================================
+
+
+def test_remat_of_a_sequential_keeps_the_sequentials_own_hooks():
+    def run(wrap):
+        torch.manual_seed(0)
+        seq = nn.Sequential(nn.Linear(3, 3, dtype=D), nn.Tanh())
+        seq.register_forward_hook(lambda m, a, o: o * 10)
+        seq.register_full_backward_hook(lambda m, gi, go: (gi[0] * 3,))
+        x = randn(4, 3, seed=1).requires_grad_()
+        y = wrap(seq)(x)
+        y.sum().backward()
+        return y.detach(), x.grad, seq[0].weight.grad
+
+    assert_close(run(remat), run(lambda m: m))
+
+
+def test_conjugate_and_negative_view_outputs_keep_their_bits():
+    f = lambda z: (z.conj(), z.conj().imag, z * 2)  # noqa: E731
+    z = torch.randn(3, dtype=torch.complex128)
+    assert_close(remat(f)(z), f(z))
+    loss = lambda g: lambda z: sum(o.real.sum() + o.imag.sum() if o.is_complex() else o.sum() for o in g(z))  # noqa: E731
+    assert_close(tf.grad(loss(remat(f)))(z), tf.grad(loss(f))(z))
+
+
+def test_in_place_update_through_a_view_of_a_non_differentiable_input():
+    def f(x, buf):
+        return x.sin() * 2, buf[:2]
+
+    def run(g):
+        x = randn(3, seed=1).requires_grad_()
+        buf = randn(3, seed=2)
+        y, v = g(x, buf)
+        v.zero_()
+        y.sum().backward()
+        return y.detach(), x.grad, buf
+
+    assert_close(run(remat(f)), run(f))
+
+
+@pytest.mark.parametrize("how", ["backward", "grad"])
+def test_outputs_that_are_views_of_an_internal_tensor_neither_of_them_is(how):
+    def f(x):
+        h = x.sin() * 2
+        a, b, c = h[0], h[1:], h[:, 1]
+        return a.sum() + b.square().sum() + c.exp().sum()  # each view differentiated on its own
+
+    g = lambda x: (lambda h: (h[0], h[1:], h[:, 1]))(x.sin() * 2)  # noqa: E731
+    via_remat = lambda x: (lambda a, b, c: a.sum() + b.square().sum() + c.exp().sum())(*remat(g)(x))  # noqa: E731
+    x = randn(3, 4, seed=1)
+    assert_close(derivative(how, via_remat, x), derivative(how, f, x))
