@@ -148,6 +148,13 @@ def format_traces(forward: Sequence[str], recompute: Sequence[str], context: int
 # --------------------------------------------------------------------- determinism
 
 
+def _with_traces(message: str, traces: tuple[Sequence[str], Sequence[str]] | None) -> str:
+    """The message, with both runs' operator traces (``debug=True``) or how to get them."""
+    if traces is None:
+        return message + " Pass debug=True to see the operators each run executed."
+    return message + "\n" + format_traces(*traces)
+
+
 def tensor_meta(t: torch.Tensor) -> tuple[Any, ...]:
     return (tuple(t.shape), t.dtype, t.device)
 
@@ -177,11 +184,7 @@ def check_same_outputs(
         "(no dependence on global state that changes between forward and backward). "
         "Pass determinism_check='none' to skip this check."
     )
-    if traces is None:
-        message += " Pass debug=True to see the operators each run executed."
-    else:
-        message += "\n" + format_traces(*traces)
-    raise CheckpointError(message)
+    raise CheckpointError(_with_traces(message, traces))
 
 
 # ------------------------------------------------------------- value digests
@@ -312,8 +315,4 @@ def check_same_values(
         "input that was modified in place after the call, or draw random numbers from a generator remat "
         "cannot see (pass it as an argument). Pass determinism_check='none' to skip this check."
     )
-    if traces is None:
-        message += " Pass debug=True to see the operators each run executed."
-    else:
-        message += "\n" + format_traces(*traces)
-    raise CheckpointError(message)
+    raise CheckpointError(_with_traces(message, traces))
