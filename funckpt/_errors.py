@@ -41,6 +41,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ._internals import (
+    current_graph_task_id,
+    queue_engine_callback,
     DisableFuncTorch,
     bottom,
     forward_ad_level,
@@ -290,13 +292,52 @@ def _differing(forward: Sequence[Digest | None], recomputed: Sequence[Digest | N
     return differing
 
 
+_Check = tuple[str, Sequence["Digest | None"], Sequence["Digest | None"], "tuple[Sequence[str], Sequence[str]] | None"]
+# Comparisons of digests on an accelerator, by autograd graph task, made at its end.
+_deferred: dict[int, list[_Check]] = {}
+_deferred_lock = threading.Lock()
+#: Defer CPU comparisons too (tests exercise the accelerator path with it).
+DEFER_ON_CPU = False
+
+
 def check_same_values(
     name: str,
     forward: Sequence[Digest | None],
     recomputed: Sequence[Digest | None],
     traces: tuple[Sequence[str], Sequence[str]] | None,
 ) -> None:
-    """Raise :class:`CheckpointError` if a recomputed output's values differ from the forward run's."""
+    """Raise :class:`CheckpointError` if a recomputed output's values differ from the forward run's.
+
+    On an accelerator, inside a backward pass, the comparison waits for the end of
+    that backward: reading the digests is a host synchronisation, and one at the end
+    costs nothing where one per recomputation would stall the device between
+    kernels. The error is then raised by the backward call itself, as any other is.
+    """
+    task = current_graph_task_id()
+    on_device = any(d is not None and d.stats.device.type != "cpu" for d in (*forward, *recomputed))
+    if task >= 0 and (on_device or DEFER_ON_CPU):
+        with _deferred_lock:
+            first = task not in _deferred
+            _deferred.setdefault(task, []).append((name, forward, recomputed, traces))
+        if first:
+            queue_engine_callback(lambda: _check_deferred(task))
+        return
+    _compare(name, forward, recomputed, traces)
+
+
+def _check_deferred(task: int) -> None:
+    with _deferred_lock:
+        checks = _deferred.pop(task, [])
+    for check in checks:
+        _compare(*check)
+
+
+def _compare(
+    name: str,
+    forward: Sequence[Digest | None],
+    recomputed: Sequence[Digest | None],
+    traces: tuple[Sequence[str], Sequence[str]] | None,
+) -> None:
     differing = _differing(forward, recomputed)
     if not differing:
         return

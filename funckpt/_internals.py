@@ -22,6 +22,8 @@ import torch.autograd.forward_ad as _fwAD
 from torch.multiprocessing.reductions import StorageWeakRef
 
 __all__ = [
+    "current_graph_task_id",
+    "queue_engine_callback",
     "DisableFuncTorch",
     "GradInterpreter",
     "JvpInterpreter",
@@ -179,6 +181,16 @@ def set_grad_enabled(enabled: bool) -> None:
 def graph_task_keeps_graph() -> bool:
     """Was the running backward called with ``retain_graph=True``? (torch >= 1.13)"""
     return bool(torch._C._autograd._get_current_graph_task_keep_graph())
+
+
+def current_graph_task_id() -> int:
+    """The id of the autograd graph task running now, -1 outside a backward pass (torch >= 2.0)."""
+    return int(torch._C._current_graph_task_id())
+
+
+def queue_engine_callback(callback: Callable[[], None]) -> None:
+    """Run ``callback`` when the current backward pass ends; an exception it raises reaches the caller."""
+    torch.autograd.Variable._execution_engine.queue_callback(callback)
 
 
 def legacy_vmap_depth() -> int:

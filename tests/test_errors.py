@@ -260,3 +260,34 @@ def test_input_modified_after_the_call_raises_a_checkpoint_error(transform):
         with pytest.raises(CheckpointError, match="modified in place between the forward and the backward"):
             _, vjp_fn = tf.vjp(f, a.detach())
             vjp_fn(torch.ones_like(X))
+
+
+@pytest.mark.parametrize("transform", ["backward", "grad", "vmap_grad", "jacrev"])
+def test_deferred_value_check_raises_at_the_end_of_the_backward(monkeypatch, transform):
+    """On an accelerator the value comparison waits for the end of the backward pass (one host
+    sync); exercised here on the CPU. It still raises, and leaves nothing pending."""
+    from funckpt import _errors
+
+    monkeypatch.setattr(_errors, "DEFER_ON_CPU", True)
+    calls = []
+
+    def f(x):
+        calls.append(1)
+        return x.sin() if len(calls) % 2 == 1 else x.cos()
+
+    def run(g):
+        if transform == "backward":
+            x = X.clone().requires_grad_()
+            g(x).sum().backward()
+        elif transform == "grad":
+            tf.grad(lambda x: g(x).sum())(X)
+        elif transform == "vmap_grad":
+            tf.vmap(tf.grad(lambda x: g(x).sum()))(X)
+        else:
+            tf.jacrev(g)(X)
+
+    with pytest.raises(CheckpointError, match="has other values"):
+        run(remat(f))
+    assert _errors._deferred == {}
+    run(remat(torch.sin))  # a deterministic function: no alarm
+    assert _errors._deferred == {}
