@@ -110,7 +110,7 @@ def run(rounds: int = 60) -> str:
             "cannot run). The determinism check (a value digest of each output in both runs and their",
             f"comparison) costs {check['.backward()']:.0f} us per call under `.backward()` and",
             f"{check['torch.func.grad']:.0f} us under `torch.func.grad` on this CPU; on an accelerator it adds one",
-            "host synchronisation per recomputation (not measured here: no GPU was available).",
+            "host synchronisation at the end of each backward pass (not measured here: no GPU was available).",
         ]
     )
 

@@ -20,7 +20,8 @@ because the digest is taken of the plain tensor under all functorch wrappers:
 a recomputation that takes another path (``sin`` then ``cos``), slices
 differently, reads an exhausted iterator or a changed global, or starts from an
 input modified in place after the call. The cost is one reduction per output
-per run, and one host synchronisation per recomputation on an accelerator.
+per run, and on an accelerator one host synchronisation at the end of each
+backward pass (the comparisons are deferred to it).
 
 With ``preserve_rng_state=False`` random operators legitimately draw other
 values, and a forward run that allocated uninitialized memory (``torch.empty``
