@@ -62,6 +62,8 @@ from ._internals import (
     maybe_get_level,
     reparametrize_module,
     set_fwd_grad_enabled,
+    set_grad_enabled,
+    transforms_active,
     unpack_dual,
 )
 
@@ -559,11 +561,23 @@ def local_graph_leaves(
     return foreign, reached
 
 
+_PROBE = torch.zeros((), requires_grad=True)  # a leaf whose views make autograd nodes
+
+
 def next_sequence_nr() -> int:
     """The sequence number the next autograd node created on this thread will get (at least).
 
-    Call it before entering any user context: it runs two tiny operators.
+    Call it before entering any user context: it runs one or two tiny operators.
     """
+    if not transforms_active() and not torch.is_inference_mode_enabled():
+        previous = torch.is_grad_enabled()
+        set_grad_enabled(True)
+        try:
+            node = _PROBE.view_as(_PROBE).grad_fn
+        finally:
+            set_grad_enabled(previous)
+        if node is not None:
+            return int(node._sequence_nr()) + 1
     with torch.inference_mode(False), torch.enable_grad():
         probe = torch.zeros((), requires_grad=True).clone()
     assert probe.grad_fn is not None
