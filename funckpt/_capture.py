@@ -60,6 +60,7 @@ from ._internals import (
     is_dead_tensor_wrapper,
     is_functorch_wrapped,
     maybe_get_level,
+    no_torch_function,
     reparametrize_module,
     set_fwd_grad_enabled,
     set_grad_enabled,
@@ -573,7 +574,8 @@ def next_sequence_nr() -> int:
         previous = torch.is_grad_enabled()
         set_grad_enabled(True)
         try:
-            node = _PROBE.view_as(_PROBE).grad_fn
+            with no_torch_function():  # an enclosing region's Substitute must not see the probe
+                node = _PROBE.view_as(_PROBE).grad_fn
         finally:
             set_grad_enabled(previous)
         if node is not None:

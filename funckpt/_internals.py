@@ -22,6 +22,7 @@ import torch.autograd.forward_ad as _fwAD
 from torch.multiprocessing.reductions import StorageWeakRef
 
 __all__ = [
+    "no_torch_function",
     "current_graph_task_id",
     "queue_engine_callback",
     "DisableFuncTorch",
@@ -181,6 +182,11 @@ def set_grad_enabled(enabled: bool) -> None:
 def graph_task_keeps_graph() -> bool:
     """Was the running backward called with ``retain_graph=True``? (torch >= 1.13)"""
     return bool(torch._C._autograd._get_current_graph_task_keep_graph())
+
+
+def no_torch_function() -> Any:
+    """A context with torch-function modes and subclasses off (torch >= 1.13)."""
+    return torch._C.DisableTorchFunction()
 
 
 def current_graph_task_id() -> int:
