@@ -58,6 +58,7 @@ from ._internals import (
     forward_mode_active,
     is_functorch_wrapped,
     peek_interpreter_stack,
+    register_tensor_hook,
     storage_of,
     transforms_active,
     vmap_active,
@@ -159,6 +160,37 @@ def _forward_mode_active() -> bool:
     return forward_mode_active()
 
 
+def _hook_keys(t: torch.Tensor) -> set[Any]:
+    hooks = getattr(t, "_backward_hooks", None)
+    return set(hooks) if hooks else set()
+
+
+def _remove_hooks_since(t: torch.Tensor, before: set[Any]) -> None:
+    hooks = getattr(t, "_backward_hooks", None)
+    if hooks:
+        for key in [k for k in hooks if k not in before]:
+            del hooks[key]
+
+
+def _move_input_hooks(leaves: tuple[torch.Tensor, ...], given: tuple[torch.Tensor, ...]) -> set[int]:
+    """Hooks ``fn`` registered on its inputs (``x.register_hook(...)``) go to the caller's tensors.
+
+    The forward run's inputs are local leaves; a hook there would see only the
+    gradient through ``fn``, where without remat it sees the input's whole gradient.
+    Returns the indices of the inputs whose hooks moved. (Under ``torch.func`` the
+    caller's tensors are at another level; their hooks stay with the recomputation.)
+    """
+    moved = set()
+    for i, (leaf, t) in enumerate(zip(leaves, given)):
+        hooks = getattr(leaf, "_backward_hooks", None)
+        if hooks and leaf is not t and t.requires_grad:
+            for hook in list(hooks.values()):
+                register_tensor_hook(t, hook)
+            hooks.clear()
+            moved.add(i)
+    return moved
+
+
 def _restored(t: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
     """``value``, keeping ``t``'s derivatives (its graph, its level, its forward-mode tangent)."""
     if t.requires_grad or is_functorch_wrapped(t) or has_tangent(t):
@@ -222,6 +254,7 @@ class UserRegion(Region):
         self.out_digest: list[Digest | None] = []
         self.values_reproducible = True
         self.constant: set[int] = set()  # outputs that did not require grad in the forward run's graph
+        self.moved_hooks: set[int] = set()  # inputs whose hooks fn registered went to the caller's tensors
         self.unchecked: set[int] = set()
         self.used_constants: set[int] = set()  # non-differentiable inputs the forward run read  # inputs saved without a version check (see _autograd.setup_context)
         # Outputs aliasing inputs or each other are rebuilt as views by the caller
@@ -493,6 +526,7 @@ class UserRegion(Region):
         # caller could differentiate, so fn can use autograd inside, as it can
         # under torch.utils.checkpoint. Under torch.func it runs without one.
         grad_forward = plain_autograd and self.caller_grad_enabled
+        given = flat
         if grad_forward:
             flat = tuple(
                 t.detach().requires_grad_(True) if d and (t.is_floating_point() or t.is_complex()) else t
@@ -512,6 +546,8 @@ class UserRegion(Region):
         states.append(lambda: self._capture_state(flat))
         with self._running(flat, forward=True, states=states, modes=modes) as run:
             out = self._call_fn(run.args, run.kwargs, True, grad_forward)
+        if grad_forward:
+            self.moved_hooks = _move_input_hooks(flat, given)
         tensors, slots = flatten(out)
         self._refuse_hidden_tensors(slots.leaves, plain_autograd)
         if grad_forward:
@@ -588,8 +624,14 @@ class UserRegion(Region):
         modes: list[Any] = []
         if self.saved is not None and not _forward_mode_active():
             modes.append(self.saved.replayer(getattr(self.options.policy, "allow_cache_entry_mutation", False)))
+        hooks_before = [_hook_keys(t) if i in self.moved_hooks else None for i, t in enumerate(flat)]
         with self._running(flat, forward=False, states=[self._replay_state], modes=modes) as run:
             out = self._call_fn(run.args, run.kwargs, False, False)
+        # Hooks fn registers on its inputs were moved to the caller's tensors by the forward
+        # run; registered again here, they would apply a second time to this part.
+        for t, before in zip(flat, hooks_before):
+            if before is not None:
+                _remove_hooks_since(t, before)
         tensors, slots = flatten(out)
         tensors = _aliasing.owned_outputs(self.plan, tensors)
         if self.options.determinism_check == "default":

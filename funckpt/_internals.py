@@ -22,6 +22,7 @@ import torch.autograd.forward_ad as _fwAD
 from torch.multiprocessing.reductions import StorageWeakRef
 
 __all__ = [
+    "register_tensor_hook",
     "no_torch_function",
     "current_graph_task_id",
     "queue_engine_callback",
@@ -182,6 +183,11 @@ def set_grad_enabled(enabled: bool) -> None:
 def graph_task_keeps_graph() -> bool:
     """Was the running backward called with ``retain_graph=True``? (torch >= 1.13)"""
     return bool(torch._C._autograd._get_current_graph_task_keep_graph())
+
+
+def register_tensor_hook(t: torch.Tensor, hook: Callable[..., Any]) -> None:
+    """``t.register_hook(hook)`` (untyped in torch's stubs)."""
+    t.register_hook(hook)  # type: ignore[no-untyped-call]
 
 
 def no_torch_function() -> Any:

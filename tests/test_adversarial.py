@@ -2244,3 +2244,20 @@ def test_outputs_that_are_views_of_an_internal_tensor_neither_of_them_is(how):
     via_remat = lambda x: (lambda a, b, c: a.sum() + b.square().sum() + c.exp().sum())(*remat(g)(x))  # noqa: E731
     x = randn(3, 4, seed=1)
     assert_close(derivative(how, via_remat, x), derivative(how, f, x))
+
+
+@pytest.mark.parametrize("leaf", [True, False])
+def test_hook_registered_on_an_input_applies_to_its_whole_gradient(leaf):
+    """Without remat the hook sees the input's gradient from every use, not only through fn."""
+
+    def fn(x):
+        x.register_hook(lambda g: g * 3)
+        return x.sin()
+
+    def run(f):
+        a = randn(4, seed=1).requires_grad_()
+        x = a if leaf else a * 1
+        (f(x).sum() + (x * 2).sum()).backward()
+        return a.grad
+
+    assert_close(run(remat(fn)), run(fn))
