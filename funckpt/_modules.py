@@ -50,6 +50,20 @@ class Remat(torch.nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return call(self.wrapped, self._remat_options, args, kwargs)
 
+    def __getattr__(self, name: str) -> Any:
+        """The wrapped module's other attributes read through (``layer.attention_type``, ...).
+
+        Models read their layers' plain attributes (HF ModernBERT, Swin); a
+        remat'd layer must answer as the layer does.
+        """
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            wrapped = self.__dict__.get("wrapped")
+            if wrapped is None:
+                raise
+            return getattr(wrapped, name)
+
     def train(self, mode: bool = True) -> Remat:
         super().train(mode)
         self.wrapped.training = mode

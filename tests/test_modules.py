@@ -182,3 +182,18 @@ def test_remat_d_batch_norm_updates_its_statistics_once_per_forward(how, backwar
         retain = i < backwards - 1
         assert_close(torch.autograd.grad(out, x, retain_graph=retain), torch.autograd.grad(expected, x, retain_graph=retain))
     assert_close(bn.state_dict(), plain.state_dict())
+
+
+def test_remat_module_reads_the_wrapped_modules_plain_attributes():
+    """Models read their layers' attributes (HF ModernBERT's attention_type, Swin's downsample)."""
+
+    class Layer(torch.nn.Linear):
+        def __init__(self) -> None:
+            super().__init__(3, 3)
+            self.attention_type = "sliding"
+            self.downsample = None
+
+    wrapped = remat(Layer())
+    assert wrapped.attention_type == "sliding" and wrapped.downsample is None
+    with pytest.raises(AttributeError, match="no attribute 'missing'"):
+        wrapped.missing
