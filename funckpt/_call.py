@@ -18,12 +18,14 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import gc
 import types
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import optree
 import torch
 
 from . import _aliasing, _autocast, _rng
@@ -158,6 +160,16 @@ def _in_place_error(name: str) -> CheckpointError:
 def _forward_mode_active() -> bool:
     """Is forward-mode AD (a functorch jvp level or a dual level) computing tangents here?"""
     return forward_mode_active()
+
+
+def _container_snapshot(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, list[Any]] | None:
+    """Structure and leaves of the arguments if any is a list or dict (else ``None``: nothing to watch)."""
+    if not any(isinstance(a, (list, dict)) for a in (*args, *kwargs.values())):
+        return None
+    tree: Any = (args, kwargs)
+    leaves: list[Any]
+    leaves, spec = optree.tree_flatten(tree, none_is_leaf=True, namespace="funckpt")
+    return spec, leaves
 
 
 def _hook_keys(t: torch.Tensor) -> set[Any]:
@@ -451,6 +463,54 @@ class UserRegion(Region):
                     "namedtuple, or detach it if no gradient should flow through it."
                 )
 
+    def _refuse_container_writes(
+        self, before: tuple[Any, list[Any]] | None, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> None:
+        """Raise if the function added, removed or replaced an entry of a list or dict it was passed.
+
+        remat passes the function copies of its argument containers (optree rebuilds
+        them around remat's own tensors), so the caller's would silently not change.
+        """
+        if before is None:
+            return
+        after = _container_snapshot(args, kwargs)
+        assert after is not None
+        if before[0] != after[0] or any(a is not b for a, b in zip(before[1], after[1])):
+            raise CheckpointError(
+                f"remat({self.name}): the function added, removed or replaced an entry of a list or dict it "
+                "was passed. remat passes copies of argument containers, so the caller's would not change "
+                "(and a tensor stored there would have no gradient). Return the values instead, or pass "
+                "the container through static_argnums if it holds no tensor remat must route."
+            )
+
+    def _refuse_escaped_tensors(self, substitute: Substitute, inputs: tuple[torch.Tensor, ...]) -> None:
+        """Raise if a tensor the forward run computed outlives its local graph other than as an output.
+
+        A forward hook that appends a submodule's output to a list (HF's
+        ``output_attentions``/``output_hidden_states``), a global, a module
+        attribute: such a tensor's graph ends inside the run, at remat's own
+        copies of the inputs, so a gradient through it would be silently missing.
+        Checked once the run's graph is dropped: what is still alive then is held
+        from outside.
+        """
+        made = substitute.made or []
+        substitute.made = None
+        # An operator may return its input itself (x.to(x.dtype), eval-mode dropout): not made here.
+        given = {id(t) for t in inputs}
+        alive = [t for t in (r() for r in made) if t is not None and t.requires_grad and id(t) not in given]
+        if alive:
+            gc.collect()  # a reference cycle waiting for the collector is not an escape
+            alive = [t for t in (r() for r in made) if t is not None and t.requires_grad and id(t) not in given]
+        if alive:
+            raise CheckpointError(
+                f"remat({self.name}): a tensor of shape {tuple(alive[0].shape)} that the function computed "
+                "outlived the call other than as its return value (kept by a forward hook, a list or dict "
+                "it appends to, a global or a module attribute; HF's output_attentions and "
+                "output_hidden_states do this). remat records no graph for it in the caller's autograd, "
+                "so a gradient through it would be silently missing. Return it from the function, detach "
+                "it if it is only kept for logging, or checkpoint with HF's own route (README)."
+            )
+
     def _refuse_stored_tensors(self) -> None:
         """Raise if the forward run stored a tensor it computed into an argument or closure.
 
@@ -545,7 +605,11 @@ class UserRegion(Region):
         )
         states.append(lambda: self._capture_state(flat))
         with self._running(flat, forward=True, states=states, modes=modes) as run:
+            if grad_forward and run.substitute is not None:
+                run.substitute.made = []
+            containers = _container_snapshot(run.args, run.kwargs)
             out = self._call_fn(run.args, run.kwargs, True, grad_forward)
+            self._refuse_container_writes(containers, run.args, run.kwargs)
         if grad_forward:
             self.moved_hooks = _move_input_hooks(flat, given)
         tensors, slots = flatten(out)
@@ -586,6 +650,8 @@ class UserRegion(Region):
         tensors = _aliasing.owned_outputs(self.plan, tensors)
         if grad_forward:  # drop the run's local graph
             tensors = [t.detach() if t.requires_grad else t for t in tensors]
+            del out
+            self._refuse_escaped_tensors(substitute, flat)
         self.out_slots = slots
         self.out_meta = [tensor_meta(t) for t in tensors]
         if self._compares_values():

@@ -426,6 +426,9 @@ class Substitute(TorchFunctionMode):
         self.first_node = first_node
         self.uninitialized = False  # did the run allocate memory it may read before writing?
         self.used: set[int] = set()  # ids of the inputs passed to a torch function during the run
+        # Weak references to the tensors the run made that require grad (the forward run under
+        # plain autograd only): any still alive once the run's local graph is dropped escaped it.
+        self.made: list[weakref.ref[torch.Tensor]] | None = None
 
     def __enter__(self) -> Substitute:
         _active.maps.append(self.mapping)
@@ -496,9 +499,12 @@ class Substitute(TorchFunctionMode):
         out = func(*args, **(kwargs or {}))
         # Every tensor made here is the run's own, whatever it becomes later: a leaf
         # made inside and then set to require grad (as HF T5 does) is not foreign.
+        made = self.made
         for o in out if isinstance(out, (tuple, list)) else (out,):
             if isinstance(o, torch.Tensor):
                 self.inside.add(id(o))
+                if made is not None and o.requires_grad and not torch.compiler.is_compiling():
+                    made.append(weakref.ref(o))
         return out
 
 

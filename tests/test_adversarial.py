@@ -2261,3 +2261,50 @@ def test_hook_registered_on_an_input_applies_to_its_whole_gradient(leaf):
         return a.grad
 
     assert_close(run(remat(fn)), run(fn))
+
+
+# =============================================================================================
+# Found by a sweep of real models: tensors escaping the forward run, writes into argument dicts.
+# =============================================================================================
+
+
+def test_a_forward_hook_that_keeps_a_submodule_output_raises_instead_of_losing_its_gradient():
+    """HF's output_attentions/output_hidden_states keep outputs this way."""
+    torch.manual_seed(0)
+    block = nn.Sequential(nn.Linear(4, 4, dtype=D), nn.Tanh(), nn.Linear(4, 4, dtype=D))
+    kept = []
+    block[0].register_forward_hook(lambda m, i, o: kept.append(o))
+    with pytest.raises(CheckpointError, match="outlived the call other than as its return value"):
+        remat(block)(randn(3, 4, seed=1).requires_grad_())
+
+
+def test_a_tensor_stored_in_a_global_raises():
+    store = {}
+
+    def fn(x):
+        h = x.sin()
+        store["h"] = h  # a dict the closure reaches, not an argument
+        return h.exp()
+
+    with pytest.raises(CheckpointError, match="outlived the call|stored a tensor"):
+        remat(fn)(randn(3, seed=1).requires_grad_())
+
+
+def test_writes_into_a_dict_argument_raise_instead_of_being_lost():
+    def fn(x, aux):
+        aux["calls"] = 1
+        return x.sin()
+
+    aux: dict = {}
+    with pytest.raises(CheckpointError, match="added, removed or replaced an entry"):
+        remat(fn)(randn(3, seed=1).requires_grad_(), aux)
+
+
+def test_an_op_returning_its_input_is_not_an_escape():
+    """x.to(x.dtype), x.contiguous(), eval-mode dropout return the input itself."""
+
+    def fn(x):
+        return x.to(x.dtype).contiguous().sin() * 2
+
+    x = randn(3, 4, seed=1)
+    assert_close(derivative("backward", remat(fn), x), derivative("backward", fn, x))
