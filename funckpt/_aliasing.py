@@ -36,7 +36,7 @@ from typing import cast
 
 import torch
 
-from ._internals import bottom, storage_of
+from ._internals import bottom, has_gradient_dtype, storage_of
 
 
 @dataclass(frozen=True)
@@ -100,7 +100,7 @@ def plan(inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor], grad_r
             for i in members:
                 o = outputs[i]
                 j = _source(o, inputs, inputs_on[key])
-                differentiable = o.requires_grad if grad_recorded else (o.is_floating_point() or o.is_complex())
+                differentiable = o.requires_grad if grad_recorded else has_gradient_dtype(o)
                 views[i] = _view(j, True, o, inputs[j], differentiable)
             continue
         if len(members) == 1:
@@ -115,7 +115,7 @@ def plan(inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor], grad_r
         for i in members:
             if i != r:
                 o = outputs[i]
-                differentiable = o.requires_grad if grad_recorded else (o.is_floating_point() or o.is_complex())
+                differentiable = o.requires_grad if grad_recorded else has_gradient_dtype(o)
                 views[i] = _view(r, False, o, outputs[r], differentiable)
     owned = tuple(i for i, v in enumerate(views) if v is None)
     return Plan(tuple(views), owned, frozenset(copied))

@@ -53,6 +53,7 @@ import torch
 
 from ._errors import CheckpointError
 from ._internals import (
+    has_gradient_dtype,
     GradInterpreter,
     JvpInterpreter,
     SingleLevelFunction,
@@ -128,8 +129,7 @@ class Region:
         return set()
 
 
-def _differentiable(t: torch.Tensor) -> bool:
-    return t.is_floating_point() or t.is_complex()
+_differentiable = has_gradient_dtype  # for the outputs and primals of a region
 
 
 _grad_levels_active = grad_levels_active

@@ -55,6 +55,7 @@ from ._errors import (
     tensor_meta,
 )
 from ._internals import (
+    has_gradient_dtype,
     bottom,
     forward_ad_level,
     forward_mode_active,
@@ -443,7 +444,7 @@ class UserRegion(Region):
                 t
                 for t in tensors_inside(leaf)
                 if id(t) not in self.outer_ids
-                and (t.is_floating_point() or t.is_complex())
+                and has_gradient_dtype(t)
                 and (t.requires_grad or not plain_autograd)
             ]
             if hidden:
@@ -589,7 +590,7 @@ class UserRegion(Region):
         given = flat
         if grad_forward:
             flat = tuple(
-                t.detach().requires_grad_(True) if d and (t.is_floating_point() or t.is_complex()) else t
+                t.detach().requires_grad_(True) if d and has_gradient_dtype(t) else t
                 for t, d in zip(flat, self.differentiable)
             )
         # With a policy, the recorder watches input writes too: one dispatch mode, not two.

@@ -45,12 +45,13 @@ import types
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
 
 from ._errors import CheckpointError
+from ._naming import OnThreadStack
 from ._internals import (
     TransformType,
     forward_ad_level,
@@ -399,7 +400,7 @@ _UNINITIALIZED = frozenset(
 )
 
 
-class Substitute(TorchFunctionMode):
+class Substitute(OnThreadStack, TorchFunctionMode):
     """Replaces captured tensors by identity; optionally rejects foreign tensors.
 
     ``mapping`` maps ``id(original)`` to the tensor to use instead. Any other
@@ -430,19 +431,11 @@ class Substitute(TorchFunctionMode):
         # plain autograd only): any still alive once the run's local graph is dropped escaped it.
         self.made: list[weakref.ref[torch.Tensor]] | None = None
 
-    def __enter__(self) -> Substitute:
-        _active.maps.append(self.mapping)
-        try:
-            return cast(Substitute, super().__enter__())  # type: ignore[no-untyped-call]
-        except BaseException:
-            _active.maps.pop()
-            raise
+    def _thread_stack(self) -> list[Any]:
+        return _active.maps
 
-    def __exit__(self, *exc: object) -> None:
-        try:
-            super().__exit__(*exc)  # type: ignore[no-untyped-call]
-        finally:
-            _active.maps.pop()
+    def _stack_item(self) -> Any:
+        return self.mapping
 
     def _swap(self, value: Any) -> Any:
         if isinstance(value, torch.Tensor):

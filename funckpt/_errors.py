@@ -42,6 +42,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ._internals import (
+    has_gradient_dtype,
     current_graph_task_id,
     queue_engine_callback,
     DisableFuncTorch,
@@ -260,7 +261,7 @@ def digest(tensors: Sequence[torch.Tensor]) -> list[Digest | None]:
                 if not _digestible(b):
                     digests.append(None)
                     continue
-                exact = not (b.is_floating_point() or b.is_complex())
+                exact = not has_gradient_dtype(b)
                 rtol = 0.0 if exact else _RTOL.get(b.dtype, _RTOL_OTHER_FLOAT)
                 digests.append(Digest(_stats(b), b.numel() * (2 if b.is_complex() else 1), rtol))
         finally:

@@ -22,6 +22,7 @@ import torch.autograd.forward_ad as _fwAD
 from torch.multiprocessing.reductions import StorageWeakRef
 
 __all__ = [
+    "has_gradient_dtype",
     "register_tensor_hook",
     "no_torch_function",
     "current_graph_task_id",
@@ -277,6 +278,16 @@ def define_operator(
 
 
 # ------------------------------------------------------------ tensors
+def has_gradient_dtype(t: torch.Tensor) -> bool:
+    """Can ``t`` carry a gradient at all (a floating-point or complex dtype)?
+
+    The one dtype test of the package. Whether a gradient will actually flow into
+    an input (it requires grad at its level, or carries a tangent) is another
+    question, answered by ``_capture.differentiable_input``.
+    """
+    return t.is_floating_point() or t.is_complex()
+
+
 def bottom(x: torch.Tensor) -> torch.Tensor:
     """The plain tensor under any functorch wrappers (what dispatch modes see)."""
     while is_functorch_wrapped(x):

@@ -25,3 +25,33 @@ def note_name(x: torch.Tensor, name: str) -> None:
     """Called by ``checkpoint_name``: tell the innermost recording region."""
     if active.stack:
         active.stack[-1].name_value(x, name)
+
+
+class OnThreadStack:
+    """Mixin for a mode that also sits on one of funckpt's thread-local stacks while entered.
+
+    ``__enter__`` pushes ``self._stack_item()`` on ``self._thread_stack()`` and then
+    enters the mode; ``__exit__`` exits it and pops, even when exiting raises, and a
+    failed enter pops again: the stacks never keep an entry for a mode that is not active.
+    """
+
+    def _thread_stack(self) -> list[Any]:
+        raise NotImplementedError
+
+    def _stack_item(self) -> Any:
+        raise NotImplementedError
+
+    def __enter__(self) -> Any:
+        stack = self._thread_stack()
+        stack.append(self._stack_item())
+        try:
+            return super().__enter__()  # type: ignore[misc]
+        except BaseException:
+            stack.pop()
+            raise
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            super().__exit__(*exc)  # type: ignore[misc]
+        finally:
+            self._thread_stack().pop()

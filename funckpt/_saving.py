@@ -30,14 +30,14 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable, Sequence
-from typing import Any, cast
+from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ._errors import CheckpointError
 from ._internals import bottom, clone_storage, storage_of
-from ._naming import active
+from ._naming import OnThreadStack, active
 from .policies import CHECKPOINT_NAME, excluded_names, uses_names
 
 # Not numbered: autograd dispatches a detach when it saves an op's output for
@@ -303,7 +303,7 @@ class WriteWatch(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's
         return func(*args, **kwargs)
 
 
-class Recorder(WriteWatch):  # type: ignore[no-untyped-call]  # torch's untyped __init_subclass__
+class Recorder(OnThreadStack, WriteWatch):  # type: ignore[no-untyped-call]  # torch's untyped __init_subclass__
     """Records the forward run for a policy (and watches input writes, as WriteWatch does)."""
 
     def __init__(
@@ -312,19 +312,11 @@ class Recorder(WriteWatch):  # type: ignore[no-untyped-call]  # torch's untyped 
         super().__init__(storages, before_write)
         self.saved = saved
 
-    def __enter__(self) -> Recorder:
-        active.stack.append(self.saved)
-        try:
-            return cast(Recorder, super().__enter__())  # type: ignore[no-untyped-call]
-        except BaseException:
-            active.stack.pop()
-            raise
+    def _thread_stack(self) -> list[Any]:
+        return active.stack
 
-    def __exit__(self, *exc: object) -> None:
-        try:
-            super().__exit__(*exc)  # type: ignore[no-untyped-call]
-        finally:
-            active.stack.pop()
+    def _stack_item(self) -> Any:
+        return self.saved
 
     def __torch_dispatch__(
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
