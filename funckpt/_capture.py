@@ -43,7 +43,7 @@ import sys
 import threading
 import types
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -88,6 +88,43 @@ class Captured:
     modules: list[tuple[torch.nn.Module, dict[str, torch.Tensor]]] = field(default_factory=list)
 
 
+def _walk(
+    root: Any,
+    leaf: Callable[[Any], bool],
+    expand: Callable[[Any], Iterable[Any]],
+    *,
+    budget: int | None = None,
+    max_depth: int | None = None,
+    depth_first: bool = False,
+) -> None:
+    """The one object walker: visit everything reachable from ``root`` once.
+
+    ``leaf(item)`` records what the walk is looking for (tensors, generators) and
+    says whether to stop there; ``expand(item)`` gives what ``item`` holds. Every
+    item popped counts against ``budget`` (numbers and strings too: a large
+    container of them must not make every call slow); items deeper than
+    ``max_depth`` are recorded but not expanded. Weak proxies are skipped (they keep
+    nothing alive, and a dead one raises on any use). The walk holds every object
+    it visited, so a temporary's ``id`` cannot be reused while it runs. Depth first
+    visits in the order a recursive walk would.
+    """
+    seen: dict[int, Any] = {}
+    pending: collections.deque[tuple[Any, int]] = collections.deque([(root, 0)])
+    while pending:
+        if budget is not None:
+            budget -= 1
+            if budget < 0:
+                return
+        item, depth = pending.pop() if depth_first else pending.popleft()
+        if type(item) in weakref.ProxyTypes or leaf(item):
+            continue
+        if item is None or id(item) in seen or (max_depth is not None and depth > max_depth):
+            continue
+        seen[id(item)] = item
+        children = [(child, depth + 1) for child in expand(item)]
+        pending.extend(reversed(children) if depth_first else children)
+
+
 def find_captured(fn: Callable[..., Any] | tuple[Any, ...]) -> Captured:
     """Tensors reachable from ``fn`` other than through its call arguments.
 
@@ -101,26 +138,17 @@ def find_captured(fn: Callable[..., Any] | tuple[Any, ...]) -> Captured:
     found: dict[int, torch.Tensor] = {}
     generators: dict[int, torch.Generator] = {}
     modules: list[tuple[torch.nn.Module, dict[str, torch.Tensor]]] = []
-    seen: set[int] = set()
-    budget = [_MAX_ITEMS]
 
-    def visit(obj: Any, depth: int) -> None:
-        # Every item visited counts against the budget, numbers and strings too:
-        # a large container of them must not make every call slow.
-        budget[0] -= 1
-        if budget[0] < 0 or type(obj) in weakref.ProxyTypes:  # a proxy keeps nothing alive
-            return
+    def leaf(obj: Any) -> bool:
         if isinstance(obj, torch.Tensor):
             found.setdefault(id(obj), obj)
-            return
+            return True
         if isinstance(obj, torch.Generator):
             generators.setdefault(id(obj), obj)
-            return
-        if depth > _MAX_DEPTH or obj is None or isinstance(obj, (str, bytes, int, float)):
-            return
-        if id(obj) in seen:
-            return
-        seen.add(id(obj))
+            return True
+        return isinstance(obj, (str, bytes, int, float))
+
+    def expand(obj: Any) -> list[Any]:
         if isinstance(obj, torch.nn.Module):
             named = _named_tensors(obj)
             modules.append((obj, named))
@@ -130,58 +158,45 @@ def find_captured(fn: Callable[..., Any] | tuple[Any, ...]) -> Captured:
                 for value in vars(m).values():
                     if isinstance(value, torch.Generator):
                         generators.setdefault(id(value), value)
-            visit(type(obj).forward, depth + 1)
-            return
+            return [type(obj).forward]
         if isinstance(obj, functools.partial):
-            visit(obj.func, depth + 1)
-            for a in obj.args:
-                visit(a, depth + 1)
-            for a in obj.keywords.values():
-                visit(a, depth + 1)
-            return
+            return [obj.func, *obj.args, *obj.keywords.values()]
         if isinstance(obj, types.MethodType):
-            visit(obj.__self__, depth + 1)
-            visit(obj.__func__, depth + 1)
-            return
+            return [obj.__self__, obj.__func__]
         if isinstance(obj, types.FunctionType):
             if _is_library(obj):
-                return
+                return []
+            parts: list[Any] = []
             for cell in obj.__closure__ or ():
                 try:
-                    visit(cell.cell_contents, depth + 1)
+                    parts.append(cell.cell_contents)
                 except ValueError:  # empty cell
                     pass
-            for d in obj.__defaults__ or ():
-                visit(d, depth + 1)
-            for d in (obj.__kwdefaults__ or {}).values():
-                visit(d, depth + 1)
+            parts += [*(obj.__defaults__ or ()), *(obj.__kwdefaults__ or {}).values()]
             for name in _global_names(obj.__code__):
                 if name in obj.__globals__:
                     value = obj.__globals__[name]
                     if not isinstance(value, (types.ModuleType, type)):
-                        visit(value, depth + 1)
-            return
+                        parts.append(value)
+            return parts
         if isinstance(obj, (list, tuple, set, frozenset, dict)):
-            if len(obj) <= _MAX_CONTAINER:
-                for item in obj.values() if isinstance(obj, dict) else obj:
-                    if budget[0] <= 0:
-                        break
-                    visit(item, depth + 1)
-            return
+            if len(obj) > _MAX_CONTAINER:
+                return []
+            return list(obj.values() if isinstance(obj, dict) else obj)
         if isinstance(obj, (type, types.ModuleType, types.BuiltinFunctionType)):
-            return
+            return []
         if callable(obj) and not hasattr(obj, "__dict__"):
-            return
+            return []
+        parts = []
         attrs = getattr(obj, "__dict__", None)
         if isinstance(attrs, dict) and len(attrs) <= _MAX_CONTAINER:
-            for item in attrs.values():
-                visit(item, depth + 1)
-        for value in _slot_values(obj):
-            visit(value, depth + 1)
+            parts += list(attrs.values())
+        parts += _slot_values(obj)
         if callable(obj) and not isinstance(obj, type):
-            visit(getattr(type(obj), "__call__", None), depth + 1)
+            parts.append(getattr(type(obj), "__call__", None))
+        return parts
 
-    visit(fn, 0)
+    _walk(fn, leaf, expand, budget=_MAX_ITEMS, max_depth=_MAX_DEPTH, depth_first=True)
     return Captured(list(found.values()), list(generators.values()), modules)
 
 
@@ -197,29 +212,24 @@ def tensors_inside(obj: Any, budget: int | None = None, into_modules: bool = Tru
     functions, bound methods (built-in ones too), partials, the frames of
     generators, and, for objects implemented in C (iterators, ``itertools``,
     ``operator.methodcaller``), the state their pickling protocol exposes. No
-    depth or size limit unless a ``budget`` of items is given (then the walk goes
-    breadth first); ``into_modules=False`` does not enter ``nn.Module`` objects.
-    A cycle is visited once.
+    depth or size limit unless a ``budget`` of items is given; breadth first;
+    ``into_modules=False`` does not enter ``nn.Module`` objects. A cycle is
+    visited once.
     """
     found: dict[int, torch.Tensor] = {}
-    seen: dict[int, Any] = {}  # holds what it saw: a temporary's id must not be reused meanwhile
-    queue = collections.deque([obj])
-    while queue:
-        if budget is not None:
-            budget -= 1
-            if budget < 0:
-                break
-        item = queue.popleft()
-        if type(item) in weakref.ProxyTypes:
-            continue  # keeps nothing alive, and a dead one raises on any use (isinstance too)
+
+    def leaf(item: Any) -> bool:
         if isinstance(item, torch.Tensor):
             found.setdefault(id(item), item)
-            continue
-        if item is None or id(item) in seen:
-            continue
-        seen[id(item)] = item
-        if not isinstance(item, _OPAQUE_DATA) and (into_modules or not isinstance(item, torch.nn.Module)):
-            queue.extend(_parts(item))
+            return True
+        return False
+
+    def expand(item: Any) -> list[Any]:
+        if isinstance(item, _OPAQUE_DATA) or (not into_modules and isinstance(item, torch.nn.Module)):
+            return []
+        return _parts(item)
+
+    _walk(obj, leaf, expand, budget=budget)
     return list(found.values())
 
 
