@@ -62,6 +62,7 @@ from ._internals import (
     is_functorch_wrapped,
     peek_interpreter_stack,
     register_tensor_hook,
+    torch_function_mode_enabled,
     storage_of,
     transforms_active,
     vmap_active,
@@ -212,7 +213,13 @@ def _restored(t: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
 
 
 def _default_device() -> torch.device | None:
-    """The device factory functions use now (``with torch.device(...)``), if torch can say."""
+    """The device factory functions use now (``with torch.device(...)``), if torch can say.
+
+    ``None`` when no torch-function mode is active: a device context is one, so
+    there is none to replay (the common case, answered without asking torch).
+    """
+    if not torch_function_mode_enabled():
+        return None
     get = getattr(torch, "get_default_device", None)  # torch >= 2.3
     return get() if get is not None else None
 

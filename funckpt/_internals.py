@@ -22,6 +22,7 @@ import torch.autograd.forward_ad as _fwAD
 from torch.multiprocessing.reductions import StorageWeakRef
 
 __all__ = [
+    "torch_function_mode_enabled",
     "has_gradient_dtype",
     "register_tensor_hook",
     "no_torch_function",
@@ -189,6 +190,11 @@ def graph_task_keeps_graph() -> bool:
 def register_tensor_hook(t: torch.Tensor, hook: Callable[..., Any]) -> None:
     """``t.register_hook(hook)`` (untyped in torch's stubs)."""
     t.register_hook(hook)  # type: ignore[no-untyped-call]
+
+
+def torch_function_mode_enabled() -> bool:
+    """Is any torch-function mode active (``with torch.device(...)`` is one)?"""
+    return bool(torch._C._is_torch_function_mode_enabled())
 
 
 def no_torch_function() -> Any:
