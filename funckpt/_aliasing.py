@@ -152,9 +152,10 @@ def _source(out: torch.Tensor, inputs: Sequence[torch.Tensor], candidates: list[
         if _geometry(inputs[j]) == _geometry(out) and inputs[j].dtype == out.dtype:
             return j
     first, last = _byte_range(out)
-    containing = [j for j in candidates if _byte_range(inputs[j])[0] <= first and last <= _byte_range(inputs[j])[1]]
+    ranges = {j: _byte_range(inputs[j]) for j in candidates}
+    containing = [j for j, (low, high) in ranges.items() if low <= first and last <= high]
     if containing:
-        return min(containing, key=lambda j: _byte_range(inputs[j])[1] - _byte_range(inputs[j])[0])
+        return min(containing, key=lambda j: ranges[j][1] - ranges[j][0])
     return candidates[0]
 
 

@@ -129,10 +129,8 @@ class Region:
         return set()
 
 
-_differentiable = has_gradient_dtype  # for the outputs and primals of a region
 
 
-_grad_levels_active = grad_levels_active
 
 
 def _only_forward_levels_active() -> bool:
@@ -147,7 +145,7 @@ def _only_forward_levels_active() -> bool:
 
 def _needs_graph(tensors: Sequence[torch.Tensor]) -> bool:
     """Must a computation on ``tensors`` be recorded for a later differentiation?"""
-    return torch.is_grad_enabled() and (_grad_levels_active() or any(t.requires_grad for t in tensors))
+    return torch.is_grad_enabled() and (grad_levels_active() or any(t.requires_grad for t in tensors))
 
 
 @eager_under_compile
@@ -221,7 +219,7 @@ class JvpRegion(Region):
 
     def run(self, flat: Tensors, phase: Phase) -> Tensors:
         primals, tangents = flat[: self.n], flat[self.n :]
-        diff = [i for i, p in enumerate(primals) if _differentiable(p)]
+        diff = [i for i, p in enumerate(primals) if has_gradient_dtype(p)]
 
         def f(*xs: torch.Tensor) -> Tensors:
             full = list(primals)
@@ -241,7 +239,7 @@ class JvpRegion(Region):
             out_tangents = tuple(torch.zeros_like(u.primal) if u.tangent is None else u.tangent for u in unpacked)
         else:
             outs, out_tangents = cast("tuple[Tensors, Tensors]", torch.func.jvp(f, diff_p, diff_t))
-        return tuple(t if _differentiable(o) else torch.zeros_like(o) for o, t in zip(outs, out_tangents))
+        return tuple(t if has_gradient_dtype(o) else torch.zeros_like(o) for o, t in zip(outs, out_tangents))
 
 
 # --------------------------------------------------------------------- the vjp itself
@@ -304,7 +302,7 @@ def _recompute_of(
         for i, x in zip(wrt, xs):
             full[i] = x
         outs = region.run(tuple(full), Phase.RECOMPUTE)
-        differentiable[:] = [_differentiable(o) for o in outs]
+        differentiable[:] = [has_gradient_dtype(o) for o in outs]
         return tuple(o for o, d in zip(outs, differentiable) if d)
 
     return f
@@ -348,8 +346,9 @@ def _vjp_here(region: Region, primals: Tensors, cotangents: Tensors, needs: Sequ
     # Computed directly (not as a remat'd VjpRegion) where a transform of this backward
     # must see its operations: a jvp level (jvp of grad), plain forward-mode AD around a
     # create_graph backward, or autograd's vmap mode of is_grads_batched.
-    plain_forward_mode = peek_interpreter_stack() is None and forward_ad_level() >= 0
-    direct = _only_forward_levels_active() or _in_legacy_vmap() or plain_forward_mode
+    plain_forward_mode = top is None and forward_ad_level() >= 0
+    legacy_vmap = _in_legacy_vmap()
+    direct = _only_forward_levels_active() or legacy_vmap or plain_forward_mode
     if needs_graph and not direct:
         vjp_region = VjpRegion(region, len(primals), needs)
         grads = iter(apply(vjp_region, (*primals, *cotangents)))
@@ -358,7 +357,7 @@ def _vjp_here(region: Region, primals: Tensors, cotangents: Tensors, needs: Sequ
         for k in vjp_region.unused:  # unused inputs get None, as torch.autograd.grad(allow_unused=True) says
             needed[positions[k]] = None
         return needed
-    return vjp(region, primals, cotangents, needs, create_graph=needs_graph and (plain_forward_mode or _in_legacy_vmap()))
+    return vjp(region, primals, cotangents, needs, create_graph=needs_graph and (plain_forward_mode or legacy_vmap))
 
 
 def _batched_at(t: torch.Tensor, level: int) -> bool:
@@ -466,7 +465,7 @@ class _RematFunction(torch.autograd.Function):
         top = peek_interpreter_stack()
         ctx.level = 0 if top is None else top.level()
         constant = region.constant_outputs()
-        ctx.output_differentiable = [_differentiable(o) and i not in constant for i, o in enumerate(output)]
+        ctx.output_differentiable = [has_gradient_dtype(o) and i not in constant for i, o in enumerate(output)]
         non_diff = [o for o, d in zip(output, ctx.output_differentiable) if not d]
         if non_diff:
             ctx.mark_non_differentiable(*non_diff)

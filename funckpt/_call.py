@@ -142,9 +142,6 @@ def _call_eagerly(fn: Callable[..., Any], options: RematOptions, args: tuple[Any
     return region.out_slots.fill(_aliasing.rebuild(region.plan, outs, routed))
 
 
-_vmap_active = vmap_active
-
-
 def _nothing_to_differentiate() -> bool:
     """No grad mode, no torch.func transform, no forward-mode level: nothing to recompute for."""
     return not torch.is_grad_enabled() and not transforms_active() and forward_ad_level() < 0
@@ -157,11 +154,6 @@ def _in_place_error(name: str) -> CheckpointError:
         "wrong gradients. Compute out of place (y = x + 1, not x.add_(1)) or move the in-place "
         "update outside the remat'd function."
     )
-
-
-def _forward_mode_active() -> bool:
-    """Is forward-mode AD (a functorch jvp level or a dual level) computing tangents here?"""
-    return forward_mode_active()
 
 
 def _container_snapshot(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, list[Any]] | None:
@@ -218,10 +210,7 @@ def _default_device() -> torch.device | None:
     ``None`` when no torch-function mode is active: a device context is one, so
     there is none to replay (the common case, answered without asking torch).
     """
-    if not torch_function_mode_enabled():
-        return None
-    get = getattr(torch, "get_default_device", None)  # torch >= 2.3
-    return get() if get is not None else None
+    return torch.get_default_device() if torch_function_mode_enabled() else None
 
 
 def _two_contexts(context_fn: Callable[[], tuple[Any, Any]], name: str) -> tuple[Any, Any]:
@@ -279,7 +268,7 @@ class UserRegion(Region):
         self.used_constants: set[int] = set()  # non-differentiable inputs the forward run read  # inputs saved without a version check (see _autograd.setup_context)
         # Outputs aliasing inputs or each other are rebuilt as views by the caller
         # (_aliasing.py), except inside vmap, whose batched tensors have no storage.
-        self.views_outside = not _vmap_active()
+        self.views_outside = not vmap_active()
         self.plan: _aliasing.Plan | None = None
         self.default_device: torch.device | None = None
         self.snapshots: dict[int, torch.Tensor] = {}  # input index -> its value before the forward wrote it
@@ -696,16 +685,15 @@ class UserRegion(Region):
             copies = dict(zip(self.snapshots, clone_together(list(self.snapshots.values()))))
             flat = tuple(_restored(t, copies[i]) if i in copies else t for i, t in enumerate(flat))
         modes: list[Any] = []
-        if self.saved is not None and not _forward_mode_active():
+        if self.saved is not None and not forward_mode_active():
             modes.append(self.saved.replayer(getattr(self.options.policy, "allow_cache_entry_mutation", False)))
-        hooks_before = [_hook_keys(t) if i in self.moved_hooks else None for i, t in enumerate(flat)]
+        hooks_before = {i: _hook_keys(flat[i]) for i in self.moved_hooks}
         with self._running(flat, forward=False, states=[self._replay_state], modes=modes) as run:
             out = self._call_fn(run.args, run.kwargs, False, False)
         # Hooks fn registers on its inputs were moved to the caller's tensors by the forward
         # run; registered again here, they would apply a second time to this part.
-        for t, before in zip(flat, hooks_before):
-            if before is not None:
-                _remove_hooks_since(t, before)
+        for i, before in hooks_before.items():
+            _remove_hooks_since(flat[i], before)
         tensors, slots = flatten(out)
         tensors = _aliasing.owned_outputs(self.plan, tensors)
         if self.options.determinism_check == "default":

@@ -447,24 +447,23 @@ class Substitute(OnThreadStack, TorchFunctionMode):
     def _stack_item(self) -> Any:
         return self.mapping
 
-    def _swap(self, value: Any) -> Any:
+    def _swap(self, value: Any, used: set[int] | None) -> Any:
+        """``value`` with captured tensors replaced; the inputs it passes are added to ``used``."""
         if isinstance(value, torch.Tensor):
             key = id(value)
             replacement = self.mapping.get(key)
-            # Usage is not recorded while Dynamo inlines this handler (a compiled function
-            # called inside remat): it cannot trace the mutation of this set of ids.
             if replacement is not None:
-                if not torch.compiler.is_compiling():
-                    self.used.add(id(replacement))
+                if used is not None:
+                    used.add(id(replacement))
                 return replacement
             if key in self.known:
-                if not torch.compiler.is_compiling():
-                    self.used.add(key)
+                if used is not None:
+                    used.add(key)
             elif key not in self.inside:
                 self._check(value)
             return value
         if isinstance(value, (list, tuple)) and value and any(isinstance(v, torch.Tensor) for v in value):
-            swapped = [self._swap(v) for v in value]
+            swapped = [self._swap(v, used) for v in value]
             return type(value)(swapped) if isinstance(value, list) else tuple(swapped)
         return value
 
@@ -493,20 +492,24 @@ class Substitute(OnThreadStack, TorchFunctionMode):
     def __torch_function__(
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
     ) -> Any:
+        # Usage and escapes are not recorded while Dynamo inlines this handler (a compiled
+        # function called inside remat): it cannot trace the mutation of these collections.
+        compiling = torch.compiler.is_compiling()
+        used = None if compiling else self.used
         swap = self._swap
-        args = tuple([swap(a) for a in args])
+        args = tuple([swap(a, used) for a in args])
         if kwargs:
-            kwargs = {k: swap(v) for k, v in kwargs.items()}
+            kwargs = {k: swap(v, used) for k, v in kwargs.items()}
         if func in _UNINITIALIZED:
             self.uninitialized = True
         out = func(*args, **(kwargs or {}))
         # Every tensor made here is the run's own, whatever it becomes later: a leaf
         # made inside and then set to require grad (as HF T5 does) is not foreign.
-        made = self.made
+        made = None if compiling else self.made
         for o in out if isinstance(out, (tuple, list)) else (out,):
             if isinstance(o, torch.Tensor):
                 self.inside.add(id(o))
-                if made is not None and o.requires_grad and not torch.compiler.is_compiling():
+                if made is not None and o.requires_grad:
                     made.append(weakref.ref(o))
         return out
 
