@@ -248,24 +248,21 @@ def digest(tensors: Sequence[torch.Tensor]) -> list[Digest | None]:
     """
     digests: list[Digest | None] = []
     plain = not transforms_active()
-    with contextlib.ExitStack() if not plain or forward_ad_level() >= 0 else contextlib.nullcontext() as stack:
-        if stack is not None:
-            if not plain:
-                stack.enter_context(DisableFuncTorch())
+    with contextlib.ExitStack() as stack:
+        if not plain:
+            stack.enter_context(DisableFuncTorch())
+        if forward_ad_level() >= 0:
             stack.enter_context(set_fwd_grad_enabled(False))
-        previous = torch.is_grad_enabled()
+        stack.callback(set_grad_enabled, torch.is_grad_enabled())  # no_grad without its Python frames
         set_grad_enabled(False)
-        try:
-            for t in tensors:
-                b = t if plain else bottom(t)
-                if not _digestible(b):
-                    digests.append(None)
-                    continue
-                exact = not has_gradient_dtype(b)
-                rtol = 0.0 if exact else _RTOL.get(b.dtype, _RTOL_OTHER_FLOAT)
-                digests.append(Digest(_stats(b), b.numel() * (2 if b.is_complex() else 1), rtol))
-        finally:
-            set_grad_enabled(previous)
+        for t in tensors:
+            b = t if plain else bottom(t)
+            if not _digestible(b):
+                digests.append(None)
+                continue
+            exact = not has_gradient_dtype(b)
+            rtol = 0.0 if exact else _RTOL.get(b.dtype, _RTOL_OTHER_FLOAT)
+            digests.append(Digest(_stats(b), b.numel() * (2 if b.is_complex() else 1), rtol))
     return digests
 
 
