@@ -160,7 +160,7 @@ def run(rounds: int = 15) -> str:
         "",
         *target_lines,
         "",
-        "Why the step-time target is not met. Two costs add up. First, plain `torch.func.grad` is itself",
+        "Why the step-time target is not met. Three costs add up. First, plain `torch.func.grad` is itself",
         "slower than plain `.backward()` on this model (see the last column's baselines): functorch",
         "differentiates with `create_graph=True` through wrapper tensors. Second, `torch.utils.checkpoint`",
         "stops recomputing as soon as it has rebuilt the last tensor the backward pass needs, so it never",
