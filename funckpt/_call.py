@@ -73,7 +73,7 @@ from ._residuals import notify
 from ._saving import Saved, WriteWatch, clone_together
 from .policies import nothing_saveable
 
-__all__ = ["UserRegion", "call"]
+__all__ = ["UserRegion", "call", "finish", "nothing_to_differentiate", "prepare"]
 
 
 def call(fn: Callable[..., Any], options: RematOptions, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -93,13 +93,32 @@ skip_as_frame(call)
 
 @eager_under_compile
 def _call_eagerly(fn: Callable[..., Any], options: RematOptions, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    name = callable_name(fn)
-    if _nothing_to_differentiate():
+    if nothing_to_differentiate():
         # Under no_grad or inference_mode with no transform: nothing will be
         # recomputed, so remat is fn itself (a function that enables grad inside
         # then records its graph, as it would without remat).
-        check_static_argnums(name, options, args)
+        check_static_argnums(callable_name(fn), options, args)
         return fn(*args, **kwargs)
+    region, routed = prepare(fn, options, args, kwargs)
+    return finish(region, routed, apply(region, routed))
+
+
+def prepare(
+    fn: Callable[..., Any],
+    options: RematOptions,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    make_region: Callable[..., UserRegion] | None = None,
+    name: str | None = None,
+    reaches: Any = None,
+) -> tuple[UserRegion, list[torch.Tensor]]:
+    """The region of ``fn(*args, **kwargs)`` and its flat inputs, ready for :func:`~funckpt._autograd.apply`.
+
+    ``make_region`` builds a :class:`UserRegion` subclass (a checkpointed loop's);
+    ``reaches`` is what to walk for captured tensors instead of ``fn`` (the user's
+    step function, not the loop driver that calls it).
+    """
+    name = callable_name(fn) if name is None else name
     static = check_static_argnums(name, options, args)
     arg_tensors, argspec = flatten_args(args, kwargs, static)
 
@@ -121,10 +140,11 @@ def _call_eagerly(fn: Callable[..., Any], options: RematOptions, args: tuple[Any
         for leaf in (*argspec.dynamic.leaves, *argspec.static.values())
         if leaf is not None and not isinstance(leaf, (str, bytes, int, float, complex))
     ]
-    captured = find_captured((fn, *objects) if objects else fn)
+    root = fn if reaches is None else reaches
+    captured = find_captured((root, *objects) if objects else root)
     captured_index = [slot(t) for t in captured.tensors]
     routed = route_through_enclosing(flat)
-    region = UserRegion(
+    region = (make_region or UserRegion)(
         fn,
         name,
         options,
@@ -137,12 +157,16 @@ def _call_eagerly(fn: Callable[..., Any], options: RematOptions, args: tuple[Any
         objects=objects,
     )
     notify(region, tuple(routed))
-    outs = apply(region, routed)
+    return region, routed
+
+
+def finish(region: UserRegion, routed: list[torch.Tensor], outs: tuple[torch.Tensor, ...]) -> Any:
+    """The caller's result: the region's outputs in ``fn``'s output structure, views rebuilt."""
     assert region.out_slots is not None
     return region.out_slots.fill(_aliasing.rebuild(region.plan, outs, routed))
 
 
-def _nothing_to_differentiate() -> bool:
+def nothing_to_differentiate() -> bool:
     """No grad mode, no torch.func transform, no forward-mode level: nothing to recompute for."""
     return not torch.is_grad_enabled() and not transforms_active() and forward_ad_level() < 0
 
@@ -585,6 +609,11 @@ class UserRegion(Region):
         grad_forward = plain_autograd and self.caller_grad_enabled
         given = flat
         if grad_forward:
+            # An input the caller's level sees as constant may still require grad here, one
+            # level lower (``x = xs * 1`` made inside ``torch.func.grad`` from a plain tensor that
+            # requires grad): it is an input of this Function's node at this level, so it too
+            # becomes a local leaf, and differentiable for the checks on writes.
+            self.differentiable = [d or (t.requires_grad and has_gradient_dtype(t)) for t, d in zip(flat, self.differentiable)]
             flat = tuple(
                 t.detach().requires_grad_(True) if d and has_gradient_dtype(t) else t
                 for t, d in zip(flat, self.differentiable)

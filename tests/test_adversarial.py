@@ -2308,3 +2308,19 @@ def test_an_op_returning_its_input_is_not_an_escape():
 
     x = randn(3, 4, seed=1)
     assert_close(derivative("backward", remat(fn), x), derivative("backward", fn, x))
+
+
+def test_an_argument_computed_inside_a_transform_from_a_tensor_that_requires_grad_is_no_false_alarm():
+    # xs * 1 made inside torch.func.grad from a plain tensor that requires grad: a constant at
+    # grad's level, but it requires grad one level lower, where remat's forward run records.
+    w = torch.randn(4, 4, dtype=torch.float64, requires_grad=True)
+    xs = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
+    c0 = torch.randn(4, dtype=torch.float64)
+
+    def f(c, x):
+        return torch.tanh(c @ w + x)
+
+    for transform in (torch.func.grad, torch.func.jacrev):
+        got = transform(lambda c: remat(f)(c, xs[0] * 1).sum())(c0)
+        want = transform(lambda c: f(c, xs[0] * 1).sum())(c0)
+        torch.testing.assert_close(got, want)
