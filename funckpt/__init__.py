@@ -9,6 +9,7 @@ autograd, ``torch.compile`` and DDP/FSDP2. See the README for a tour.
 from . import policies
 from ._compat import checkpoint, checkpoint_sequential, noop_context_fn
 from ._errors import CheckpointError, set_checkpoint_debug_enabled
+from ._loops import fori_loop, scan, while_loop
 from ._residuals import Residual, print_saved_residuals, saved_residuals
 from ._transform import remat
 from .policies import checkpoint_name
@@ -21,10 +22,13 @@ __all__ = [
     "checkpoint",
     "checkpoint_name",
     "checkpoint_sequential",
+    "fori_loop",
     "noop_context_fn",
     "policies",
     "print_saved_residuals",
     "remat",
     "saved_residuals",
+    "scan",
     "set_checkpoint_debug_enabled",
+    "while_loop",
 ]

@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import functools
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, cast
 
@@ -87,6 +88,8 @@ from ._internals import (
 )
 
 Tensors = tuple[torch.Tensor, ...]
+# The vjp of one (sub-)region at the current stack: (region, primals, cotangents, needs) -> gradients
+StepVjp = Callable[["Region", Tensors, Tensors, Sequence[bool]], list[Any]]
 
 _EAGER_REASON = (
     "funckpt.remat runs eagerly under torch.compile when it cannot become the compiler's "
@@ -127,6 +130,25 @@ class Region:
     def checked_constants(self) -> set[int]:
         """Inputs no gradient flows into that are still saved with a version check (read by the run)."""
         return set()
+
+    def own_vjp(
+        self,
+        primals: Tensors,
+        cotangents: Tensors,
+        needs: Sequence[bool],
+        *,
+        create_graph: bool,
+        advancing: Callable[[], contextlib.AbstractContextManager[Any]],
+        step_vjp: StepVjp,
+    ) -> list[torch.Tensor | None] | None:
+        """The vjp by a cheaper route than recomputing the whole region at once, if the region has one.
+
+        A checkpointed loop (``_loops.py``) reverses its steps one at a time along a
+        schedule: it runs steps forward under ``advancing()`` and differentiates
+        each step with ``step_vjp``, the rule of the stack it is called at. ``None``
+        (the default): recompute the region and take its vjp.
+        """
+        return None
 
 
 
@@ -254,6 +276,16 @@ def vjp(
     the recomputation outlives this call. ``None`` marks an input the outputs
     do not depend on.
     """
+    own = region.own_vjp(
+        primals,
+        cotangents,
+        needs,
+        create_graph=create_graph,
+        advancing=functools.partial(_advancing, create_graph),
+        step_vjp=functools.partial(vjp, create_graph=create_graph),
+    )
+    if own is not None:
+        return own
     wrt = [i for i, need in enumerate(needs) if need]
     if peek_interpreter_stack() is None:
         # Plain autograd: recompute and differentiate locally. Without
@@ -286,6 +318,13 @@ def vjp(
     for i, g in zip(wrt, grads):
         result[i] = g
     return result
+
+
+@contextlib.contextmanager
+def _advancing(create_graph: bool) -> Iterator[None]:
+    """Where a region's own vjp runs steps forward: recorded only if the result must be differentiable."""
+    with _outside_legacy_vmap(), contextlib.nullcontext() if create_graph else torch.no_grad():
+        yield
 
 
 def _recompute_of(
@@ -373,6 +412,19 @@ def _vjp_of_batched_cotangents(
     operators may run (the vmap may forbid them); only the vjp is batched.
     """
     level = interpreter.level()
+
+    def advancing() -> contextlib.AbstractContextManager[Any]:
+        stack = contextlib.ExitStack()
+        stack.enter_context(interpreter.lower())
+        stack.enter_context(torch.no_grad())
+        return stack
+
+    def step_vjp(r: Region, p: Tensors, c: Tensors, n: Sequence[bool]) -> list[Any]:
+        return _vjp_of_batched_cotangents(r, p, c, n, interpreter)
+
+    own = region.own_vjp(primals, cotangents, needs, create_graph=False, advancing=advancing, step_vjp=step_vjp)
+    if own is not None:
+        return own
     unwrapped = [unwrap_batched(c, level) for c in cotangents]
     wrt = [i for i, need in enumerate(needs) if need]
     differentiable: list[bool] = []

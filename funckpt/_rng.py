@@ -24,7 +24,7 @@ from typing import Any, cast
 
 import torch
 
-__all__ = ["RngState", "capture", "replay"]
+__all__ = ["RngState", "capture", "replay", "restore"]
 
 
 def _device_module(device: torch.device) -> Any:
@@ -80,6 +80,15 @@ def capture(tensors: Iterable[torch.Tensor], generators: Iterable[torch.Generato
     )
 
 
+def restore(state: RngState) -> None:
+    """Put every generator ``state`` recorded back to it (inside :func:`replay`, which undoes it)."""
+    torch.set_rng_state(state.cpu)
+    for d, s in state.devices.items():
+        _set_state(d, s)
+    for g, s in state.explicit:
+        g.set_state(s)
+
+
 @contextlib.contextmanager
 def replay(state: RngState) -> Iterator[None]:
     """Run the body from ``state``; put every generator back as it was afterwards."""
@@ -87,11 +96,7 @@ def replay(state: RngState) -> Iterator[None]:
     saved_devices = {d: _get_state(d) for d in state.devices}
     saved_explicit = [(g, g.get_state()) for g, _ in state.explicit]
     try:
-        torch.set_rng_state(state.cpu)
-        for d, s in state.devices.items():
-            _set_state(d, s)
-        for g, s in state.explicit:
-            g.set_state(s)
+        restore(state)
         yield
     finally:
         torch.set_rng_state(saved_cpu)

@@ -1,0 +1,790 @@
+"""Checkpointed loops: ``scan``, ``fori_loop`` and ``while_loop``.
+
+Differentiating through a loop of ``n`` steps keeps every step's internals;
+remat'ing each step keeps every step's carry, still O(n). With ``checkpoints=c``
+the loop keeps at most ``c`` carries and reverses its steps along the schedule
+of ``_schedule.py``: Griewank and Walther's binomial schedule (revolve) when the
+number of steps is known (``scan``, ``fori_loop``), Stumm and Walther's online
+schedule when it is not (``while_loop``). Memory is ``c`` carries plus one step's
+internals, whatever ``n``; the price is the provably minimal number of steps run
+again (about ``n log n`` for ``c ~ log n``).
+
+How it is built on ``remat``'s machinery (``_autograd.py``):
+
+* ``checkpoints=None`` is a Python loop of remat'd steps, ``scan(remat(f))``:
+  each step keeps its input carry and is recomputed once.
+* ``checkpoints=c``: the whole loop is one region (:class:`LoopRegion`, a
+  :class:`~funckpt._call.UserRegion` whose function is the loop), so captured
+  tensors, generators, autocast and every transform's rule come from there.
+  Its forward run runs the schedule's forward sweep and keeps the carries it
+  stores, with the generators' states at each. Its vjp (:meth:`LoopRegion.own_vjp`)
+  executes the rest of the schedule: steps run forward without recording, and
+  each step is differentiated on its own (:class:`StepRegion`) by the rule of
+  the stack the backward runs at (plain autograd, ``torch.func``, the batched
+  cotangents of ``jacrev``), the carry's cotangent chained from step to step.
+  Where a vjp must itself be differentiable (``hessian``, ``create_graph=True``)
+  the steps are run forward from the loop's inputs with the graph recorded, so
+  the result depends on them. Forward mode, ``vmap`` of the region and any other
+  recomputation run the loop whole, as ``remat`` runs any function.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import numbers
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import optree
+import torch
+
+from . import _rng, _schedule
+from ._autograd import Phase, Region, StepVjp, Tensors, apply, eager_under_compile
+from ._call import UserRegion, finish, nothing_to_differentiate, prepare
+from ._capture import Substitute, changed_captures, reparametrized
+from ._errors import CheckpointError, Digest, check_same_values, digest
+from ._internals import forward_mode_active, graph_task_keeps_graph, has_gradient_dtype, peek_interpreter_stack
+from ._options import RematOptions, callable_name
+from ._pytree import NAMESPACE, TreeSlots, flatten
+
+__all__ = ["fori_loop", "scan", "while_loop"]
+
+# (step number k, carry, x) -> (carry, y): the one signature the three loops share
+Step = Callable[[int, Any, Any], tuple[Any, Any]]
+
+
+# --------------------------------------------------------------------------- public
+
+
+def scan(
+    f: Callable[[Any, Any], tuple[Any, Any]],
+    init: Any,
+    xs: Any = None,
+    length: int | None = None,
+    *,
+    reverse: bool = False,
+    checkpoints: int | None = None,
+    policy: Callable[..., bool] | None = None,
+    preserve_rng_state: bool = True,
+) -> tuple[Any, Any]:
+    """``jax.lax.scan``, differentiable with at most ``checkpoints`` carries kept.
+
+    ``f(carry, x) -> (carry, y)`` runs once per slice ``x`` of ``xs`` along its
+    leading dimension (or ``length`` times with ``x=None``); returns the final
+    carry and the ``y`` stacked along a new leading dimension (``None`` if ``f``
+    returns ``y=None``). With ``reverse=True`` the slices are taken from the last
+    and ``ys[i]`` still belongs to ``xs[i]``.
+
+    ``checkpoints=None`` keeps every step's input carry and recomputes each step
+    once in the backward pass (``policy`` then says what else each step keeps, as
+    in :func:`~funckpt.remat`). ``checkpoints=c`` keeps at most ``c`` carries and
+    recomputes steps along the optimal binomial schedule; a step's internals then
+    live only while that step is differentiated, so there is nothing for a policy
+    to keep and ``policy`` has no effect.
+    """
+    _check_callable("scan", "f", f)
+    _check_checkpoints("scan", checkpoints)
+    if not isinstance(reverse, bool):
+        raise TypeError(f"scan: reverse must be a bool, got {reverse!r}")
+    n = _length("scan", xs, length)
+
+    def step(k: int, carry: Any, x: Any) -> tuple[Any, Any]:
+        out = f(carry, x)
+        if not (isinstance(out, tuple) and len(out) == 2):
+            raise TypeError(
+                f"scan: f must return a pair (carry, y), got {type(out).__name__}; "
+                "return (carry, None) if there is no per-step output"
+            )
+        return out
+
+    options = RematOptions(policy=policy, preserve_rng_state=preserve_rng_state)
+    return _run(step, callable_name(f), f, init, xs, n, reverse, checkpoints, options, reaches=f)
+
+
+def fori_loop(
+    lower: int,
+    upper: int,
+    body: Callable[[int, Any], Any],
+    init: Any,
+    *,
+    checkpoints: int | None = None,
+    policy: Callable[..., bool] | None = None,
+) -> Any:
+    """``jax.lax.fori_loop``: ``carry = body(i, carry)`` for ``i`` in ``range(lower, upper)``.
+
+    ``i`` is a Python int. ``checkpoints`` and ``policy`` as in :func:`scan`.
+    """
+    for arg, value in (("lower", lower), ("upper", upper)):
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise TypeError(f"fori_loop: {arg} must be a Python int, got {value!r}")
+    _check_callable("fori_loop", "body", body)
+    _check_checkpoints("fori_loop", checkpoints)
+
+    def step(k: int, carry: Any, x: Any) -> tuple[Any, Any]:
+        return body(lower + k, carry), None
+
+    options = RematOptions(policy=policy)
+    n = max(upper - lower, 0)
+    carry, _ = _run(step, callable_name(body), body, init, None, n, False, checkpoints, options, reaches=body)
+    return carry
+
+
+def while_loop(
+    cond: Callable[[Any], Any],
+    body: Callable[[Any], Any],
+    init: Any,
+    *,
+    max_steps: int | None = None,
+    checkpoints: int | None = None,
+    policy: Callable[..., bool] | None = None,
+) -> Any:
+    """``jax.lax.while_loop``: ``carry = body(carry)`` while ``cond(carry)``, at most ``max_steps`` times.
+
+    ``cond`` returns a Python bool or a one-element bool tensor. The number of
+    steps is not known in advance, so ``checkpoints=c`` places its carries with
+    Stumm and Walther's online schedule. ``policy`` as in :func:`scan`.
+    """
+    _check_callable("while_loop", "cond", cond)
+    _check_callable("while_loop", "body", body)
+    _check_checkpoints("while_loop", checkpoints)
+    if max_steps is not None and (not isinstance(max_steps, int) or isinstance(max_steps, bool) or max_steps < 0):
+        raise ValueError(f"while_loop: max_steps must be None or an int >= 0, got {max_steps!r}")
+
+    def step(k: int, carry: Any, x: Any) -> tuple[Any, Any]:
+        return body(carry), None
+
+    def go_on(k: int, carry: Any) -> bool:
+        return (max_steps is None or k < max_steps) and _truth(cond(carry))
+
+    options = RematOptions(policy=policy)
+    carry, _ = _run(
+        step, callable_name(body), body, init, None, None, False, checkpoints, options, go_on, reaches=(body, cond)
+    )
+    return carry
+
+
+# ----------------------------------------------------------------------- arguments
+
+
+def _check_callable(where: str, arg: str, value: Any) -> None:
+    if not callable(value):
+        raise TypeError(f"{where}: {arg} must be callable, got {value!r}")
+
+
+def _check_checkpoints(where: str, checkpoints: Any) -> None:
+    if checkpoints is None:
+        return
+    if not isinstance(checkpoints, int) or isinstance(checkpoints, bool) or checkpoints < 1:
+        raise ValueError(
+            f"{where}: checkpoints must be None (keep every carry) or an int >= 1 (keep at most that many), "
+            f"got {checkpoints!r}"
+        )
+
+
+def _length(where: str, xs: Any, length: Any) -> int:
+    if length is not None and (not isinstance(length, int) or isinstance(length, bool) or length < 0):
+        raise ValueError(f"{where}: length must be None or an int >= 0, got {length!r}")
+    leaves = optree.tree_leaves(xs, namespace=NAMESPACE)
+    sizes = set()
+    for leaf in leaves:
+        if not isinstance(leaf, torch.Tensor) or leaf.dim() == 0:
+            raise TypeError(
+                f"{where}: every leaf of xs must be a tensor with a leading dimension to scan over, got {leaf!r}"
+            )
+        sizes.add(leaf.shape[0])
+    if len(sizes) > 1:
+        raise ValueError(f"{where}: the leaves of xs have different leading dimensions {sorted(sizes)}")
+    if sizes:
+        (size,) = sizes
+        if length is not None and length != size:
+            raise ValueError(f"{where}: length={length} but xs has leading dimension {size}")
+        return int(size)
+    if length is None:
+        raise ValueError(f"{where}: give xs (with at least one tensor) or length, to know the number of steps")
+    return int(length)
+
+
+def _truth(value: Any) -> bool:
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1 or value.dtype != torch.bool:
+            raise TypeError(
+                f"while_loop: cond must return a Python bool or a one-element bool tensor, got a "
+                f"{value.dtype} tensor of shape {tuple(value.shape)}"
+            )
+        return bool(value.item())
+    if isinstance(value, (bool, numbers.Integral)):
+        return bool(value)
+    raise TypeError(f"while_loop: cond must return a Python bool or a one-element bool tensor, got {value!r}")
+
+
+# ------------------------------------------------------------------------ the loops
+
+
+def _tensor_leaves(y: Any) -> Any:
+    """``y`` with its number leaves as tensors, as they are stacked."""
+    if y is None:
+        return None
+    return optree.tree_map(lambda v: v if isinstance(v, torch.Tensor) else torch.as_tensor(v), y, namespace=NAMESPACE)
+
+
+def _distinct(out: Any) -> Any:
+    """``out`` with a tensor that appears twice copied: each output of a Function is its own tensor."""
+    tensors, slots = flatten(out)
+    seen: set[int] = set()
+    fresh = []
+    for t in tensors:
+        fresh.append(t.clone() if id(t) in seen else t)
+        seen.add(id(t))
+    return slots.fill(fresh)
+
+
+def _slice(xs: Any, i: int) -> Any:
+    return None if xs is None else optree.tree_map(lambda leaf: leaf[i], xs, namespace=NAMESPACE)
+
+
+def _stack(ys: Sequence[Any]) -> Any:
+    """The per-step outputs stacked along a new leading dimension (``None`` when each is ``None``)."""
+    if not ys:
+        return None
+    spec = optree.tree_structure(ys[0], namespace=NAMESPACE)
+    for y in ys[1:]:
+        if optree.tree_structure(y, namespace=NAMESPACE) != spec:
+            raise TypeError(
+                f"scan: f returned y of different structures in different steps: {spec} and "
+                f"{optree.tree_structure(y, namespace=NAMESPACE)}"
+            )
+    return optree.tree_map(lambda *leaves: torch.stack([torch.as_tensor(v) for v in leaves]), *ys, namespace=NAMESPACE)
+
+
+@eager_under_compile
+def _run(
+    step: Step,
+    name: str,
+    user_fn: Callable[..., Any],
+    init: Any,
+    xs: Any,
+    n: int | None,
+    reverse: bool,
+    checkpoints: int | None,
+    options: RematOptions,
+    go_on: Callable[[int, Any], bool] | None = None,
+    reaches: Any = None,
+) -> tuple[Any, Any]:
+    """Run the loop: remat'd step by step (``checkpoints=None``), or as one :class:`LoopRegion`.
+
+    ``reaches`` is what the step uses (the user's functions), walked for captured tensors.
+    """
+    if n == 0:  # nothing to run, nor to stack: the carry as it came in
+        return init, None
+    per_step_policy = checkpoints is None and options.policy is not None
+    if per_step_policy or nothing_to_differentiate():
+        return _remat_each_step(step, name, init, xs, n, reverse, options, go_on, per_step_policy, reaches)
+    loop = Loop(step, user_fn, n, reverse, checkpoints, go_on)
+
+    def make_region(*args: Any, **kwargs: Any) -> LoopRegion:
+        return LoopRegion(loop, *args, **kwargs)
+
+    region, routed = prepare(_placeholder, options, (init, xs), {}, make_region, name, reaches)
+    carry, ys = finish(region, routed, apply(region, routed))
+    return carry, ys
+
+
+def _placeholder(init: Any, xs: Any) -> Any:  # LoopRegion runs the loop itself
+    raise AssertionError("unreachable")
+
+
+def _remat_each_step(
+    step: Step,
+    name: str,
+    init: Any,
+    xs: Any,
+    n: int | None,
+    reverse: bool,
+    options: RematOptions,
+    go_on: Callable[[int, Any], bool] | None,
+    checkpointed: bool,
+    reaches: Any,
+) -> tuple[Any, Any]:
+    """``checkpoints=None`` (or nothing to differentiate): a Python loop of remat'd steps."""
+    carry, ys, k = init, [], 0
+    while (n is None or k < n) and (go_on is None or go_on(k, carry)):
+        i = n - 1 - k if reverse and n is not None else k
+        args = (k, carry, _slice(xs, i))
+        if checkpointed and not nothing_to_differentiate():
+            # remat(step) with the captured tensors looked for in the user's functions
+            # (funckpt's own wrappers are library code, which the walk does not enter).
+            region, routed = prepare(step, options, args, {}, None, name, reaches)
+            carry, y = finish(region, routed, apply(region, routed))
+        else:
+            carry, y = step(*args)
+        ys.append(y)
+        k += 1
+    if reverse:
+        ys.reverse()
+    return carry, None if all(y is None for y in ys) else _stack(ys)
+
+
+class Loop:
+    """What a checkpointed loop runs: its steps, their number, the order of its slices, its schedule."""
+
+    def __init__(
+        self,
+        step: Step,
+        user_fn: Callable[..., Any],
+        n: int | None,
+        reverse: bool,
+        checkpoints: int | None,
+        go_on: Callable[[int, Any], bool] | None,
+    ) -> None:
+        self.step, self.user_fn, self.n, self.reverse = step, user_fn, n, reverse
+        self.checkpoints, self.go_on = checkpoints, go_on
+
+    def schedule(self, n: int) -> list[_schedule.Action]:
+        """The whole schedule for ``n`` steps (known in advance)."""
+        return _schedule.binomial(n, self.checkpoints) if self.checkpoints is not None else _every_step(n)
+
+    def online(self) -> _schedule.Online | EveryStep:
+        """The schedule that decides as the loop goes (a while loop's)."""
+        return _schedule.Online(self.checkpoints) if self.checkpoints is not None else EveryStep()
+
+    def index(self, k: int) -> int:
+        """The slice of ``xs`` (and of ``ys``) step ``k`` takes."""
+        if not self.reverse:
+            return k
+        assert self.n is not None
+        return self.n - 1 - k
+
+
+def _every_step(n: int) -> list[_schedule.Action]:
+    """``checkpoints=None``: keep the carry at every position; each step is run once more, to differentiate it."""
+    actions: list[_schedule.Action] = []
+    for k in range(n):
+        actions += [_schedule.Store(k), _schedule.Advance(k, k + 1)] if k < n - 1 else [_schedule.Store(k)]
+    for k in range(n - 1, -1, -1):
+        actions += [_schedule.Restore(k), _schedule.Reverse(k), _schedule.Free(k)]
+    return actions
+
+
+class EveryStep:
+    """:func:`_every_step` for a loop whose number of steps is known only at its end."""
+
+    def __init__(self) -> None:
+        self.steps = 0
+
+    def forward(self, position: int) -> list[_schedule.Action]:
+        self.steps += 1
+        return [_schedule.Store(position)]
+
+    def reverse(self, n: int) -> list[_schedule.Action]:
+        return _every_step(n)[2 * n - 1 :]
+
+
+
+class _State:
+    """A carry at one position of the loop: its tensors, the rest of it, and the generators' states there."""
+
+    __slots__ = ("rng", "slots", "tensors")
+
+    def __init__(self, carry: Any, rng: _rng.RngState | None) -> None:
+        tensors, self.slots = flatten(carry)
+        self.tensors: list[torch.Tensor] = tensors
+        self.rng = rng
+
+    @staticmethod
+    def of(tensors: Sequence[torch.Tensor], slots: TreeSlots, rng: _rng.RngState | None) -> _State:
+        state = _State.__new__(_State)
+        state.tensors, state.slots, state.rng = list(tensors), slots, rng
+        return state
+
+    @property
+    def carry(self) -> Any:
+        return self.slots.fill(self.tensors)
+
+
+class LoopRegion(UserRegion):
+    """A checkpointed loop as one region: ``(init, xs) -> (carry, ys)``, reversed step by step."""
+
+    def __init__(self, loop: Loop, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.loop = loop
+        self.fn = self._drive
+        # The forward run records no graph (that would keep every step's internals),
+        # and outputs that alias inputs stay the Function's own (as views of them).
+        self.caller_grad_enabled = False
+        self.views_outside = False
+        self.saved = None  # a step's internals live only while it is differentiated: nothing to keep
+        self.kept: dict[int, _State] | None = None  # what the forward sweep stored, until the backward
+        self.prefix: list[_schedule.Action] = []  # the forward sweep's actions, for a replay
+        self.before_last: list[Digest | None] | None = None  # the carry the last step started from
+        self.n_steps = 0
+        self.carry_slots: TreeSlots | None = None
+        self.ys_slots: TreeSlots | None = None
+        self.n_carry = 0
+        self._forward = False
+        self._inputs: tuple[torch.Tensor, ...] = ()
+        self._online: _schedule.Online | EveryStep | None = None
+
+    # ---------------------------------------------------------------- the runs
+
+    def _call_fn(self, args: tuple[Any, ...], kwargs: dict[str, Any], forward: bool, grad_forward: bool) -> Any:
+        self._forward = forward
+        return super()._call_fn(args, kwargs, forward, grad_forward)
+
+    def forward_run(self, flat: Tensors) -> Tensors:
+        self._inputs = flat
+        out = super().forward_run(flat)
+        if self.snapshots:
+            raise CheckpointError(
+                f"scan({self.name}): a step modified one of the loop's inputs in place (for example a "
+                "BatchNorm's running statistics in training mode). A checkpointed loop runs steps again "
+                "from its kept carries and cannot replay such updates. Carry the state in the loop's "
+                "carry, put the module in eval mode, or write the loop in Python with funckpt.remat on "
+                "each step (for x in xs: carry, y = funckpt.remat(f)(carry, x)), which replays them."
+            )
+        return out
+
+    def _check_captures_unchanged(self) -> None:
+        changed = changed_captures(self.loop.user_fn, self.captured)
+        if changed:
+            raise CheckpointError(
+                f"scan({self.name}): between the forward pass and the backward pass the step function came "
+                "to reach other differentiable tensors than at the call (a closure variable, global or "
+                "partial argument was rebound); the recomputation would use them and the gradient would "
+                "be wrong. Pass such tensors in the carry or xs, or do not rebind them before the backward."
+            )
+
+    def _drive(self, init: Any, xs: Any) -> tuple[Any, Any]:
+        """The loop's function: the forward sweep in the forward run, the whole loop in a recomputation."""
+        return self._forward_sweep(init, xs) if self._forward else self._whole(init, xs)
+
+    def _steps_go_on(self, k: int, carry: Any) -> bool:
+        loop = self.loop
+        if loop.n is not None:
+            return k < loop.n
+        assert loop.go_on is not None
+        return loop.go_on(k, carry)
+
+    def _call_step(self, k: int, carry: Any, xs: Any) -> tuple[Any, Any]:
+        x = None if xs is None else _slice(xs, self.loop.index(k))
+        new, y = self.loop.step(k, carry, x)
+        assert self.carry_slots is not None
+        _, slots = flatten(new)
+        if (slots.treespec, slots.tensor_positions) != (self.carry_slots.treespec, self.carry_slots.tensor_positions):
+            raise TypeError(
+                f"{self.name}: a step returned a carry of structure {slots.treespec}, but the loop's initial "
+                f"carry has structure {self.carry_slots.treespec} (with tensors at the same places): a loop's "
+                "carry keeps its structure"
+            )
+        return new, _tensor_leaves(y)
+
+    def _forward_sweep(self, init: Any, xs: Any) -> tuple[Any, Any]:
+        loop = self.loop
+        _, self.carry_slots = flatten(init)
+        kept: dict[int, _State] = {}
+        prefix: list[_schedule.Action] = []
+        ys: list[Any] = []
+        carry = init
+        if loop.n is not None:  # known number of steps: the binomial schedule's forward sweep, then the last step
+            actions = loop.schedule(loop.n) if loop.n > 0 else []
+            for action in actions:
+                if isinstance(action, _schedule.Reverse):
+                    break
+                prefix.append(action)
+                if isinstance(action, _schedule.Store):
+                    kept[action.position] = _State(carry, self._generators_now())
+                elif isinstance(action, _schedule.Free):
+                    kept.pop(action.position, None)
+                elif isinstance(action, _schedule.Advance):
+                    for k in range(action.start, action.stop):
+                        carry, y = self._call_step(k, carry, xs)
+                        ys.append(y)
+            k = len(ys)
+            if loop.n > 0:
+                self.before_last = self._digest_of(carry)
+                carry, y = self._call_step(k, carry, xs)
+                ys.append(y)
+            self.n_steps = loop.n
+        else:  # a while loop: the online schedule decides as it goes
+            online = loop.online()
+            k, last_start = 0, None
+            while self._steps_go_on(k, carry):
+                for action in online.forward(k):
+                    prefix.append(action)
+                    if isinstance(action, _schedule.Store):
+                        kept[action.position] = _State(carry, self._generators_now())
+                    elif isinstance(action, _schedule.Free):
+                        kept.pop(action.position, None)
+                last_start = carry
+                carry, y = self._call_step(k, carry, xs)
+                prefix.append(_schedule.Advance(k, k + 1))
+                ys.append(y)
+                k += 1
+            self.n_steps = k
+            self._online = online
+            if k > 0:
+                self.before_last = self._digest_of(last_start)
+        self.kept, self.prefix = kept, prefix
+        tensors, _ = flatten(carry)
+        self.n_carry = len(tensors)
+        stacked = self._stacked(ys)
+        _, self.ys_slots = flatten(stacked)
+        carry, stacked = _distinct((carry, stacked))
+        return carry, stacked
+
+    def _stacked(self, ys: list[Any]) -> Any:
+        if self.loop.reverse:
+            ys = ys[::-1]
+        return None if all(y is None for y in ys) else _stack(ys)
+
+    def _whole(self, init: Any, xs: Any) -> tuple[Any, Any]:
+        """The loop run straight through (a recomputation: forward mode, vmap, a higher-order vjp's)."""
+        carry, ys, k = init, [], 0
+        while self._steps_go_on(k, carry) if self.loop.n is None else k < self.n_steps:
+            carry, y = self._call_step(k, carry, xs)
+            ys.append(y)
+            k += 1
+        carry, stacked = _distinct((carry, self._stacked(ys)))
+        return carry, stacked
+
+    def _generators_now(self) -> _rng.RngState | None:
+        if not self.options.preserve_rng_state:
+            return None
+        return _rng.capture(self._inputs, self.generators)
+
+    def _digest_of(self, carry: Any) -> list[Digest | None] | None:
+        if not self._compares_values():
+            return None
+        tensors, _ = flatten(carry)
+        return digest(tensors)
+
+    def release_kept(self) -> None:
+        super().release_kept()
+        self.kept = None
+
+    # ---------------------------------------------------------------- the vjp
+
+    @contextlib.contextmanager
+    def substituted(self, captured: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor]) -> Iterator[None]:
+        """The step function sees ``captured`` where it reaches the tensors captured at the call."""
+        replace = {id(orig): t for orig, t in zip(self.captured.tensors, captured)}
+        mapping = {k: v for k, v in replace.items() if v is not self._originals.get(k)}
+        with contextlib.ExitStack() as stack:
+            if self.captured.modules:
+                stack.enter_context(reparametrized(self.captured.modules, replace))
+            if mapping:
+                stack.enter_context(Substitute(mapping, tuple(inputs), False, self.name, 0))
+            yield
+
+    def own_vjp(
+        self,
+        primals: Tensors,
+        cotangents: Tensors,
+        needs: Sequence[bool],
+        *,
+        create_graph: bool,
+        advancing: Callable[[], contextlib.AbstractContextManager[Any]],
+        step_vjp: StepVjp,
+    ) -> list[torch.Tensor | None] | None:
+        self._check_captures_unchanged()
+        return Reversal(self, primals, cotangents, needs, create_graph, advancing, step_vjp).run()
+
+    def backward_actions(self, replay: bool) -> list[_schedule.Action]:
+        """The schedule from the end of the forward sweep (or, with ``replay``, from the loop's start)."""
+        n = self.n_steps
+        if n == 0:
+            return []
+        if self.loop.n is not None:
+            actions = self.loop.schedule(n)
+            if replay:
+                return actions
+            first = next(i for i, a in enumerate(actions) if isinstance(a, _schedule.Reverse))
+            return actions[first:]
+        assert self._online is not None
+        rest = self._online.reverse(n)
+        if replay:  # the forward sweep again, up to the last step's start
+            assert isinstance(self.prefix[-1], _schedule.Advance)
+            return [*self.prefix[:-1], *rest]
+        return rest
+
+
+class StepRegion(Region):
+    """Step ``k`` of a loop as a region: ``(carry, x, captured) -> (carry, y)``, for its vjp."""
+
+    def __init__(self, region: LoopRegion, k: int, carry_slots: TreeSlots, x_slots: TreeSlots | None) -> None:
+        self.region, self.k, self.carry_slots, self.x_slots = region, k, carry_slots, x_slots
+        self.name = region.name
+        self.n_carry = len(carry_slots.tensor_positions)
+        self.n_x = 0 if x_slots is None else len(x_slots.tensor_positions)
+
+    def run(self, flat: Tensors, phase: Phase) -> Tensors:
+        nc, nx = self.n_carry, self.n_x
+        carry = self.carry_slots.fill(flat[:nc])
+        x = None if self.x_slots is None else self.x_slots.fill(flat[nc : nc + nx])
+        with self.region.substituted(flat[nc + nx :], flat):
+            new, y = self.region.loop.step(self.k, carry, x)
+        tensors, _ = flatten((new, _tensor_leaves(y)))
+        return tuple(tensors)
+
+
+class Reversal:
+    """One execution of a loop's backward schedule: cotangents in, gradients of the loop's inputs out."""
+
+    def __init__(
+        self,
+        region: LoopRegion,
+        primals: Tensors,
+        cotangents: Tensors,
+        needs: Sequence[bool],
+        create_graph: bool,
+        advancing: Callable[[], contextlib.AbstractContextManager[Any]],
+        step_vjp: StepVjp,
+    ) -> None:
+        self.region, self.primals, self.needs = region, primals, needs
+        self.create_graph, self.advancing, self.step_vjp = create_graph, advancing, step_vjp
+        self.loop = region.loop
+        n_args = len(region.arg_index)
+        n_init = len(region.carry_slots.tensor_positions) if region.carry_slots is not None else 0
+        self.init_index = region.arg_index[:n_init]
+        self.xs_index = region.arg_index[n_init:n_args]
+        self.captured = tuple(primals[i] for i in region.captured_index)
+        self.xs = [primals[i] for i in self.xs_index]
+        self.x_slots: TreeSlots | None = None
+        if self.xs:
+            xs_tree = region.argspec.dynamic.fill([primals[i] for i in region.arg_index])[0][1]
+            _, self.x_slots = flatten(_slice(xs_tree, 0))
+        nc = region.n_carry
+        self.ct_carry: list[torch.Tensor] = list(cotangents[:nc])
+        self.ct_ys = list(cotangents[nc:])
+        self.grads: list[torch.Tensor | None] = [None] * len(primals)
+        self.x_grads: dict[int, list[torch.Tensor | None]] = {
+            j: [None] * region.n_steps for j, i in enumerate(self.xs_index) if needs[i]
+        }
+
+    def _add(self, i: int, g: torch.Tensor | None) -> None:
+        if g is None or not self.needs[i]:
+            return
+        old = self.grads[i]
+        self.grads[i] = g if old is None else old + g
+
+    def _x(self, k: int) -> list[torch.Tensor]:
+        i = self.loop.index(k)
+        return [x[i] for x in self.xs]
+
+    def run(self) -> list[torch.Tensor | None]:
+        region = self.region
+        n = region.n_steps
+        stored = self._take_kept()
+        replay = stored is None
+        with region._replay_state():  # the generators as at the loop's start, put back afterwards
+            if stored is None:
+                stored = {}
+                init = [self.primals[i] for i in self.init_index]
+                assert region.carry_slots is not None
+                state: _State | None = _State.of(init, region.carry_slots, region.rng)
+                position: int | None = 0
+            else:
+                state, position = None, None
+            for action in region.backward_actions(replay):
+                if isinstance(action, _schedule.Advance):
+                    state, position = self._goto(stored, state, position, action.start)
+                    state = self._advance(state, action.start, action.stop)
+                    position = action.stop
+                elif isinstance(action, _schedule.Store):
+                    assert state is not None and position == action.position
+                    stored[action.position] = _State.of(state.tensors, state.slots, region._generators_now())
+                elif isinstance(action, _schedule.Restore):
+                    state, position = self._restore(stored, action.position), action.position
+                elif isinstance(action, _schedule.Free):
+                    stored.pop(action.position, None)
+                elif isinstance(action, _schedule.Reverse):
+                    k = action.position
+                    arrived = position != k
+                    state, position = self._goto(stored, state, position, k)
+                    if k == n - 1 and (arrived or replay):
+                        self._check_last(state)
+                    self._reverse(state, k)
+                    state, position = None, None
+        for i, g in zip(self.init_index, self.ct_carry):
+            self._add(i, g)
+        for j, per_step in self.x_grads.items():
+            if any(g is not None for g in per_step):
+                xs = self.xs[j]
+                self._add(
+                    self.xs_index[j],
+                    torch.stack([torch.zeros_like(xs[0]) if g is None else g for g in per_step]),
+                )
+        return self.grads
+
+    def _take_kept(self) -> dict[int, _State] | None:
+        """The forward sweep's carries, if this backward may start from them.
+
+        Not when the result must be differentiable, by reverse mode (``create_graph``)
+        or forward mode (a jvp of this backward): the carries were computed without a
+        graph or tangents. Handed over (so the schedule frees them as it goes)
+        unless another backward through the same graph will need them.
+        """
+        region = self.region
+        kept = region.kept
+        if kept is None or self.create_graph or forward_mode_active():
+            return None
+        if peek_interpreter_stack() is None and graph_task_keeps_graph():
+            return dict(kept)
+        region.kept = None
+        return kept
+
+    def _restore(self, stored: dict[int, _State], position: int) -> _State:
+        state = stored[position]
+        if state.rng is not None:
+            _rng.restore(state.rng)
+        return state
+
+    def _goto(self, stored: dict[int, _State], state: _State | None, position: int | None, k: int) -> tuple[_State, int]:
+        """The carry at position ``k``: the current one, or the nearest stored one before it run forward."""
+        if position == k and state is not None:
+            return state, k
+        start = max(p for p in stored if p <= k)
+        state = self._restore(stored, start)
+        return self._advance(state, start, k), k
+
+    def _advance(self, state: _State, start: int, stop: int) -> _State:
+        """Run steps ``start .. stop-1`` forward, recording nothing the result needs not."""
+        if start == stop:
+            return state
+        carry = state.carry
+        with self.advancing(), self.region.substituted(self.captured, self.primals):
+            for k in range(start, stop):
+                carry, _ = self.loop.step(k, carry, None if self.x_slots is None else _slice_list(self, k))
+        tensors, slots = flatten(carry)
+        return _State.of(tensors, slots, None)
+
+    def _check_last(self, state: _State) -> None:
+        region = self.region
+        if region.before_last is None or not region._compares_values():
+            return
+        check_same_values(f"scan({region.name})", region.before_last, digest(state.tensors), None)
+
+    def _reverse(self, state: _State, k: int) -> None:
+        """Differentiate step ``k`` from ``state``; the carry's cotangent moves to the step's input."""
+        xs = self._x(k)
+        nc, nx = len(state.tensors), len(xs)
+        step = StepRegion(self.region, k, state.slots, self.x_slots)
+        i = self.loop.index(k)
+        cotangents = (*self.ct_carry, *(c[i] for c in self.ct_ys))
+        primals = (*state.tensors, *xs, *self.captured)
+        needs = (
+            *(has_gradient_dtype(t) for t in state.tensors),
+            *(self.needs[j] for j in self.xs_index),
+            *(self.needs[j] for j in self.region.captured_index),
+        )
+        grads = self.step_vjp(step, primals, cotangents, needs)
+        self.ct_carry = [torch.zeros_like(t) if g is None else g for g, t in zip(grads[:nc], state.tensors)]
+        for j, g in enumerate(grads[nc : nc + nx]):
+            if j in self.x_grads:
+                self.x_grads[j][i] = g
+        for index, g in zip(self.region.captured_index, grads[nc + nx :]):
+            self._add(index, g)
+
+
+def _slice_list(reversal: Reversal, k: int) -> Any:
+    assert reversal.x_slots is not None
+    return reversal.x_slots.fill(reversal._x(k))

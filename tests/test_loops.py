@@ -1,0 +1,389 @@
+"""Checkpointed loops: values and gradients equal the plain Python loop's, whatever the schedule.
+
+Every test compares ``funckpt.scan``/``fori_loop``/``while_loop`` against the same
+loop written in Python without remat, in float64, under each transform; the
+schedule's own properties (optimal counts) are in ``test_schedule.py``, and here
+only what the loop executes: how often it calls the step, and what it holds.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+import torch.func as tf
+from torch.testing import assert_close
+
+import funckpt
+from benchmarks._common import held_bytes, peak_bytes
+from funckpt import _schedule
+
+D = torch.float64
+CHECKPOINTS = [None, 1, 2, 3, 50]
+
+
+def make(n: int = 7, width: int = 4, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(width, width, dtype=D, generator=g) / width**0.5
+    b = torch.randn(width, dtype=D, generator=g)
+    xs = torch.randn(n, width, dtype=D, generator=g)
+    c0 = torch.randn(width, dtype=D, generator=g)
+    return w, b, xs, c0
+
+
+def cell(w, b, c, x):
+    h = torch.tanh(c @ w + x + b)
+    return h, (h * x).sum()
+
+
+def python_scan(f, init, xs, reverse=False):
+    carry, ys = init, []
+    n = xs.shape[0]
+    order = range(n - 1, -1, -1) if reverse else range(n)
+    for i in order:
+        carry, y = f(carry, xs[i])
+        ys.append(y)
+    if reverse:
+        ys.reverse()
+    return carry, torch.stack(ys)
+
+
+def losses(checkpoints, reverse=False):
+    """The same loss through funckpt.scan and through the Python loop, as functions of (w, b, xs, c0)."""
+
+    def with_scan(w, b, xs, c0):
+        carry, ys = funckpt.scan(functools.partial(cell, w, b), c0, xs, reverse=reverse, checkpoints=checkpoints)
+        return (carry**2).sum() + (ys**2).sum()
+
+    def without(w, b, xs, c0):
+        carry, ys = python_scan(functools.partial(cell, w, b), c0, xs, reverse)
+        return (carry**2).sum() + (ys**2).sum()
+
+    return with_scan, without
+
+
+@pytest.mark.parametrize("checkpoints", CHECKPOINTS)
+@pytest.mark.parametrize("reverse", [False, True])
+def test_scan_backward_equals_python_loop(checkpoints, reverse):
+    args = [t.requires_grad_() for t in make()]
+    with_scan, without = losses(checkpoints, reverse)
+    assert_close(with_scan(*args), without(*args))
+    assert_close(torch.autograd.grad(with_scan(*args), args), torch.autograd.grad(without(*args), args))
+
+
+TRANSFORMS = {
+    "grad": lambda L, a: tf.grad(L, argnums=(0, 1, 2, 3))(*a),
+    "vjp": lambda L, a: tf.vjp(L, *a)[1](torch.tensor(1.5, dtype=D)),
+    "jacrev": lambda L, a: tf.jacrev(L, argnums=(0, 3))(*a),
+    "jacfwd": lambda L, a: tf.jacfwd(L, argnums=(0, 3))(*a),
+    "jvp": lambda L, a: tf.jvp(L, tuple(a), tuple(torch.ones_like(t) for t in a)),
+    "hessian": lambda L, a: tf.hessian(L, argnums=3)(*a),
+    "grad_of_grad": lambda L, a: tf.grad(lambda c: tf.grad(L, argnums=3)(*a[:3], c).sum())(a[3]),
+    "jvp_of_grad": lambda L, a: tf.jvp(lambda c: tf.grad(L, argnums=3)(*a[:3], c), (a[3],), (torch.ones_like(a[3]),)),
+    "vmap_of_grad": lambda L, a: tf.vmap(tf.grad(L, argnums=3), in_dims=(None, None, None, 0))(
+        *a[:3], torch.stack([a[3], 2 * a[3], -a[3]])
+    ),
+    "grad_of_vmap": lambda L, a: tf.grad(
+        lambda c: tf.vmap(L, in_dims=(None, None, None, 0))(*a[:3], torch.stack([c, 2 * c])).sum()
+    )(a[3]),
+}
+
+
+@pytest.mark.parametrize("checkpoints", CHECKPOINTS)
+@pytest.mark.parametrize("transform", sorted(TRANSFORMS))
+def test_scan_under_every_transform_equals_python_loop(transform, checkpoints):
+    args = list(make(n=5))
+    with_scan, without = losses(checkpoints)
+    assert_close(TRANSFORMS[transform](with_scan, args), TRANSFORMS[transform](without, args))
+
+
+@pytest.mark.parametrize("checkpoints", [None, 2])
+def test_second_backward_with_retain_graph_and_create_graph(checkpoints):
+    args = [t.requires_grad_() for t in make()]
+    with_scan, without = losses(checkpoints)
+    for loss in (with_scan, without):
+        out = loss(*args)
+        first = torch.autograd.grad(out, args, retain_graph=True)
+        second = torch.autograd.grad(out, args)
+        assert_close(first, second)
+    g1 = torch.autograd.grad(with_scan(*args), args[3], create_graph=True)[0]
+    g2 = torch.autograd.grad(without(*args), args[3], create_graph=True)[0]
+    assert_close(torch.autograd.grad(g1.sum(), args), torch.autograd.grad(g2.sum(), args))
+
+
+@pytest.mark.parametrize("checkpoints", CHECKPOINTS)
+def test_module_parameters_reached_through_the_step_get_gradients(checkpoints):
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Tanh()).double()
+
+    def loss(params, c0):
+        def f(c, _):
+            return torch.func.functional_call(net, params, (c,)), None
+
+        carry, _ = funckpt.scan(f, c0, None, length=6, checkpoints=checkpoints)
+        return carry.pow(2).sum()
+
+    def plain(params, c0):
+        c = c0
+        for _ in range(6):
+            c = torch.func.functional_call(net, params, (c,))
+        return c.pow(2).sum()
+
+    params = dict(net.named_parameters())
+    c0 = torch.randn(2, 3, dtype=D)
+    assert_close(tf.grad(loss)(params, c0), tf.grad(plain)(params, c0))
+
+    # and through plain autograd, the module itself closed over
+    def closed(c0):
+        return funckpt.scan(lambda c, _: (net(c), None), c0, length=6, checkpoints=checkpoints)[0].pow(2).sum()
+
+    closed(c0).backward()
+    got = [p.grad.clone() for p in net.parameters()]
+    net.zero_grad()
+    plain(dict(net.named_parameters()), c0).backward()
+    assert_close(got, [p.grad for p in net.parameters()])
+
+
+@pytest.mark.parametrize("checkpoints", CHECKPOINTS)
+def test_pytree_carry_and_outputs_with_non_tensor_leaves(checkpoints):
+    w, _, xs, c0 = (t.requires_grad_() for t in make())
+
+    def f(carry, x):
+        h, count = carry["h"], carry["count"]
+        h2 = torch.sin(h @ w) + x
+        return {"h": h2, "count": count + 1, "pair": (h2.sum(), h)}, {"y": h2 * 2, "s": h2.mean()}
+
+    init = {"h": c0, "count": 0, "pair": (c0.sum(), c0)}
+    carry, ys = funckpt.scan(f, init, xs, checkpoints=checkpoints)
+    ref_carry, ref_ys = init, []
+    for i in range(xs.shape[0]):
+        ref_carry, y = f(ref_carry, xs[i])
+        ref_ys.append(y)
+    assert carry["count"] == xs.shape[0]
+    assert_close(ys["y"], torch.stack([y["y"] for y in ref_ys]))
+    loss = carry["h"].sum() + carry["pair"][0] + ys["s"].sum() + ys["y"].pow(2).sum()
+    ref = ref_carry["h"].sum() + ref_carry["pair"][0] + sum(y["s"] + y["y"].pow(2).sum() for y in ref_ys)
+    assert_close(torch.autograd.grad(loss, (w, xs, c0)), torch.autograd.grad(ref, (w, xs, c0)))
+
+
+@pytest.mark.parametrize("checkpoints", CHECKPOINTS)
+def test_dropout_inside_a_step_replays_exactly(checkpoints):
+    w, b, xs, c0 = (t.requires_grad_() for t in make(n=9))
+
+    def f(c, x):
+        h = torch.nn.functional.dropout(torch.tanh(c @ w + x), p=0.5, training=True)
+        return h + torch.rand_like(h) * 0.1, h.sum()
+
+    torch.manual_seed(3)
+    carry, ys = funckpt.scan(f, c0, xs, checkpoints=checkpoints)
+    after_forward = torch.get_rng_state()
+    grads = torch.autograd.grad(carry.sum() + ys.pow(2).sum(), (w, xs, c0))
+    assert torch.equal(torch.get_rng_state(), after_forward), "the recomputation moved the caller's generator"
+    torch.manual_seed(3)
+    ref_carry, ref_ys = python_scan(f, c0, xs)
+    assert_close(carry, ref_carry)
+    assert_close(grads, torch.autograd.grad(ref_carry.sum() + ref_ys.pow(2).sum(), (w, xs, c0)))
+
+
+@pytest.mark.parametrize("checkpoints", CHECKPOINTS)
+def test_fori_loop_equals_python_loop(checkpoints):
+    w, b, _, c0 = make()
+
+    def body(i, c):
+        return torch.tanh(c @ w + i * b)
+
+    def loss(w, b, c0, loop):
+        return loop(c0).pow(2).sum()
+
+    def with_fori(c):
+        return funckpt.fori_loop(2, 9, body, c, checkpoints=checkpoints)
+
+    def plain(c):
+        for i in range(2, 9):
+            c = body(i, c)
+        return c
+
+    assert_close(with_fori(c0), plain(c0))
+    assert_close(tf.jacrev(with_fori)(c0), tf.jacrev(plain)(c0))
+    assert_close(tf.jacfwd(with_fori)(c0), tf.jacrev(plain)(c0))
+    assert funckpt.fori_loop(3, 3, body, c0, checkpoints=checkpoints) is c0
+
+
+@pytest.mark.parametrize("checkpoints", CHECKPOINTS)
+@pytest.mark.parametrize("tensor_cond", [False, True])
+def test_while_loop_equals_python_loop(checkpoints, tensor_cond):
+    w, b, _, c0 = make()
+    w = w * 0.9
+
+    def cond(carry):
+        c, i = carry
+        return (i < 11) if not tensor_cond else (c.abs().sum() > -1) & torch.tensor(i < 11)
+
+    def body(carry):
+        c, i = carry
+        return torch.tanh(c @ w + b), i + 1
+
+    def with_while(c):
+        return funckpt.while_loop(cond, body, (c, 0), checkpoints=checkpoints)[0]
+
+    def plain(c):
+        carry = (c, 0)
+        while cond(carry):
+            carry = body(carry)
+        return carry[0]
+
+    assert_close(with_while(c0), plain(c0))
+    assert_close(tf.grad(lambda c: with_while(c).sum())(c0), tf.grad(lambda c: plain(c).sum())(c0))
+    assert_close(tf.jacrev(with_while)(c0), tf.jacrev(plain)(c0))
+    c = c0.clone().requires_grad_()
+    with_while(c).pow(2).sum().backward()
+    ref = c0.clone().requires_grad_()
+    plain(ref).pow(2).sum().backward()
+    assert_close(c.grad, ref.grad)
+
+
+def test_while_loop_stops_at_max_steps():
+    c0 = torch.ones(2, dtype=D, requires_grad=True)
+    out = funckpt.while_loop(lambda c: True, lambda c: c * 1.5, c0, max_steps=5, checkpoints=2)
+    assert_close(out, c0 * 1.5**5)
+    (g,) = torch.autograd.grad(out.sum(), c0)
+    assert_close(g, torch.full_like(c0, 1.5**5))
+
+
+def test_xs_none_with_length_and_y_none():
+    c0 = torch.randn(3, dtype=D, requires_grad=True)
+    carry, ys = funckpt.scan(lambda c, x: (c * 2, None), c0, length=4, checkpoints=2)
+    assert ys is None
+    assert_close(carry, c0 * 16)
+    carry, ys = funckpt.scan(lambda c, x: (c * 2, c.sum()), c0, length=0, checkpoints=2)
+    assert carry is c0 or torch.equal(carry, c0)
+
+
+def _advances_after_sweep(n: int, c: int) -> int:
+    """Steps the executor runs forward in the backward pass (not counting the step it differentiates)."""
+    actions = _schedule.binomial(n, c)
+    first = next(i for i, a in enumerate(actions) if isinstance(a, _schedule.Reverse))
+    stored = [a.position for a in actions[:first] if isinstance(a, _schedule.Store)]
+    freed = {a.position for a in actions[:first] if isinstance(a, _schedule.Free)}
+    last = max(p for p in stored if p not in freed)
+    rest = sum(a.stop - a.start for a in actions[first:] if isinstance(a, _schedule.Advance))
+    return (n - 1 - last) + rest
+
+
+@pytest.mark.parametrize("n,checkpoints", [(1, 1), (10, 1), (10, 2), (10, 3), (25, 3), (30, 4), (12, 12), (12, 40)])
+def test_step_calls_follow_the_schedule(n, checkpoints):
+    calls = []
+    w, b, xs, c0 = (t.requires_grad_() for t in make(n=n))
+
+    def f(c, x):
+        calls.append(1)
+        return cell(w, b, c, x)
+
+    carry, ys = funckpt.scan(f, c0, xs, checkpoints=checkpoints)
+    assert len(calls) == n
+    (carry.sum() + ys.sum()).backward()
+    # n in the forward pass, each step once more to differentiate it, plus the schedule's advances
+    assert len(calls) == n + n + _advances_after_sweep(n, checkpoints)
+    # never more than the optimum of the whole reversal plus the last step's and the forward's own
+    assert len(calls) <= n + 1 + _schedule.binomial_advances(n, checkpoints) + n
+
+
+@pytest.mark.parametrize("policy", [None, funckpt.policies.dots_saveable])
+def test_checkpoints_none_calls_each_step_twice(policy):
+    calls = []
+    w, b, xs, c0 = (t.requires_grad_() for t in make(n=8))
+
+    def f(c, x):
+        calls.append(1)
+        return cell(w, b, c, x)
+
+    carry, _ = funckpt.scan(f, c0, xs, policy=policy)
+    carry.sum().backward()
+    assert len(calls) == 16
+
+
+def _chain(n, width, checkpoints):
+    """A loop whose carry is big and whose step makes several carry-sized temporaries."""
+    w = (torch.eye(width) * 0.5).requires_grad_()
+
+    def f(c, _):
+        h = torch.tanh(c * 1.01)
+        return torch.sin(h) + h * 0.5 + c @ w, None
+
+    c0 = torch.randn(64, width, requires_grad=True)
+    return lambda: funckpt.scan(f, c0, None, length=n, checkpoints=checkpoints)[0]
+
+
+def test_memory_held_between_passes_is_c_carries_whatever_n():
+    width = 256
+    carry_bytes = 64 * width * 4
+    for n in (20, 80):
+        held = held_bytes(_chain(n, width, checkpoints=3))
+        # the (at most 3) stored carries, the output and small state (generator states)
+        assert held <= 5 * carry_bytes, (n, held / carry_bytes)
+    every = held_bytes(_chain(80, width, checkpoints=None))
+    assert every >= 60 * carry_bytes, every / carry_bytes
+
+
+def test_peak_memory_is_bounded_by_checkpoints_not_steps():
+    width = 256
+    carry_bytes = 64 * width * 4
+
+    def step(n, checkpoints):
+        run = _chain(n, width, checkpoints)
+        return lambda: run().sum().backward()
+
+    short = peak_bytes(step(20, 3))
+    long = peak_bytes(step(160, 3))
+    assert long <= short + 2 * carry_bytes, (short / carry_bytes, long / carry_bytes)
+    every = peak_bytes(step(160, None))
+    assert long < every / 4, (long / carry_bytes, every / carry_bytes)
+
+
+def test_in_place_update_of_module_state_in_a_step_raises():
+    bn = torch.nn.BatchNorm1d(3).double()
+    c0 = torch.randn(4, 3, dtype=D, requires_grad=True)
+    for checkpoints in (None, 2):
+        with pytest.raises(funckpt.CheckpointError, match="funckpt.remat on each step"):
+            funckpt.scan(lambda c, _: (bn(c), None), c0, length=3, checkpoints=checkpoints)
+
+
+@pytest.mark.parametrize(
+    "call,match",
+    [
+        (lambda: funckpt.scan(1, torch.zeros(1), length=2), "f must be callable"),
+        (lambda: funckpt.scan(lambda c, x: (c, x), torch.zeros(1), length=2, checkpoints=0), "checkpoints"),
+        (lambda: funckpt.scan(lambda c, x: (c, x), torch.zeros(1), length=2, checkpoints=True), "checkpoints"),
+        (lambda: funckpt.scan(lambda c, x: (c, x), torch.zeros(1)), "length"),
+        (lambda: funckpt.scan(lambda c, x: (c, x), torch.zeros(1), torch.zeros(3), length=2), "length=2"),
+        (lambda: funckpt.scan(lambda c, x: (c, x), torch.zeros(1), (torch.zeros(3), torch.zeros(2))), "leading"),
+        (lambda: funckpt.scan(lambda c, x: c, torch.zeros(1), length=2), "pair"),
+        (lambda: funckpt.fori_loop(0, 2.0, lambda i, c: c, torch.zeros(1)), "upper"),
+        (lambda: funckpt.while_loop(lambda c: True, lambda c: c, torch.zeros(1), max_steps=-1), "max_steps"),
+        (lambda: funckpt.while_loop(lambda c: c, lambda c: c, torch.zeros(2), max_steps=3), "one-element bool"),
+    ],
+)
+def test_bad_arguments_raise_naming_them(call, match):
+    with pytest.raises((TypeError, ValueError), match=match):
+        call()
+
+
+def test_carry_that_changes_structure_raises():
+    c0 = torch.zeros(2, requires_grad=True)
+    with pytest.raises(TypeError, match="structure"):
+        funckpt.scan(lambda c, x: ((c, c), None), c0, length=2, checkpoints=1)
+
+
+def test_under_no_grad_it_is_the_plain_loop():
+    calls = []
+
+    def f(c, x):
+        calls.append(1)
+        return c + x, c
+
+    with torch.no_grad():
+        carry, ys = funckpt.scan(f, torch.zeros(2), torch.ones(5, 2), checkpoints=2)
+    assert len(calls) == 5
+    assert_close(carry, torch.full((2,), 5.0))
+    assert ys.shape == (5, 2)
