@@ -423,6 +423,7 @@ class LoopRegion(UserRegion):
         self._forward = False
         self._inputs: tuple[torch.Tensor, ...] = ()
         self._online: _schedule.Online | EveryStep | None = None
+        self._last_rng: _rng.RngState | None = None
 
     # ---------------------------------------------------------------- the runs
 
@@ -547,9 +548,19 @@ class LoopRegion(UserRegion):
         return carry, stacked
 
     def _generators_now(self) -> _rng.RngState | None:
+        """The generators' states here, to replay from a kept carry.
+
+        A step that draws no random numbers leaves them unchanged: the state kept
+        with the previous carry is then shared (the CPU generator's alone is 5 KB,
+        more than many carries).
+        """
         if not self.options.preserve_rng_state:
             return None
-        return _rng.capture(self._inputs, self.generators)
+        state = _rng.capture(self._inputs, self.generators)
+        if self._last_rng is not None and _rng.same(state, self._last_rng):
+            return self._last_rng
+        self._last_rng = state
+        return state
 
     def _digest_of(self, carry: Any) -> list[Digest | None] | None:
         if not self._compares_values():

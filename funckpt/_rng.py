@@ -24,7 +24,7 @@ from typing import Any, cast
 
 import torch
 
-__all__ = ["RngState", "capture", "replay", "restore"]
+__all__ = ["RngState", "capture", "replay", "restore", "same"]
 
 
 def _device_module(device: torch.device) -> Any:
@@ -77,6 +77,17 @@ def capture(tensors: Iterable[torch.Tensor], generators: Iterable[torch.Generato
         cpu=torch.get_rng_state(),
         devices={d: _get_state(d) for d in accelerator_devices(tensors)},
         explicit=[(g, g.get_state()) for g in unique.values()],
+    )
+
+
+def same(a: RngState, b: RngState) -> bool:
+    """Do ``a`` and ``b`` record the same states (so one object can stand for both)?"""
+    return (
+        torch.equal(a.cpu, b.cpu)
+        and a.devices.keys() == b.devices.keys()
+        and all(torch.equal(s, b.devices[d]) for d, s in a.devices.items())
+        and len(a.explicit) == len(b.explicit)
+        and all(g is h and torch.equal(s, t) for (g, s), (h, t) in zip(a.explicit, b.explicit))
     )
 
 
