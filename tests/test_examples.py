@@ -31,3 +31,9 @@ def test_train_gpt(flags, capsys):
     tiny = ["--steps", "3", "--layers", "1", "--width", "16", "--heads", "2", "--context", "8", "--batch", "2", "--sample", "5"]
     result = load("train_gpt").main(tiny + flags)
     assert result["first_loss"] > 0 and "peak memory of one step" in capsys.readouterr().out
+
+
+def test_neural_ode_trains_through_a_checkpointed_loop(capsys):
+    final = load("neural_ode").main(iterations=6, measure=False)
+    out = capsys.readouterr().out
+    assert "before training" in out and final == final  # a number, not NaN
