@@ -206,6 +206,42 @@ class VmapRegion(Region):
     def note_mutated_inputs(self, indices: list[int]) -> None:
         self.base.note_mutated_inputs(indices)
 
+    def own_vjp(
+        self,
+        primals: Tensors,
+        cotangents: Tensors,
+        needs: Sequence[bool],
+        *,
+        create_graph: bool,
+        advancing: Callable[[], contextlib.AbstractContextManager[Any]],
+        step_vjp: StepVjp,
+    ) -> list[torch.Tensor | None] | None:
+        """``vmap`` of the base's own vjp, if it has one (a checkpointed loop batched step by step)."""
+        if type(self.base).own_vjp is Region.own_vjp:
+            return None
+        top = peek_interpreter_stack()
+        if top is not None and top.key() == TransformType.Vmap and not any(_batched_at(p, top.level()) for p in primals):
+            return None  # cotangents batched over primals that are not (jacrev): recomputed whole, below that vmap
+        n = len(primals)
+        unused: set[int] = set()
+
+        def batched(*flat: torch.Tensor) -> Tensors:
+            grads = self.base.own_vjp(
+                flat[:n],
+                flat[n:],
+                needs,
+                create_graph=create_graph,
+                advancing=functools.partial(_advancing, create_graph),
+                step_vjp=functools.partial(vjp, create_graph=create_graph),
+            )
+            assert grads is not None
+            unused.update(i for i, g in enumerate(grads) if g is None)
+            return tuple(torch.zeros_like(p) if g is None else g for p, g in zip(flat, grads))
+
+        in_dims = (*self.in_dims, *(0,) * len(cotangents))
+        grads = torch.func.vmap(batched, in_dims=in_dims, out_dims=0, randomness=self.randomness)(*primals, *cotangents)
+        return [None if i in unused or not need else g for i, (g, need) in enumerate(zip(grads, needs))]
+
 
 class VjpRegion(Region):
     """``(primals, cotangents) -> gradients``: the backward of ``base``, recomputing it."""

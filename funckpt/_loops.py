@@ -43,7 +43,13 @@ from ._autograd import Phase, Region, StepVjp, Tensors, apply, eager_under_compi
 from ._call import UserRegion, finish, nothing_to_differentiate, prepare
 from ._capture import Substitute, changed_captures, reparametrized
 from ._errors import CheckpointError, Digest, check_same_values, digest
-from ._internals import forward_mode_active, graph_task_keeps_graph, has_gradient_dtype, peek_interpreter_stack
+from ._internals import (
+    forward_mode_active,
+    graph_task_keeps_graph,
+    has_gradient_dtype,
+    is_dead_tensor_wrapper,
+    peek_interpreter_stack,
+)
 from ._options import RematOptions, callable_name
 from ._pytree import NAMESPACE, TreeSlots, flatten
 
@@ -738,6 +744,8 @@ class Reversal:
         kept = region.kept
         if kept is None or self.create_graph or forward_mode_active():
             return None
+        if any(is_dead_tensor_wrapper(t) for state in kept.values() for t in state.tensors):
+            return None  # kept inside a vmap that has returned (the loop's batching rule): run again
         if peek_interpreter_stack() is None and graph_task_keeps_graph():
             return dict(kept)
         region.kept = None

@@ -394,3 +394,24 @@ def test_steps_without_randomness_share_one_generator_state():
     c0 = torch.randn(4, requires_grad=True)
     held = held_bytes(lambda: funckpt.scan(lambda c, _: (torch.sin(c), None), c0, length=200)[0])
     assert held < 200 * 4 * 4 * 3 + 2 * torch.get_rng_state().numel(), held
+
+
+@pytest.mark.parametrize("checkpoints", [None, 3])
+def test_grad_of_vmap_of_scan_reverses_step_by_step(checkpoints):
+    # The loop's batching rule (remat(vmap(loop))) keeps the schedule: each step is
+    # differentiated once more, not the whole vmapped loop recomputed with its graph.
+    w, b, xs, c0 = make(n=12)
+    calls = []
+
+    def f(c, x):
+        calls.append(1)
+        return cell(w, b, c, x)
+
+    def loss(c, loop):
+        return tf.vmap(lambda ci: loop(f, ci, xs)[0])(torch.stack([c, 2 * c])).pow(2).sum()
+
+    got = tf.grad(lambda c: loss(c, lambda *a: funckpt.scan(*a, checkpoints=checkpoints)))(c0)
+    counted = len(calls)
+    assert_close(got, tf.grad(lambda c: loss(c, python_scan))(c0))
+    if checkpoints is None:
+        assert counted == 2 * 12
