@@ -415,3 +415,16 @@ def test_grad_of_vmap_of_scan_reverses_step_by_step(checkpoints):
     assert_close(got, tf.grad(lambda c: loss(c, python_scan))(c0))
     if checkpoints is None:
         assert counted == 2 * 12
+
+
+@pytest.mark.parametrize("checkpoints", [None, 2])
+def test_under_torch_compile_a_loop_is_an_eager_region(checkpoints):
+    w, b, xs, c0 = make(n=5)
+    with_scan, without = losses(checkpoints)
+    torch._dynamo.reset()
+    compiled = torch.compile(with_scan, backend="aot_eager")
+    args = [t.clone().requires_grad_() for t in (w, b, xs, c0)]
+    assert_close(torch.autograd.grad(compiled(*args), args), torch.autograd.grad(without(*args), args))
+    torch._dynamo.reset()
+    got = torch.compile(tf.grad(with_scan, argnums=(0, 3)), backend="aot_eager")(w, b, xs, c0)
+    assert_close(got, tf.grad(without, argnums=(0, 3))(w, b, xs, c0))
