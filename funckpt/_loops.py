@@ -367,8 +367,11 @@ def _every_step(n: int) -> list[_schedule.Action]:
     for k in range(n):
         actions += [_schedule.Store(k), _schedule.Advance(k, k + 1)] if k < n - 1 else [_schedule.Store(k)]
     for k in range(n - 1, -1, -1):
-        actions += [_schedule.Restore(k), _schedule.Reverse(k), _schedule.Free(k)]
-    return actions
+        # the carry after step k is freed once step k is differentiated: its recomputation is checked against it
+        actions += [_schedule.Restore(k), _schedule.Reverse(k)]
+        if k + 1 < n:
+            actions.append(_schedule.Free(k + 1))
+    return [*actions, _schedule.Free(0)]
 
 
 class EveryStep:
@@ -422,6 +425,7 @@ class LoopRegion(UserRegion):
         self.kept: dict[int, _State] | None = None  # what the forward sweep stored, until the backward
         self.prefix: list[_schedule.Action] = []  # the forward sweep's actions, for a replay
         self.before_last: list[Digest | None] | None = None  # the carry the last step started from
+        self.final_digest: list[Digest | None] | None = None  # the carry the loop returned
         self.n_steps = 0
         self.carry_slots: TreeSlots | None = None
         self.ys_slots: TreeSlots | None = None
@@ -533,6 +537,7 @@ class LoopRegion(UserRegion):
         self.kept, self.prefix = kept, prefix
         tensors, _ = flatten(carry)
         self.n_carry = len(tensors)
+        self.final_digest = digest(tensors) if self._compares_values() else None
         stacked = self._stacked(ys)
         _, self.ys_slots = flatten(stacked)
         carry, stacked = _distinct((carry, stacked))
@@ -632,6 +637,8 @@ class StepRegion(Region):
         self.name = region.name
         self.n_carry = len(carry_slots.tensor_positions)
         self.n_x = 0 if x_slots is None else len(x_slots.tensor_positions)
+        self.checks = region._compares_values()
+        self.carry_digest: list[Digest | None] | None = None  # of the carry it computed, for the determinism check
 
     def run(self, flat: Tensors, phase: Phase) -> Tensors:
         nc, nx = self.n_carry, self.n_x
@@ -639,6 +646,8 @@ class StepRegion(Region):
         x = None if self.x_slots is None else self.x_slots.fill(flat[nc : nc + nx])
         with self.region.substituted(flat[nc + nx :], flat):
             new, y = self.region.loop.step(self.k, carry, x)
+        if self.checks:
+            self.carry_digest = digest(flatten(new)[0])
         tensors, _ = flatten((new, _tensor_leaves(y)))
         return tuple(tensors)
 
@@ -673,6 +682,7 @@ class Reversal:
         self.ct_carry: list[torch.Tensor] = list(cotangents[:nc])
         self.ct_ys = list(cotangents[nc:])
         self.grads: list[torch.Tensor | None] = [None] * len(primals)
+        self.stored: dict[int, _State] = {}  # the carries kept now, by position
         self.x_grads: dict[int, list[torch.Tensor | None]] = {
             j: [None] * region.n_steps for j, i in enumerate(self.xs_index) if needs[i]
         }
@@ -701,6 +711,7 @@ class Reversal:
                 position: int | None = 0
             else:
                 state, position = None, None
+            self.stored = stored
             for action in region.backward_actions(replay):
                 if isinstance(action, _schedule.Advance):
                     state, position = self._goto(stored, state, position, action.start)
@@ -776,6 +787,19 @@ class Reversal:
         tensors, slots = flatten(carry)
         return _State.of(tensors, slots, None)
 
+    def _check_step(self, step: StepRegion, k: int) -> None:
+        """Did the step's recomputation give the carry kept (or returned) after it?"""
+        if step.carry_digest is None:
+            return
+        after = self.stored.get(k + 1)
+        if after is not None:
+            expected = digest(after.tensors)
+        elif k == self.region.n_steps - 1 and self.region.final_digest is not None:
+            expected = self.region.final_digest
+        else:
+            return
+        check_same_values(f"scan({self.region.name})", expected, step.carry_digest, None)
+
     def _check_last(self, state: _State) -> None:
         region = self.region
         if region.before_last is None or not region._compares_values():
@@ -796,6 +820,7 @@ class Reversal:
             *(self.needs[j] for j in self.region.captured_index),
         )
         grads = self.step_vjp(step, primals, cotangents, needs)
+        self._check_step(step, k)
         self.ct_carry = [torch.zeros_like(t) if g is None else g for g, t in zip(grads[:nc], state.tensors)]
         for j, g in enumerate(grads[nc : nc + nx]):
             if j in self.x_grads:

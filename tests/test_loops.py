@@ -428,3 +428,17 @@ def test_under_torch_compile_a_loop_is_an_eager_region(checkpoints):
     torch._dynamo.reset()
     got = torch.compile(tf.grad(with_scan, argnums=(0, 3)), backend="aot_eager")(w, b, xs, c0)
     assert_close(got, tf.grad(without, argnums=(0, 3))(w, b, xs, c0))
+
+
+@pytest.mark.parametrize("checkpoints", CHECKPOINTS)
+def test_a_step_that_computes_differently_when_run_again_raises(checkpoints):
+    calls = []
+
+    def f(c, _):
+        calls.append(1)
+        return c * (1 + 0.01 * len(calls)), None  # depends on how often it ran
+
+    c0 = torch.ones(3, dtype=D, requires_grad=True)
+    carry, _ = funckpt.scan(f, c0, length=6, checkpoints=checkpoints)
+    with pytest.raises(funckpt.CheckpointError, match="did not reproduce"):
+        carry.sum().backward()
