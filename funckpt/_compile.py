@@ -55,7 +55,7 @@ from torch.utils.checkpoint import (
 
 from ._errors import debug_enabled
 from ._internals import StorageWeakRef, comptime, skip_code, storage_weak_ref, transforms_active
-from .policies import Policy, uses_names
+from .policies import Policy, budget_of, uses_names
 
 if TYPE_CHECKING:
     from ._options import RematOptions
@@ -74,6 +74,8 @@ def can_lower(options: RematOptions) -> bool:
         options.context_fn is None
         and not debug_enabled(options.debug)
         and (options.policy is None or not uses_names(options.policy))
+        # A memory budget chooses among a whole call's values, which the compiler's per-op policy cannot.
+        and budget_of(options.policy) is None
         # Last: Dynamo records this call in the graph rather than folding it.
         and not transforms_active()
     )
