@@ -17,6 +17,7 @@ keeps nothing, ``1.0`` keeps every candidate.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -111,7 +112,9 @@ def choose(candidates: Sequence[Candidate], fraction: float) -> set[int]:
     if fraction >= 1.0:
         return {c.position for c in candidates}
     total = sum(c.nbytes for c in candidates)
-    allowed = fraction * total
+    # Whole bytes, forgiving the rounding of fraction * total (0.26 of 6160 is 1601.6, and
+    # 1600 / 6160 * 6160 is 1599.99...): still monotone in the fraction.
+    allowed = math.floor(fraction * total + 1e-6)
     ranked = sorted(candidates, key=lambda c: (-(c.cost / c.nbytes) if c.nbytes else float("-inf"), c.position))
     kept: set[int] = set()
     used = 0
