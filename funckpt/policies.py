@@ -633,12 +633,20 @@ def memory_budget(fraction: float) -> Policy:
 
         >>> memory_budget(0.25)
         policies.memory_budget(0.25)
+        >>> memory_budget(0.0), memory_budget(1)
+        (policies.nothing_saveable, policies.everything_saveable)
     """
     if isinstance(fraction, bool) or not isinstance(fraction, numbers.Real):
         raise TypeError(f"memory_budget: fraction must be a number in [0, 1], got {fraction!r}")
     fraction = float(fraction)
     if not 0.0 <= fraction <= 1.0:  # also refuses NaN
         raise ValueError(f"memory_budget: fraction must be in [0, 1], got {fraction!r}")
+    # The endpoints are those policies, so they cost no more than they do (no recording of
+    # every candidate only to drop them all, no cost estimates only to keep them all).
+    if fraction == 0.0:
+        return nothing_saveable
+    if fraction == 1.0:
+        return everything_saveable
     return MemoryBudget(fraction)
 
 
