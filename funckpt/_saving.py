@@ -266,7 +266,8 @@ class Saved:
         self.written.clear()
         if self.budget is not None:
             self._apply_budget(self.budget)
-        self._offload_kept()
+        if self.offload:
+            self._offload_kept({s for s in exposed if s is not None})
 
     def _drop(self, position: int) -> None:
         del self.kept[position], self.versions[position]
@@ -286,15 +287,22 @@ class Saved:
                 self._drop(position)
         self.costs.clear()
 
-    def _offload_kept(self) -> None:
-        """Start copying the values to offload to host memory (see ``_offload``); CPU values stay."""
+    def _offload_kept(self, exposed: set[int | None]) -> None:
+        """Start copying the values to offload to host memory (see ``_offload``); CPU values stay.
+
+        A kept value that is also an output of the call is not offloaded: the caller holds it
+        on the device anyway (a copy would save nothing), and may write to it, which the
+        version check of a value kept in place catches and a copy in flight would not.
+        """
         moved = False
-        for position, kind in self.offload.items():
-            if position in self.kept:
-                host = _offload.to_host(self.kept[position], kind.pinned)
-                if host is not None:
-                    self.kept[position] = host
-                    moved = True
+        for position in [p for p in self.offload if p in self.kept]:
+            if any(storage_of(t) in exposed for t in _tensors(self.kept[position])):
+                del self.offload[position]
+                continue
+            host = _offload.to_host(self.kept[position], self.offload[position].pinned)
+            if host is not None:
+                self.kept[position] = host
+                moved = True
         if moved:
             self.previous = _offload.chain(self)
 

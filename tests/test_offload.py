@@ -190,7 +190,7 @@ def test_fake_accelerator_copies_out_in_forward_and_back_with_prefetch_in_backwa
     x = torch.randn(3, 4, dtype=D)
 
     def lay(w, v, h):
-        return torch.tanh(h @ w) @ v  # mm -> (3, n), then (3, 4)
+        return torch.sin(torch.tanh(h @ w) @ v)  # mm -> (3, n), then (3, 4): both inside the call
 
     f = remat(lay, policy=policies.offload_dot_with_no_batch_dims())
 
@@ -341,3 +341,16 @@ def test_bad_offload_arguments_name_the_argument(make, error, pattern):
 def test_offload_factories_must_be_called():
     with pytest.raises(TypeError, match=r"policy=policies.offload_dot_with_no_batch_dims\(...\)"):
         remat(block, policy=policies.offload_dot_with_no_batch_dims)
+
+
+def test_an_output_of_the_call_is_kept_in_place_not_offloaded(fake):
+    """The caller holds it on the device anyway; and a write to it is caught as for any kept value."""
+    f = remat(lambda w, x: x @ w, policy=policies.offload_dot_with_no_batch_dims())
+    rs = funckpt.saved_residuals(f, W1, X)
+    assert [(r.source, r.offloaded) for r in rs if r.kind == "saved by policy"] == [("aten.mm.default", False)]
+    assert fake.log == []
+    w = W1.clone().requires_grad_()
+    y = f(w, X)
+    y.add_(1)
+    with pytest.raises(funckpt.CheckpointError, match="modified in place"):
+        y.sum().backward()
