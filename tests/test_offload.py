@@ -354,3 +354,101 @@ def test_an_output_of_the_call_is_kept_in_place_not_offloaded(fake):
     y.add_(1)
     with pytest.raises(funckpt.CheckpointError, match="modified in place"):
         y.sum().backward()
+
+
+# ------------------------------------------------------------------ the CUDA backend's code, on fake streams
+
+
+class _Stream:
+    def __init__(self, name, log):
+        self.name, self.log = name, log
+
+    def wait_stream(self, other):
+        self.log.append(("wait_stream", self.name, other.name))
+
+    def wait_event(self, event):
+        self.log.append(("wait_event", self.name, event.id))
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    """torch.cuda's stream API recorded instead of run, so _CudaBackend's own code runs on the CPU."""
+    import contextlib
+
+    log = []
+    main = _Stream("main", log)
+    state = {"current": main, "events": 0}
+
+    class Event:
+        def __init__(self):
+            state["events"] += 1
+            self.id = state["events"]
+
+        def record(self, stream):
+            log.append(("record", stream.name, self.id))
+
+    @contextlib.contextmanager
+    def stream(s):
+        before, state["current"] = state["current"], s
+        log.append(("enter", s.name))
+        try:
+            yield
+        finally:
+            state["current"] = before
+            log.append(("exit", s.name))
+
+    def copy_(self, src, non_blocking=False):
+        log.append(("copy", state["current"].name, non_blocking))
+        return original_copy(self, src, non_blocking=non_blocking)
+
+    original_copy = torch.Tensor.copy_
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: _Stream("side", log))
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: state["current"])
+    monkeypatch.setattr(torch.cuda, "stream", stream)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, s: log.append(("record_stream", s.name)), raising=False)
+    monkeypatch.setattr(torch.Tensor, "copy_", copy_)
+    return log
+
+
+def test_cuda_backend_orders_copies_with_streams_and_events(fake_cuda):
+    backend = _offload._CudaBackend()
+    t = torch.randn(3, 4, dtype=D)
+    host, out_done = backend.to_host(t, pinned=False)  # pinned needs a CUDA build; the order is the same
+    assert fake_cuda == [
+        ("wait_stream", "side", "main"),  # the side stream starts after t was computed
+        ("enter", "side"),
+        ("copy", "side", False),  # the copy runs on the side stream
+        ("record", "side", 1),  # marked done there
+        ("exit", "side"),
+        ("record_stream", "side"),  # t's memory is not reused before the side stream read it
+    ]
+    assert torch.equal(host, t) and host is not t
+    fake_cuda.clear()
+    back, back_done = backend.to_device(host, torch.device("cpu"), out_done)
+    backend.ready(back, back_done)
+    assert fake_cuda == [
+        ("enter", "side"),
+        ("wait_event", "side", 1),  # after the copy out
+        ("copy", "side", False),
+        ("record", "side", 2),
+        ("exit", "side"),
+        ("wait_event", "main", 2),  # the compute stream waits for the copy back, not for everything
+        ("record_stream", "main"),  # allocated on the side stream, used and freed on the compute one
+    ]
+    assert torch.equal(back, t)
+
+
+def test_cuda_backend_through_a_whole_backward(fake_cuda, monkeypatch):
+    monkeypatch.setitem(_offload.BACKENDS, "cpu", _offload._CudaBackend())
+    policy = policies.offload_dot_with_no_batch_dims(offload_dst="unpinned_host")
+    f, g = stack(block), stack(remat(block, policy=policy))
+    a, a0 = W1.clone().requires_grad_(), W1.clone().requires_grad_()
+    g(a, W2, X).backward()
+    f(a0, W2, X).backward()
+    assert_close(a.grad, a0.grad)
+    records = [e for e in fake_cuda if e[0] == "record"]
+    waits = [e for e in fake_cuda if e[0] == "wait_event" and e[1] == "main"]
+    assert len(records) == 12 and len(waits) == 6  # 3 calls, 2 matmuls each: out and back; a wait per value
+    assert_close(tf.grad(g)(W1, W2, X), tf.grad(f)(W1, W2, X))
