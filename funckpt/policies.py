@@ -258,6 +258,11 @@ class SavingPolicy:
     def excluded_names(self) -> frozenset[str]:
         return frozenset()
 
+    @property
+    def lowerable(self) -> bool:
+        """Can ``torch.compile``'s checkpoint region (a per-operator save-or-recompute choice) apply it?"""
+        return not self.uses_names
+
 
 @dataclass(frozen=True, repr=False)
 class OperatorPolicy(SavingPolicy):
@@ -445,6 +450,10 @@ class SaveFromBothPolicies(SavingPolicy):
     def excluded_names(self) -> frozenset[str]:
         return excluded_names(self.policy_1) & excluded_names(self.policy_2)
 
+    @property
+    def lowerable(self) -> bool:
+        return lowerable(self.policy_1) and lowerable(self.policy_2)
+
     def __repr__(self) -> str:
         return f"policies.save_from_both_policies({self.policy_1!r}, {self.policy_2!r})"
 
@@ -511,6 +520,10 @@ class OffloadDots(SavingPolicy):
     @property
     def uses_names(self) -> bool:
         return False
+
+    @property
+    def lowerable(self) -> bool:
+        return False  # the compiler's region would keep the values on the device
 
     def __repr__(self) -> str:
         if self.offload == Offload:
@@ -614,6 +627,10 @@ class MemoryBudget(SavingPolicy):
     def budget(self) -> float:
         return self.fraction
 
+    @property
+    def lowerable(self) -> bool:
+        return False  # it chooses among a whole call's values, not per operator
+
     def __repr__(self) -> str:
         return f"policies.memory_budget({self.fraction!r})"
 
@@ -648,6 +665,14 @@ def memory_budget(fraction: float) -> Policy:
     if fraction == 1.0:
         return everything_saveable
     return MemoryBudget(fraction)
+
+
+def lowerable(policy: Policy) -> bool:
+    """Can a call with ``policy`` become ``torch.compile``'s checkpoint region? Plain callables:
+    when names do not matter to them (then their answers become ``MUST_SAVE``/``PREFER_RECOMPUTE``;
+    a ``from_torch`` function's offload answers keep the value on the device there)."""
+    verdict = getattr(policy, "lowerable", None)
+    return verdict if isinstance(verdict, bool) else not uses_names(policy)
 
 
 def budget_of(policy: Any) -> float | None:

@@ -452,3 +452,28 @@ def test_cuda_backend_through_a_whole_backward(fake_cuda, monkeypatch):
     waits = [e for e in fake_cuda if e[0] == "wait_event" and e[1] == "main"]
     assert len(records) == 12 and len(waits) == 6  # 3 calls, 2 matmuls each: out and back; a wait per value
     assert_close(tf.grad(g)(W1, W2, X), tf.grad(f)(W1, W2, X))
+
+
+def test_offloading_and_budget_policies_are_not_lowered_to_the_compilers_region():
+    """torch.compile's checkpoint region only saves or recomputes: those calls run eagerly there."""
+    from funckpt._compile import can_lower
+    from funckpt._options import RematOptions
+
+    def lowered(policy):
+        return can_lower(RematOptions(policy=policy))
+
+    assert lowered(policies.dots_saveable) and lowered(policies.from_torch([aten.mm]))
+    assert not lowered(policies.offload_dot_with_no_batch_dims())
+    assert not lowered(policies.save_and_offload_only_these_names(names_which_can_be_offloaded=["x"]))
+    assert not lowered(policies.save_from_both_policies(policies.dots_saveable, policies.offload_dot_with_no_batch_dims()))
+    assert not lowered(policies.memory_budget(0.5))
+    assert lowered(policies.memory_budget(1.0))  # that is everything_saveable
+
+
+def test_offload_under_torch_compile_gives_eager_gradients():
+    g = stack(remat(block, policy=policies.offload_dot_with_no_batch_dims()))
+    compiled = torch.compile(g, backend="aot_eager")
+    a, a0 = W1.clone().requires_grad_(), W1.clone().requires_grad_()
+    compiled(a, W2, X).backward()
+    stack(block)(a0, W2, X).backward()
+    assert_close(a.grad, a0.grad)
