@@ -219,3 +219,20 @@ def test_budget_benchmark_dominance_and_its_block_in_benchmarks_md(tmp_path):
     text = path.read_text()
     assert text.count(budget.BEGIN) == 1 and "## second" in text and "## first" not in text
     assert budget.kept_block(text) == f"{budget.BEGIN}\n## second\n{budget.END}"
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.tuples(st.integers(0, 10_000), st.floats(0.0, 1e9)), max_size=12),
+    st.floats(0.0, 1.0),
+    st.floats(0.0, 1.0),
+)
+def test_choose_is_nested_and_within_budget_for_any_candidates(values, a, b):
+    candidates = [_budget.Candidate(i, n, c) for i, (n, c) in enumerate(values)]
+    lo, hi = sorted((a, b))
+    small, large = _budget.choose(candidates, lo), _budget.choose(candidates, hi)
+    assert small <= large
+    total = sum(c.nbytes for c in candidates)
+    assert sum(c.nbytes for c in candidates if c.position in large) <= hi * total + 1e-6
+    assert _budget.choose(candidates, 0.0) == set()
+    assert _budget.choose(candidates, 1.0) == {c.position for c in candidates}
