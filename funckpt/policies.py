@@ -4,9 +4,13 @@ By default a remat'd function keeps only its inputs and recomputes everything
 else in the backward pass. A *policy* trades some of that memory back for
 compute: it is called once per ATen operator during the forward run, as
 ``policy(op, *args, **kwargs)`` with the ``OpOverload`` and its arguments, and
-returns ``True`` to keep that operator's outputs. Kept outputs are not computed
+returns ``True`` to keep that operator's outputs, or :data:`Offload` to keep them
+in host memory between the passes (:func:`offload_dot_with_no_batch_dims`,
+:func:`save_and_offload_only_these_names`). Kept outputs are not computed
 again: during recomputation the operator returns its cached result (autograd
 still records it, so gradients are exact). Everything else is recomputed.
+:func:`memory_budget` chooses per call, from estimated costs and sizes, within a
+fraction of what :data:`everything_saveable` would keep.
 
 Policies are predicates; the ones here are small frozen values with a readable
 ``repr`` that say whether names matter to them (:class:`SavingPolicy`), and
