@@ -25,7 +25,7 @@ import torch.utils.checkpoint as upstream
 from ._modules import run_in_segments
 from ._call import call
 from ._options import RematOptions
-from .policies import from_torch
+from .policies import Policy, from_torch
 
 __all__ = ["checkpoint", "checkpoint_sequential", "noop_context_fn"]
 
@@ -65,7 +65,7 @@ def _options(
     )
 
 
-def _selective_policy(context_fn: Callable[..., Any]) -> Callable[..., bool] | None:
+def _selective_policy(context_fn: Callable[..., Any]) -> Policy | None:
     """The policy in ``partial(torch.utils.checkpoint.create_selective_checkpoint_contexts, ...)``.
 
     That is how PyTorch users ask for selective checkpointing; PyTorch's own

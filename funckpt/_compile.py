@@ -55,7 +55,7 @@ from torch.utils.checkpoint import (
 
 from ._errors import debug_enabled
 from ._internals import StorageWeakRef, comptime, skip_code, storage_weak_ref, transforms_active
-from .policies import Policy, uses_names
+from .policies import Policy, lowerable
 
 if TYPE_CHECKING:
     from ._options import RematOptions
@@ -73,7 +73,8 @@ def can_lower(options: RematOptions) -> bool:
     return (
         options.context_fn is None
         and not debug_enabled(options.debug)
-        and (options.policy is None or not uses_names(options.policy))
+        # Not a policy that uses names, offloads, or chooses per call (a memory budget).
+        and (options.policy is None or lowerable(options.policy))
         # Last: Dynamo records this call in the graph rather than folding it.
         and not transforms_active()
     )

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any, cast
 
 from ._errors import DETERMINISM_CHECKS
-from .policies import is_policy_factory
+from .policies import Policy, is_policy_factory
 
 __all__ = ["RematOptions", "callable_name", "check_static_argnums", "normalize_static_argnums"]
 
@@ -16,7 +16,7 @@ __all__ = ["RematOptions", "callable_name", "check_static_argnums", "normalize_s
 class RematOptions:
     """The validated keyword arguments of :func:`remat`."""
 
-    policy: Callable[..., bool] | None = None
+    policy: Policy | None = None
     static_argnums: tuple[int, ...] = ()
     preserve_rng_state: bool = True
     determinism_check: str = "default"

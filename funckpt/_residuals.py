@@ -45,11 +45,13 @@ class Residual:
     """
 
     region: str  #: the remat'd function's name
-    kind: str  #: ``"input"`` or ``"saved by policy"``
+    kind: str  #: ``"input"`` or ``"saved by policy"`` (offloaded ones too: see ``offloaded``)
     source: str  #: where it comes from: an argument path, a parameter name, an operator or a name
     shape: tuple[int, ...]
     dtype: torch.dtype
     nbytes: int
+    #: kept in host memory between the passes, as an ``Offload`` policy asked (for a CPU tensor: simply kept)
+    offloaded: bool = False
 
 
 class _Observers(threading.local):
@@ -91,28 +93,37 @@ def saved_residuals(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[R
         saved by policy aten.mm.default (4, 8)
         saved by policy aten.mm.default (4, 8)
     """
+    return _collect(fn, args, kwargs)[0]
+
+
+def _collect(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[list[Residual], list[str]]:
+    """The residuals, and a line per call whose policy chose by a memory budget."""
     if not callable(fn):
         raise TypeError(f"saved_residuals: fn must be callable, got {fn!r}")
     with _observe() as seen, torch.enable_grad():
         fn(*args, **kwargs)
     residuals = []
+    notes = []
     for region, inputs in seen:
         sources = _input_sources(region)
         for i, t in enumerate(inputs):
             residuals.append(_residual(region.name, "input", sources.get(i, "input"), t))
-        if region.saved is not None:
-            for position, out in sorted(region.saved.kept.items()):
-                op = region.saved.trace[position][0]
-                label = region.saved.labels.get(position)
+        saved = region.saved
+        if saved is not None:
+            for position in sorted(saved.kept):
+                op = saved.trace[position][0]
+                label = saved.labels.get(position)
                 source = f"{op} named {label!r}" if label else str(op)
-                for t in optree.tree_leaves(out):
-                    if isinstance(t, torch.Tensor):
-                        residuals.append(_residual(region.name, "saved by policy", source, t))
-    return residuals
+                tensors, offloaded = saved.kept_tensors(position)
+                for t in tensors:
+                    residuals.append(_residual(region.name, "saved by policy", source, t, offloaded))
+            if saved.choice is not None:
+                notes.append(f"{region.name}: {saved.choice.summary()}")
+    return residuals, notes
 
 
-def _residual(region: str, kind: str, source: str, t: torch.Tensor) -> Residual:
-    return Residual(region, kind, source, tuple(t.shape), t.dtype, t.numel() * t.element_size())
+def _residual(region: str, kind: str, source: str, t: torch.Tensor, offloaded: bool = False) -> Residual:
+    return Residual(region, kind, source, tuple(t.shape), t.dtype, t.numel() * t.element_size(), offloaded)
 
 
 def _input_sources(region: UserRegion) -> dict[int, str]:
@@ -138,9 +149,16 @@ def print_saved_residuals(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> 
         sin           input  args[0]  [3]    float32  12 B
         total: 12 B in 1 tensors
     """
-    residuals = saved_residuals(fn, *args, **kwargs)
+    residuals, notes = _collect(fn, args, kwargs)
     rows = [
-        (r.region, r.kind, r.source, f"{list(r.shape)}", str(r.dtype).removeprefix("torch."), _size(r.nbytes))
+        (
+            r.region,
+            "offloaded by policy" if r.offloaded else r.kind,
+            r.source,
+            f"{list(r.shape)}",
+            str(r.dtype).removeprefix("torch."),
+            _size(r.nbytes),
+        )
         for r in residuals
     ]
     header = ("remat'd call", "kind", "source", "shape", "dtype", "size")
@@ -148,7 +166,10 @@ def print_saved_residuals(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> 
     for row in (header, *rows):
         print("  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip())
     total = sum(r.nbytes for r in residuals)
-    print(f"total: {_size(total)} in {len(residuals)} tensors")
+    offloaded = sum(r.nbytes for r in residuals if r.offloaded)
+    print(f"total: {_size(total)} in {len(residuals)} tensors" + (f", {_size(offloaded)} of it offloaded" if offloaded else ""))
+    for note in notes:
+        print(note)
 
 
 def _size(nbytes: float) -> str:

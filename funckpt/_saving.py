@@ -28,6 +28,7 @@ Safety:
 
 from __future__ import annotations
 
+import threading
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -35,10 +36,11 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from . import _budget, _offload
 from ._errors import CheckpointError
 from ._internals import bottom, clone_storage, storage_of
 from ._naming import OnThreadStack, active
-from .policies import CHECKPOINT_NAME, excluded_names, uses_names
+from .policies import CHECKPOINT_NAME, Offloadable, Policy, Verdict, budget_of, excluded_names, uses_names
 
 # Not numbered: autograd dispatches a detach when it saves an op's output for
 # backward, so grad-enabled recomputations have detaches the no-grad forward run
@@ -149,13 +151,21 @@ def _meta(args: tuple[Any, ...]) -> tuple[Any, ...]:
 class Saved:
     """One remat'd call's kept operator outputs, by position in its op trace."""
 
-    def __init__(self, policy: Callable[..., bool], name: str) -> None:
+    def __init__(self, policy: Policy, name: str) -> None:
         self.policy = policy
         self.name = name
         self.excluded = excluded_names(policy)
         self.track_producers = uses_names(policy)
         self.trace: list[tuple[Any, tuple[Any, ...]]] = []
-        self.kept: dict[int, Any] = {}  # position -> outputs (as the op returned them)
+        # position -> outputs (as the op returned them), or an _offload.Offloaded copy of them
+        self.kept: dict[int, Any] = {}
+        self.offload: dict[int, Offloadable] = {}  # positions the policy asked to keep in host memory
+        self.budget = budget_of(policy)
+        self.costs: dict[int, float] = {}  # position -> estimated recomputation cost (memory_budget only)
+        self.choice: _budget.Choice | None = None  # what the budget kept, for reports
+        self.previous: weakref.ref[Saved] | None = None  # the call that offloaded values before this one
+        self.pending = _offload.Pending()  # copies back to the device started by a prefetch
+        self.offload_lock = threading.Lock()
         self.versions: dict[int, list[int]] = {}
         self.labels: dict[int, str] = {}  # position -> the name that kept it, if any
         # id(output tensor) -> (weak reference, position), forward run only; the weak
@@ -166,8 +176,8 @@ class Saved:
 
     # forward run
 
-    def ask(self, op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
-        """The policy's verdict on ``op``: a bool, or a clear error."""
+    def ask(self, op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Verdict:
+        """The policy's verdict on ``op``: a bool or an ``Offloadable``, or a clear error."""
         try:
             verdict = self.policy(op, *args, **kwargs)
         except Exception as e:
@@ -177,17 +187,22 @@ class Saved:
                 "bool (factories such as save_only_these_names must be called: "
                 "save_only_these_names('name'))."
             ) from e
-        if not isinstance(verdict, bool):
+        if not isinstance(verdict, (bool, Offloadable)):
             raise CheckpointError(
                 f"remat({self.name}): the saving policy {self.policy!r} returned {verdict!r} for {op}; a "
-                "policy returns True (keep) or False (recompute). For a torch.utils.checkpoint policy "
-                "returning CheckpointPolicy values, use funckpt.policies.from_torch(policy)."
+                "policy returns True (keep) or False (recompute), or funckpt.policies.Offload (keep in host "
+                "memory). For a torch.utils.checkpoint policy returning CheckpointPolicy values, use "
+                "funckpt.policies.from_torch(policy)."
             )
         return verdict
 
-    def keep(self, position: int, out: Any, label: str | None = None) -> None:
+    def keep(self, position: int, out: Any, label: str | None = None, verdict: Verdict = True) -> None:
         self.kept[position] = out
         self.versions[position] = _versions(out)
+        if isinstance(verdict, Offloadable):
+            self.offload[position] = verdict
+        else:
+            self.offload.pop(position, None)  # saving beats offloading
         if label is not None:
             self.labels[position] = label
 
@@ -198,23 +213,27 @@ class Saved:
             return
         position = entry[1]
         op = self.trace[position][0]
-        if self.ask(CHECKPOINT_NAME, (x, name), {}):
+        verdict = self.ask(CHECKPOINT_NAME, (x, name), {})
+        if verdict:
             if position in self.kept:
                 self.labels[position] = name
+                if verdict is True:
+                    self.offload.pop(position, None)  # saving beats offloading
                 return
             if not _cacheable(op):
                 return
             refs = self._outputs.get(position)
             if refs is None:  # a single-tensor output: the named tensor is that output
-                self.keep(position, value, label=name)
+                self.keep(position, value, label=name, verdict=verdict)
                 return
             structure, weak = refs
             alive = [w() for w in weak]
             if all(t is not None for t in alive):  # else: recompute that op, never serve part of it
-                self.keep(position, structure(alive), label=name)
+                self.keep(position, structure(alive), label=name, verdict=verdict)
         elif name in self.excluded:
             self.kept.pop(position, None)
             self.versions.pop(position, None)
+            self.offload.pop(position, None)
 
     def finish_forward(self, outputs: tuple[torch.Tensor, ...]) -> None:
         """Drop the kept values that could have changed; detach the rest.
@@ -239,25 +258,82 @@ class Saved:
                 or any(storage_of(t) in self.written for t in kept)
                 or any(storage_of(t) in exposed and exposed[storage_of(t)] is not t for t in kept)
             ):
-                del self.kept[position], self.versions[position]
-                self.labels.pop(position, None)
+                self._drop(position)
             else:
                 self.kept[position] = _detached(self.kept[position])
         self.producer.clear()
         self._outputs.clear()
         self.written.clear()
+        if self.budget is not None:
+            self._apply_budget(self.budget)
+        if self.offload:
+            self._offload_kept({s for s in exposed if s is not None})
+
+    def _drop(self, position: int) -> None:
+        del self.kept[position], self.versions[position]
+        self.labels.pop(position, None)
+        self.offload.pop(position, None)
+
+    def _apply_budget(self, fraction: float) -> None:
+        """memory_budget: every candidate was recorded; keep the chosen, drop the rest."""
+        candidates = [
+            _budget.Candidate(p, sum(t.numel() * t.element_size() for t in _tensors(out)), self.costs.get(p, 0.0))
+            for p, out in self.kept.items()
+        ]
+        chosen = _budget.choose(candidates, fraction)
+        self.choice = _budget.Choice(fraction, candidates, chosen)
+        for position in list(self.kept):
+            if position not in chosen:
+                self._drop(position)
+        self.costs.clear()
+
+    def _offload_kept(self, exposed: set[int | None]) -> None:
+        """Start copying the values to offload to host memory (see ``_offload``); CPU values stay.
+
+        A kept value that is also an output of the call is not offloaded: the caller holds it
+        on the device anyway (a copy would save nothing), and may write to it, which the
+        version check of a value kept in place catches and a copy in flight would not.
+        """
+        moved = False
+        for position in [p for p in self.offload if p in self.kept]:
+            if any(storage_of(t) in exposed for t in _tensors(self.kept[position])):
+                del self.offload[position]
+                continue
+            host = _offload.to_host(self.kept[position], self.offload[position].pinned)
+            if host is not None:
+                self.kept[position] = host
+                moved = True
+        if moved:
+            self.previous = _offload.chain(self)
 
     def release(self) -> None:
         """Forget the kept values (the backward through them ended): replays recompute them."""
-        self.kept.clear()
+        with self.offload_lock:
+            self.kept.clear()
+            self.pending.values.clear()
         self.versions.clear()
         self.labels.clear()
+
+    def kept_tensors(self, position: int) -> tuple[list[torch.Tensor], bool]:
+        """The tensors kept at ``position`` (host copies where offloaded), and whether the policy offloaded them."""
+        out = self.kept[position]
+        tensors = out.tensors() if isinstance(out, _offload.Offloaded) else list(_tensors(out))
+        return tensors, position in self.offload
+
+    def fetch(self) -> dict[int, Any]:
+        """This call's offloaded values back on their devices; and start the previous call's (a prefetch)."""
+        if not self.offload:
+            return {}
+        with self.offload_lock:
+            fetched = _offload.fetch(self.kept, self.pending)
+        _offload.prefetch(self.previous)
+        return fetched
 
     def recorder(self, watch: WriteWatch) -> Recorder:
         return Recorder(self, watch.storages, watch.before_write)
 
     def replayer(self, allow_mutation: bool) -> Replayer:
-        return Replayer(self, allow_mutation)
+        return Replayer(self, allow_mutation, self.fetch())
 
 
 def _detached(out: Any) -> Any:
@@ -331,8 +407,11 @@ class Recorder(OnThreadStack, WriteWatch):  # type: ignore[no-untyped-call]  # t
         position = len(saved.trace)
         saved.trace.append((func, meta))
         if _cacheable(func):
-            if saved.ask(func, args, kwargs):
-                saved.keep(position, out)
+            verdict = saved.ask(func, args, kwargs)
+            if verdict:
+                saved.keep(position, out, verdict=verdict)
+                if saved.budget is not None:
+                    saved.costs[position] = _budget.estimate_cost(func, args, kwargs, out)
             if saved.track_producers:  # for checkpoint_name: which op made which value
                 if position not in saved.kept and isinstance(out, (tuple, list)) and all(
                     isinstance(t, torch.Tensor) for t in out
@@ -344,10 +423,11 @@ class Recorder(OnThreadStack, WriteWatch):  # type: ignore[no-untyped-call]  # t
 
 
 class Replayer(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's untyped __init_subclass__
-    def __init__(self, saved: Saved, allow_mutation: bool) -> None:
+    def __init__(self, saved: Saved, allow_mutation: bool, fetched: dict[int, Any] | None = None) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
         self.saved = saved
         self.allow_mutation = allow_mutation
+        self.fetched = fetched or {}  # offloaded values, back on their devices for this run
         self.position = 0
         self.diverged = False
 
@@ -363,6 +443,10 @@ class Replayer(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's u
         if not self.diverged:
             if position >= len(saved.trace) or saved.trace[position] != (func, _meta(args)):
                 self.diverged = True
+            elif position in self.fetched:
+                # A fresh copy of what the forward run made: a later in-place change of the
+                # original cannot reach it.
+                return self.fetched[position]
             elif position in saved.kept:
                 out = saved.kept[position]
                 if not self.allow_mutation and _versions(out) != saved.versions[position]:

@@ -22,6 +22,7 @@ import torch
 from ._call import call
 from ._modules import Remat, RematSequential
 from ._options import RematOptions, normalize_static_argnums
+from .policies import Policy
 
 __all__ = ["remat"]
 
@@ -33,7 +34,7 @@ def remat(
     fn: F,
     /,
     *,
-    policy: Callable[..., bool] | None = ...,
+    policy: Policy | None = ...,
     static_argnums: int | Sequence[int] = ...,
     preserve_rng_state: bool = ...,
     determinism_check: str = ...,
@@ -46,7 +47,7 @@ def remat(
     fn: None = None,
     /,
     *,
-    policy: Callable[..., bool] | None = ...,
+    policy: Policy | None = ...,
     static_argnums: int | Sequence[int] = ...,
     preserve_rng_state: bool = ...,
     determinism_check: str = ...,
@@ -60,7 +61,7 @@ def remat(
     fn: Callable[..., Any] | None = None,
     /,
     *,
-    policy: Callable[..., bool] | None = None,
+    policy: Policy | None = None,
     static_argnums: int | Sequence[int] = (),
     preserve_rng_state: bool = True,
     determinism_check: str = "default",

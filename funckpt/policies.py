@@ -4,9 +4,13 @@ By default a remat'd function keeps only its inputs and recomputes everything
 else in the backward pass. A *policy* trades some of that memory back for
 compute: it is called once per ATen operator during the forward run, as
 ``policy(op, *args, **kwargs)`` with the ``OpOverload`` and its arguments, and
-returns ``True`` to keep that operator's outputs. Kept outputs are not computed
+returns ``True`` to keep that operator's outputs, or :data:`Offload` to keep them
+in host memory between the passes (:func:`offload_dot_with_no_batch_dims`,
+:func:`save_and_offload_only_these_names`). Kept outputs are not computed
 again: during recomputation the operator returns its cached result (autograd
 still records it, so gradients are exact). Everything else is recomputed.
+:func:`memory_budget` chooses per call, from estimated costs and sizes, within a
+fraction of what :data:`everything_saveable` would keep.
 
 Policies are predicates; the ones here are small frozen values with a readable
 ``repr`` that say whether names matter to them (:class:`SavingPolicy`), and
@@ -39,6 +43,7 @@ This mirrors ``jax.checkpoint_policies``; :func:`from_torch` adapts a
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, TypeVar, cast
@@ -51,6 +56,8 @@ from ._naming import note_name
 
 __all__ = [
     "CHECKPOINT_NAME",
+    "Offload",
+    "Offloadable",
     "Policy",
     "SavingPolicy",
     "checkpoint_name",
@@ -58,14 +65,65 @@ __all__ = [
     "dots_with_no_batch_dims_saveable",
     "everything_saveable",
     "from_torch",
+    "memory_budget",
     "nothing_saveable",
+    "offload_dot_with_no_batch_dims",
     "save_any_names_but_these",
     "save_anything_except_these_names",
+    "save_and_offload_only_these_names",
     "save_from_both_policies",
     "save_only_these_names",
 ]
 
-Policy = Callable[..., bool]
+#: Where a kept value may live: JAX's memory kinds.
+OFFLOAD_SOURCES = ("device",)
+OFFLOAD_DESTINATIONS = ("pinned_host", "unpinned_host")
+
+
+@dataclass(frozen=True, repr=False)
+class Offloadable:
+    """A policy's third answer: keep the output, but in host memory between the passes.
+
+    ``Offload`` is the usual value (from device memory to pinned host memory);
+    ``Offloadable(src, dst)`` names other memory kinds, as JAX's
+    ``Offloadable`` does. A CPU tensor is already in host memory: it is simply kept.
+
+        >>> Offload
+        policies.Offload
+        >>> Offloadable("device", "unpinned_host")
+        policies.Offloadable(src='device', dst='unpinned_host')
+    """
+
+    src: str = "device"
+    dst: str = "pinned_host"
+
+    def __post_init__(self) -> None:
+        _check_memory_kind("Offloadable", "src", self.src, OFFLOAD_SOURCES)
+        _check_memory_kind("Offloadable", "dst", self.dst, OFFLOAD_DESTINATIONS)
+
+    @property
+    def pinned(self) -> bool:
+        return self.dst == "pinned_host"
+
+    def __repr__(self) -> str:
+        if self == Offloadable():
+            return "policies.Offload"
+        return f"policies.Offloadable(src={self.src!r}, dst={self.dst!r})"
+
+
+def _check_memory_kind(who: str, arg: str, value: Any, allowed: tuple[str, ...]) -> None:
+    if not isinstance(value, str):
+        raise TypeError(f"{who}: {arg} must be a string, one of {allowed}, got {value!r}")
+    if value not in allowed:
+        raise ValueError(f"{who}: {arg} must be one of {allowed}, got {value!r}")
+
+
+#: Returned by a policy: keep that operator's outputs in (pinned) host memory between the passes.
+Offload = Offloadable()
+
+#: What a policy returns: True (keep), False (recompute) or an :class:`Offloadable` (keep on the host).
+Verdict = bool | Offloadable
+Policy = Callable[..., Verdict]
 T = TypeVar("T")
 
 aten = torch.ops.aten
@@ -193,7 +251,7 @@ class SavingPolicy:
     callables are policies too; for them remat assumes names matter.
     """
 
-    def __call__(self, op: Any, *args: Any, **kwargs: Any) -> bool:
+    def __call__(self, op: Any, *args: Any, **kwargs: Any) -> Verdict:
         raise NotImplementedError
 
     @property
@@ -203,6 +261,11 @@ class SavingPolicy:
     @property
     def excluded_names(self) -> frozenset[str]:
         return frozenset()
+
+    @property
+    def lowerable(self) -> bool:
+        """Can ``torch.compile``'s checkpoint region (a per-operator save-or-recompute choice) apply it?"""
+        return not self.uses_names
 
 
 @dataclass(frozen=True, repr=False)
@@ -286,6 +349,11 @@ def save_from_both_policies(policy_1: Policy, policy_2: Policy) -> Policy:
     for arg, p in (("policy_1", policy_1), ("policy_2", policy_2)):
         if not callable(p):
             raise TypeError(f"save_from_both_policies: {arg} must be a callable policy, got {p!r}")
+        if budget_of(p) is not None:
+            raise TypeError(
+                f"save_from_both_policies: {arg} is {p!r}, which chooses among all of a call's values at "
+                "once and cannot be combined; use it alone"
+            )
 
     return SaveFromBothPolicies(policy_1, policy_2)
 
@@ -300,8 +368,10 @@ def from_torch(policy_fn_or_list: Callable[..., Any] | Iterable[Any]) -> FromTor
 
     Accepts what ``torch.utils.checkpoint.create_selective_checkpoint_contexts``
     accepts: a function ``(ctx, op, *args, **kwargs) -> CheckpointPolicy`` (or
-    bool), where ``MUST_SAVE``/``PREFER_SAVE`` keep the output, or a list of
-    operators to keep (``OpOverload`` or ``OpOverloadPacket``).
+    bool), where ``MUST_SAVE``/``PREFER_SAVE`` keep the output and, where the
+    installed torch has them, ``MUST_CPU_OFFLOAD``/``PREFER_CPU_OFFLOAD`` keep it
+    in host memory (:data:`Offload`), or a list of operators to keep
+    (``OpOverload`` or ``OpOverloadPacket``).
 
         >>> import torch
         >>> from funckpt import policies
@@ -363,8 +433,18 @@ class SaveFromBothPolicies(SavingPolicy):
     policy_1: Policy
     policy_2: Policy
 
-    def __call__(self, op: Any, *args: Any, **kwargs: Any) -> bool:
-        return bool(self.policy_1(op, *args, **kwargs) or self.policy_2(op, *args, **kwargs))
+    def __call__(self, op: Any, *args: Any, **kwargs: Any) -> Verdict:
+        # Saving beats offloading beats recomputing.
+        first = self.policy_1(op, *args, **kwargs)
+        if first and not isinstance(first, Offloadable):
+            return True
+        second = self.policy_2(op, *args, **kwargs)
+        if second and not isinstance(second, Offloadable):
+            return True
+        for verdict in (first, second):
+            if isinstance(verdict, Offloadable):
+                return verdict
+        return False
 
     @property
     def uses_names(self) -> bool:
@@ -373,6 +453,10 @@ class SaveFromBothPolicies(SavingPolicy):
     @property
     def excluded_names(self) -> frozenset[str]:
         return excluded_names(self.policy_1) & excluded_names(self.policy_2)
+
+    @property
+    def lowerable(self) -> bool:
+        return lowerable(self.policy_1) and lowerable(self.policy_2)
 
     def __repr__(self) -> str:
         return f"policies.save_from_both_policies({self.policy_1!r}, {self.policy_2!r})"
@@ -385,7 +469,7 @@ class FromTorch(SavingPolicy):
     source: Callable[..., Any] | tuple[Any, ...]
     allow_cache_entry_mutation: bool = False
 
-    def __call__(self, op: Any, *args: Any, **kwargs: Any) -> bool:
+    def __call__(self, op: Any, *args: Any, **kwargs: Any) -> Verdict:
         if op is CHECKPOINT_NAME:
             return False
         if isinstance(self.source, tuple):
@@ -395,6 +479,8 @@ class FromTorch(SavingPolicy):
         verdict = self.source(SelectiveCheckpointContext(is_recompute=False), op, *args, **kwargs)
         if isinstance(verdict, bool):
             return verdict
+        if verdict in _TORCH_OFFLOAD:
+            return Offload
         return verdict in (CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_SAVE)
 
     @property
@@ -405,6 +491,200 @@ class FromTorch(SavingPolicy):
         return f"policies.from_torch({self.source!r})"
 
 
+def _torch_offload_values() -> frozenset[Any]:
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    return frozenset(getattr(CheckpointPolicy, n) for n in ("MUST_CPU_OFFLOAD", "PREFER_CPU_OFFLOAD") if hasattr(CheckpointPolicy, n))
+
+
+_TORCH_OFFLOAD = _torch_offload_values()
+
+
+# ------------------------------------------------------------------ offloading
+
+
+def _offload_kinds(who: str, src: Any, dst: Any) -> Offloadable:
+    _check_memory_kind(who, "offload_src", src, OFFLOAD_SOURCES)
+    _check_memory_kind(who, "offload_dst", dst, OFFLOAD_DESTINATIONS)
+    kind = Offloadable(src, dst)
+    return Offload if kind == Offload else kind  # so that `verdict is Offload` holds for the usual kind
+
+
+@dataclass(frozen=True, repr=False)
+class OffloadDots(SavingPolicy):
+    """Offloads what an operator predicate selects, recomputes the rest."""
+
+    name: str
+    decide: Callable[..., bool]
+    offload: Offloadable
+
+    def __call__(self, op: Any, *args: Any, **kwargs: Any) -> Verdict:
+        return self.offload if self.decide(op, *args, **kwargs) else False
+
+    @property
+    def uses_names(self) -> bool:
+        return False
+
+    @property
+    def lowerable(self) -> bool:
+        return False  # the compiler's region would keep the values on the device
+
+    def __repr__(self) -> str:
+        if self.offload == Offload:
+            return f"policies.{self.name}()"
+        return f"policies.{self.name}(offload_src={self.offload.src!r}, offload_dst={self.offload.dst!r})"
+
+
+def offload_dot_with_no_batch_dims(offload_src: str = "device", offload_dst: str = "pinned_host") -> Policy:
+    """Keep matrix multiplies without batch dimensions in host memory; recompute the rest.
+
+    What :data:`dots_with_no_batch_dims_saveable` saves, offloaded (as
+    ``jax.checkpoint_policies.offload_dot_with_no_batch_dims``).
+
+        >>> import torch
+        >>> policy = offload_dot_with_no_batch_dims()
+        >>> policy(torch.ops.aten.mm.default), policy(torch.ops.aten.sin.default)
+        (policies.Offload, False)
+    """
+    offload = _offload_kinds("offload_dot_with_no_batch_dims", offload_src, offload_dst)
+    return OffloadDots("offload_dot_with_no_batch_dims", _dots_with_no_batch_dims_saveable, offload)
+
+
+@dataclass(frozen=True, repr=False)
+class SaveAndOffloadNames(SavingPolicy):
+    saved: frozenset[str]
+    offloaded: frozenset[str]
+    offload: Offloadable
+
+    def __call__(self, op: Any, *args: Any, **kwargs: Any) -> Verdict:
+        if op is not CHECKPOINT_NAME:
+            return False
+        if args[1] in self.saved:
+            return True
+        return self.offload if args[1] in self.offloaded else False
+
+    def __repr__(self) -> str:
+        kinds = "" if self.offload == Offload else f", offload_src={self.offload.src!r}, offload_dst={self.offload.dst!r}"
+        return (
+            f"policies.save_and_offload_only_these_names(names_which_can_be_saved={tuple(sorted(self.saved))!r}, "
+            f"names_which_can_be_offloaded={tuple(sorted(self.offloaded))!r}{kinds})"
+        )
+
+
+def save_and_offload_only_these_names(
+    *,
+    names_which_can_be_saved: Iterable[str] = (),
+    names_which_can_be_offloaded: Iterable[str] = (),
+    offload_src: str = "device",
+    offload_dst: str = "pinned_host",
+) -> Policy:
+    """Keep the values named with ``names_which_can_be_saved``, offload those named with
+    ``names_which_can_be_offloaded`` to host memory, recompute everything else.
+
+    As ``jax.checkpoint_policies.save_and_offload_only_these_names``; a name may
+    not be in both.
+
+        >>> import torch
+        >>> policy = save_and_offload_only_these_names(names_which_can_be_saved=["a"], names_which_can_be_offloaded=["b"])
+        >>> [policy(CHECKPOINT_NAME, torch.ones(1), n) for n in "abc"]
+        [True, policies.Offload, False]
+    """
+    who = "save_and_offload_only_these_names"
+    for arg, value in (("names_which_can_be_saved", names_which_can_be_saved), ("names_which_can_be_offloaded", names_which_can_be_offloaded)):
+        if isinstance(value, str) or not isinstance(value, Iterable):
+            raise TypeError(f"{who}: {arg} must be a list or tuple of names, got {value!r}")
+    saved = _names(names_which_can_be_saved, f"{who}: names_which_can_be_saved")
+    offloaded = _names(names_which_can_be_offloaded, f"{who}: names_which_can_be_offloaded")
+    both = saved & offloaded
+    if both:
+        raise ValueError(
+            f"{who}: names_which_can_be_saved and names_which_can_be_offloaded must not share names, "
+            f"both hold {sorted(both)!r}"
+        )
+    return SaveAndOffloadNames(saved, offloaded, _offload_kinds(who, offload_src, offload_dst))
+
+
+# ------------------------------------------------------------------ a memory budget
+
+
+@dataclass(frozen=True, repr=False)
+class MemoryBudget(SavingPolicy):
+    """Keeps, per remat'd call, the values cheapest to keep per unit of recomputation saved.
+
+    During the forward run it answers as :data:`everything_saveable` (so every
+    candidate is recorded); at the end of the run the recorder keeps the
+    candidates with the highest estimated recomputation cost per byte, in that
+    order, as long as their bytes fit in ``fraction`` of all candidates' bytes,
+    and drops the rest (see ``funckpt._budget``).
+    """
+
+    fraction: float
+
+    def __call__(self, op: Any, *args: Any, **kwargs: Any) -> Verdict:
+        return self.fraction > 0
+
+    @property
+    def uses_names(self) -> bool:
+        return False
+
+    @property
+    def budget(self) -> float:
+        return self.fraction
+
+    @property
+    def lowerable(self) -> bool:
+        return False  # it chooses among a whole call's values, not per operator
+
+    def __repr__(self) -> str:
+        return f"policies.memory_budget({self.fraction!r})"
+
+
+def memory_budget(fraction: float) -> Policy:
+    """Keep the values most expensive to recompute per byte, up to ``fraction`` of what
+    :data:`everything_saveable` would keep.
+
+    Decided per remat'd call from its operators: each value's recomputation
+    cost is estimated from shapes (FLOPs for matrix multiplies, convolutions and
+    attention, the number of elements for the rest), and the values are taken
+    by cost per byte, highest first, while their total stays within
+    ``fraction`` of all candidates' bytes. ``0.0`` keeps what
+    :data:`nothing_saveable` keeps, ``1.0`` what :data:`everything_saveable`
+    keeps, and a larger fraction never keeps fewer bytes nor recomputes more.
+    :func:`~funckpt.print_saved_residuals` shows the choice.
+
+        >>> memory_budget(0.25)
+        policies.memory_budget(0.25)
+        >>> memory_budget(0.0), memory_budget(1)
+        (policies.nothing_saveable, policies.everything_saveable)
+    """
+    if isinstance(fraction, bool) or not isinstance(fraction, numbers.Real):
+        raise TypeError(f"memory_budget: fraction must be a number in [0, 1], got {fraction!r}")
+    fraction = float(fraction)
+    if not 0.0 <= fraction <= 1.0:  # also refuses NaN
+        raise ValueError(f"memory_budget: fraction must be in [0, 1], got {fraction!r}")
+    # The endpoints are those policies, so they cost no more than they do (no recording of
+    # every candidate only to drop them all, no cost estimates only to keep them all).
+    if fraction == 0.0:
+        return nothing_saveable
+    if fraction == 1.0:
+        return everything_saveable
+    return MemoryBudget(fraction)
+
+
+def lowerable(policy: Policy) -> bool:
+    """Can a call with ``policy`` become ``torch.compile``'s checkpoint region? Plain callables:
+    when names do not matter to them (then their answers become ``MUST_SAVE``/``PREFER_RECOMPUTE``;
+    a ``from_torch`` function's offload answers keep the value on the device there)."""
+    verdict = getattr(policy, "lowerable", None)
+    return verdict if isinstance(verdict, bool) else not uses_names(policy)
+
+
+def budget_of(policy: Any) -> float | None:
+    """The memory budget fraction ``policy`` asks for, or None."""
+    budget = getattr(policy, "budget", None)
+    return budget if isinstance(budget, float) else None
+
+
 def is_policy_factory(obj: Any) -> bool:
     """Is ``obj`` one of the functions above that *make* a policy (a common slip: passing it uncalled)?"""
     return obj in (
@@ -413,6 +693,9 @@ def is_policy_factory(obj: Any) -> bool:
         save_anything_except_these_names,
         save_from_both_policies,
         from_torch,
+        offload_dot_with_no_batch_dims,
+        save_and_offload_only_these_names,
+        memory_budget,
     )
 
 

@@ -30,6 +30,8 @@ POLICIES = {
     "everything": policies.everything_saveable,
     "names": policies.save_only_these_names("h"),
     "except_names": policies.save_anything_except_these_names("h"),
+    "budget": policies.memory_budget(0.4),
+    "offload": policies.save_and_offload_only_these_names(names_which_can_be_offloaded=["h"]),
 }
 # dropout needs a transform whose vmap (if any) allows randomness
 TRANSFORMS_WITH_DROPOUT = ["grad", "vmap_grad", "grad_grad", "backward"]
