@@ -81,7 +81,7 @@ def variants(n: int) -> dict[str, Callable[[Cell, torch.Tensor, torch.Tensor], t
         "Python loop of remat(step)": per_step,
         "scan, checkpoints=None": scanned(None),
         "scan, checkpoints=8": scanned(8),
-        f"scan, checkpoints=ceil(log2 n)": scanned(log_c),
+        "scan, checkpoints=ceil(log2 n)": scanned(log_c),
     }
 
 
