@@ -10,10 +10,12 @@ the profiler stops, and nothing allocated before the step is freed inside it).
 from __future__ import annotations
 
 import datetime
+import re
 import platform
 import statistics
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -82,3 +84,31 @@ def table(headers: list[str], rows: list[list[Any]]) -> str:
     lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
     lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
     return "\n".join(lines)
+
+
+BENCHMARKS_MD = Path(__file__).resolve().parents[1] / "BENCHMARKS.md"
+
+
+def _markers(command: str) -> tuple[str, str]:
+    return f"<!-- begin: {command} -->", f"<!-- end: {command} -->"
+
+
+def write_block(command: str, section: str, path: Path = BENCHMARKS_MD) -> None:
+    """Put ``section`` into BENCHMARKS.md between markers naming ``command``, which made it.
+
+    For benchmarks too slow for ``python -m benchmarks.run``: it keeps such blocks as they are.
+    """
+    begin, end = _markers(command)
+    text = path.read_text() if path.exists() else ""
+    block = f"{begin}\n{section}\n{end}"
+    if begin in text and end in text:
+        head, rest = text.split(begin, 1)
+        text = head + block + rest.split(end, 1)[1]
+    else:
+        text = text.rstrip("\n") + "\n\n" + block + "\n"
+    path.write_text(text)
+
+
+def kept_blocks(text: str) -> list[str]:
+    """Every block :func:`write_block` put into ``text``, markers included, in order."""
+    return [m.group(0) for m in re.finditer(r"<!-- begin: (.*?) -->.*?<!-- end: \1 -->", text, flags=re.S)]

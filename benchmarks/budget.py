@@ -36,7 +36,7 @@ from torch import nn
 import funckpt
 from funckpt import policies, remat
 
-from ._common import peak_bytes, table
+from ._common import peak_bytes, table, write_block
 from .core import Variant, peaks, stack_inputs
 from .mlp_stack import block, loss_fn
 
@@ -336,28 +336,10 @@ def gpu_section(small: bool = False, rounds: int = 10) -> str:
     return "\n".join(lines)
 
 
-BENCHMARKS_MD = Path(__file__).resolve().parents[1] / "BENCHMARKS.md"
-BEGIN, END = "<!-- begin: python -m benchmarks.budget --write -->", "<!-- end: python -m benchmarks.budget --write -->"
-
-
-def write(section: str, path: Path = BENCHMARKS_MD) -> None:
-    """Put ``section`` into BENCHMARKS.md between the markers (``benchmarks.run`` keeps that block:
-    this benchmark takes about a minute, more than the 30 s a section of ``benchmarks.run`` may)."""
-    text = path.read_text() if path.exists() else ""
-    block = f"{BEGIN}\n{section}\n{END}"
-    if BEGIN in text and END in text:
-        head, rest = text.split(BEGIN, 1)
-        text = head + block + rest.split(END, 1)[1]
-    else:
-        text = text.rstrip("\n") + "\n\n" + block + "\n"
-    path.write_text(text)
-
-
-def kept_block(text: str) -> str | None:
-    """The block :func:`write` put into ``text``, markers included, if any."""
-    if BEGIN in text and END in text:
-        return BEGIN + text.split(BEGIN, 1)[1].split(END, 1)[0] + END
-    return None
+def write(section: str) -> None:
+    """Put ``section`` into BENCHMARKS.md (``benchmarks.run`` keeps it: this benchmark takes about a
+    minute, more than the 30 s a section of ``benchmarks.run`` may)."""
+    write_block("python -m benchmarks.budget --write", section)
 
 
 def main() -> None:

@@ -14,7 +14,7 @@ backward, median of a few runs). Then, for ``n = 1000``, the steps run again in
 the backward pass as ``c`` varies, counted by the step itself, next to Griewank
 and Walther's optimum for the schedule.
 
-    python -m benchmarks.loops            # n = 10 .. 10,000 (a few minutes on 2 cores)
+    python -m benchmarks.loops --write    # n = 10 .. 10,000, into BENCHMARKS.md (ten minutes or so on 2 cores)
     python -m benchmarks.loops --small    # a smoke run
 """
 
@@ -31,7 +31,7 @@ import torch
 import funckpt
 from funckpt import _schedule
 
-from ._common import median_seconds, peak_bytes, table
+from ._common import median_seconds, peak_bytes, table, write_block
 
 BATCH, WIDTH = 64, 128
 CARRY = BATCH * WIDTH * 4
@@ -39,6 +39,7 @@ PLOT = Path(__file__).resolve().parent / "loops.png"
 STEPS = (10, 100, 1000, 10_000)
 SMALL_STEPS = (5, 10)
 SWEEP_N = 1000
+PER_STEP_UP_TO = 1000
 SWEEP_C = (2, 3, 4, 6, 8, 12, 16, 32, 64, 1000)
 
 
@@ -97,6 +98,9 @@ def measure(n: int, timing: bool = True) -> dict[str, tuple[float, float]]:
 
     out = {}
     for name, loop in variants(n).items():
+        if name == "Python loop of remat(step)" and n > PER_STEP_UP_TO:
+            out[name] = (math.nan, math.nan)  # profiling 10,000 remat'd calls takes most of an hour here
+            continue
 
         def step(loop: Any = loop) -> object:
             loop(cell, c0, xs).square().mean().backward()
@@ -135,7 +139,8 @@ def plot(results: dict[int, dict[str, tuple[float, float]]], sweep: dict[int, tu
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
     for name in results[steps[0]]:
-        left.plot(steps, [results[n][name][0] for n in steps], marker="o", label=name)
+        points = [(n, results[n][name][0]) for n in steps if not math.isnan(results[n][name][0])]
+        left.plot([n for n, _ in points], [v for _, v in points], marker="o", label=name)
     left.set_xscale("log")
     left.set_yscale("log")
     left.set_xlabel("steps n")
@@ -157,6 +162,10 @@ def plot(results: dict[int, dict[str, tuple[float, float]]], sweep: dict[int, tu
     plt.close(fig)
 
 
+def _cell(value: float, spec: str) -> str:
+    return "—" if math.isnan(value) else format(value, spec)
+
+
 def run(small: bool = False) -> str:
     steps = SMALL_STEPS if small else STEPS
     results = {n: measure(n, timing=not small) for n in steps}
@@ -164,8 +173,8 @@ def run(small: bool = False) -> str:
     if not small:
         plot(results, sweep, steps)
     names = list(results[steps[0]])
-    memory_rows = [[f"`{name}`"] + [f"{results[n][name][0]:.1f}" for n in steps] for name in names]
-    time_rows = [[f"`{name}`"] + [f"{results[n][name][1]:.0f}" for n in steps] for name in names]
+    memory_rows = [[f"`{name}`"] + [_cell(results[n][name][0], ".1f") for n in steps] for name in names]
+    time_rows = [[f"`{name}`"] + [_cell(results[n][name][1], ".0f") for n in steps] for name in names]
     sweep_rows = [[c, extra, optimum, f"{extra / max(optimum, 1):.2f}"] for c, (extra, optimum) in sorted(sweep.items())]
     largest = steps[-1]
     plain_peak = results[largest]["plain Python loop"][0]
@@ -174,11 +183,12 @@ def run(small: bool = False) -> str:
         [
             "## Checkpointed loops: memory and time vs steps, recomputation vs checkpoints",
             "",
-            "Command: `python -m benchmarks.loops` (part of `python -m benchmarks.run`). A recurrent cell",
+            "Command: `python -m benchmarks.loops --write` (ten minutes or so, so not part of `python -m benchmarks.run`,",
+            "which keeps this section). A recurrent cell",
             f"(carry {BATCH} x {WIDTH} float32 = 1 carry-size, {CARRY // 1024} KiB; `tanh(c @ W + x)` and a residual MLP), `.backward()`",
             "through n steps. CPU figures: a proxy for memory (exact byte counts) and for host overhead.",
             "",
-            "Peak memory (carry-sizes, parameter gradients included):",
+            f"Peak memory (carry-sizes, parameter gradients included; per-step remat is not profiled beyond n = {PER_STEP_UP_TO}):",
             "",
             table(["variant"] + [f"n = {n}" for n in steps], memory_rows),
             "",
@@ -204,4 +214,9 @@ def run(small: bool = False) -> str:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("--small", action="store_true")
-    print(run(small=parser.parse_args().small))
+    parser.add_argument("--write", action="store_true", help="also put the section into BENCHMARKS.md")
+    args = parser.parse_args()
+    section = run(small=args.small)
+    print(section)
+    if args.write and not args.small:
+        write_block("python -m benchmarks.loops --write", section)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from . import budget, compile, core, overhead, policies, rng, sequential
-from ._common import machine_header
+from . import compile, core, overhead, policies, rng, sequential
+from ._common import kept_blocks, machine_header
 
 SECTIONS = [core.run, overhead.run, policies.run, sequential.run, rng.run, compile.run]
 
@@ -23,10 +23,10 @@ def main() -> None:
     for section in SECTIONS:
         parts += [section(), ""]
     path = Path(__file__).resolve().parents[1] / "BENCHMARKS.md"
-    # Sections too slow for this command (python -m benchmarks.budget --write) are kept as they are.
-    kept = budget.kept_block(path.read_text()) if path.exists() else None
-    if kept is not None:
-        parts += [kept, ""]
+    # Sections too slow for this command (python -m benchmarks.budget --write, benchmarks.loops --write)
+    # are kept as they are.
+    for block in kept_blocks(path.read_text()) if path.exists() else []:
+        parts += [block, ""]
     path.write_text("\n".join(parts))
     print(path.read_text())
 

@@ -20,3 +20,20 @@ def test_loops_benchmark_counts_recomputation_against_the_optimum():
     sweep = loops.recomputation(30, (2, 8))
     for measured, optimum in sweep.values():
         assert optimum <= measured <= optimum + 30  # at most the run from the last kept carry to the last step
+
+
+def test_slow_benchmarks_write_blocks_that_benchmarks_run_keeps(tmp_path):
+    from benchmarks._common import kept_blocks, write_block
+
+    path = tmp_path / "BENCHMARKS.md"
+    path.write_text("# Benchmarks\n\nother sections\n")
+    write_block("python -m benchmarks.budget --write", "## first", path)
+    write_block("python -m benchmarks.budget --write", "## second", path)
+    write_block("python -m benchmarks.loops --write", "## loops", path)
+    text = path.read_text()
+    assert text.count("<!-- begin: python -m benchmarks.budget --write -->") == 1
+    assert "## second" in text and "## first" not in text
+    assert kept_blocks(text) == [
+        "<!-- begin: python -m benchmarks.budget --write -->\n## second\n<!-- end: python -m benchmarks.budget --write -->",
+        "<!-- begin: python -m benchmarks.loops --write -->\n## loops\n<!-- end: python -m benchmarks.loops --write -->",
+    ]

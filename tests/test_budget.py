@@ -205,20 +205,13 @@ def test_budget_benchmark_gpu_section_runs_in_its_small_configuration():
     assert "dots' share" in report and "offloading dots: peak" in report
 
 
-def test_budget_benchmark_dominance_and_its_block_in_benchmarks_md(tmp_path):
+def test_budget_benchmark_dominance():
     from benchmarks import budget
 
     points = {name: (10.0, 1.0) for name in budget.all_policies()}
     points["dots_saveable"] = (5.0, 1.0)
     verdicts = budget.dominance(points)
     assert verdicts["dots_saveable"] is None and verdicts["nothing_saveable"] == "memory_budget(0)"
-    path = tmp_path / "BENCHMARKS.md"
-    path.write_text("# Benchmarks\n\nother sections\n")
-    budget.write("## first", path)
-    budget.write("## second", path)
-    text = path.read_text()
-    assert text.count(budget.BEGIN) == 1 and "## second" in text and "## first" not in text
-    assert budget.kept_block(text) == f"{budget.BEGIN}\n## second\n{budget.END}"
 
 
 @settings(max_examples=200, deadline=None)
