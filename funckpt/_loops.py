@@ -217,7 +217,15 @@ def _truth(value: Any) -> bool:
                 f"while_loop: cond must return a Python bool or a one-element bool tensor, got a "
                 f"{value.dtype} tensor of shape {tuple(value.shape)}"
             )
-        return bool(value.item())
+        try:
+            return bool(value.item())
+        except RuntimeError as e:  # a condition batched by vmap: data-dependent control flow
+            raise CheckpointError(
+                "while_loop: cond returned a tensor whose value differs across a vmap's batch, so the "
+                "number of steps would differ per example; funckpt.while_loop runs one Python loop. "
+                "Make cond independent of the batched values (a step count, a reduction outside vmap), "
+                "or use fori_loop/scan with a fixed number of steps and torch.where to stop updating."
+            ) from e
     if isinstance(value, (bool, numbers.Integral)):
         return bool(value)
     raise TypeError(f"while_loop: cond must return a Python bool or a one-element bool tensor, got {value!r}")

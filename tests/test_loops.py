@@ -442,3 +442,11 @@ def test_a_step_that_computes_differently_when_run_again_raises(checkpoints):
     carry, _ = funckpt.scan(f, c0, length=6, checkpoints=checkpoints)
     with pytest.raises(funckpt.CheckpointError, match="did not reproduce"):
         carry.sum().backward()
+
+
+def test_while_loop_with_a_condition_batched_by_vmap_raises_a_clear_error():
+    def run(c):
+        return funckpt.while_loop(lambda c: c.sum() < 5, lambda c: c + 1, c, checkpoints=2)
+
+    with pytest.raises(funckpt.CheckpointError, match="differs across a vmap's batch"):
+        tf.vmap(run)(torch.zeros(3, 2))
