@@ -61,11 +61,9 @@ from ._internals import (
     is_dead_tensor_wrapper,
     is_functorch_wrapped,
     maybe_get_level,
-    no_torch_function,
     reparametrize_module,
+    sequence_nr,
     set_fwd_grad_enabled,
-    set_grad_enabled,
-    transforms_active,
     unpack_dual,
 )
 
@@ -574,28 +572,13 @@ def local_graph_leaves(
     return foreign, reached
 
 
-_PROBE = torch.zeros((), requires_grad=True)  # a leaf whose views make autograd nodes
-
-
 def next_sequence_nr() -> int:
-    """The sequence number the next autograd node created on this thread will get (at least).
+    """The sequence number the next autograd node created on this thread will get.
 
-    Call it before entering any user context: it runs one or two tiny operators.
+    Read from autograd's own thread-local counter (no operator runs), so it is
+    the same inside or outside transforms, inference mode and torch-function modes.
     """
-    if not transforms_active() and not torch.is_inference_mode_enabled():
-        previous = torch.is_grad_enabled()
-        set_grad_enabled(True)
-        try:
-            with no_torch_function():  # an enclosing region's Substitute must not see the probe
-                node = _PROBE.view_as(_PROBE).grad_fn
-        finally:
-            set_grad_enabled(previous)
-        if node is not None:
-            return int(node._sequence_nr()) + 1
-    with torch.inference_mode(False), torch.enable_grad():
-        probe = torch.zeros((), requires_grad=True).clone()
-    assert probe.grad_fn is not None
-    return probe.grad_fn._sequence_nr() + 1
+    return sequence_nr()
 
 
 def _foreign_level(t: torch.Tensor) -> bool:

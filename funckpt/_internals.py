@@ -65,6 +65,7 @@ __all__ = [
     "peek_interpreter_stack",
     "reparametrize_module",
     "set_fwd_grad_enabled",
+    "sequence_nr",
     "set_grad_enabled",
     "skip_code",
     "storage_of",
@@ -180,6 +181,10 @@ def forward_mode_active() -> bool:
 def set_grad_enabled(enabled: bool) -> None:
     """Grad mode without a context manager's Python frame (hot path)."""
     torch._C._set_grad_enabled(enabled)
+
+
+#: The sequence number the next autograd node created on this thread gets (torch >= 2.1).
+sequence_nr: Callable[[], int] = torch._C._autograd._get_sequence_nr
 
 
 def graph_task_keeps_graph() -> bool:
