@@ -528,6 +528,9 @@ class UserRegion(Region):
             fn = fn.func
         if isinstance(fn, types.FunctionType):
             roots += [*(fn.__closure__ or ()), fn.__defaults__, fn.__kwdefaults__]
+        roots = [r for r in roots if r is not None]
+        if not roots:  # nothing to look into (a plain function of its arguments)
+            return
         stored = [
             t
             for t in tensors_inside(roots, budget=10_000, into_modules=False)

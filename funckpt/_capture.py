@@ -133,6 +133,8 @@ def find_captured(fn: Callable[..., Any] | tuple[Any, ...]) -> Captured:
     each tensor once, in discovery order, each ``torch.Generator`` found, and
     each module with its named tensors.
     """
+    if type(fn) is types.FunctionType and _reaches_nothing(fn):
+        return Captured()  # what the walk below finds for such a function, without its set-up
     found: dict[int, torch.Tensor] = {}
     generators: dict[int, torch.Generator] = {}
     modules: list[tuple[torch.nn.Module, dict[str, torch.Tensor]]] = []
@@ -196,6 +198,28 @@ def find_captured(fn: Callable[..., Any] | tuple[Any, ...]) -> Captured:
 
     _walk(fn, leaf, expand, budget=_MAX_ITEMS, max_depth=_MAX_DEPTH, depth_first=True)
     return Captured(list(found.values()), list(generators.values()), modules)
+
+
+def _reaches_nothing(fn: types.FunctionType) -> bool:
+    """A function with no closure, defaults or global other than modules and classes (or library code).
+
+    The walk of :func:`find_captured` stops at once for it; this asks the same
+    questions in the same order, so the answer is the same (a global rebound to a
+    tensor since the last call is seen: nothing is remembered between calls).
+    """
+    if _is_library(fn):
+        return True
+    if fn.__closure__ or fn.__defaults__ or fn.__kwdefaults__:
+        return False
+    namespace = fn.__globals__
+    for name in _global_names(fn.__code__):
+        value = namespace.get(name, _MISSING)
+        if value is not _MISSING and not isinstance(value, (types.ModuleType, type)):
+            return False
+    return True
+
+
+_MISSING = object()
 
 
 _OPAQUE_DATA = (str, bytes, bytearray, memoryview, int, float, complex, type, types.ModuleType)
