@@ -65,8 +65,10 @@ from ._internals import (
     custom_function_call,
     enable_single_level_autograd_function,
     forward_ad_level,
+    functorch_dispatches_first,
     grad_levels_active,
     graph_task_keeps_graph,
+    has_torch_function,
     is_batchedtensor,
     is_dead_tensor_wrapper,
     jvp_levels_active,
@@ -77,6 +79,8 @@ from ._internals import (
     maybe_get_level,
     peek_interpreter_stack,
     set_fwd_grad_enabled,
+    set_single_level_function_allowed,
+    single_level_function_allowed,
     storage_of,
     transforms_active,
     unpack_dual,
@@ -157,9 +161,49 @@ def apply(region: Region, flat: Sequence[torch.Tensor]) -> Tensors:
     ``forward`` takes positional arguments only, with no defaults.
     """
     if transforms_active():
+        top = peek_interpreter_stack()
+        if (
+            top is not None
+            and top.key() in (TransformType.Grad, TransformType.Jvp)
+            and functorch_dispatches_first()
+            and not has_torch_function(tuple(flat))
+        ):
+            return _apply_at_level(top, region, flat)
         return cast(Tensors, custom_function_call(_RematFunction, region, *flat))
     flat = tuple(unwrap_if_dead(t) for t in flat)  # as Function.apply does
     return cast(Tensors, apply_function(_RematFunction, region, *flat))
+
+
+class _AtLevel:
+    """A region and the grad or jvp level it is applied at: what :class:`_RematAtLevel` is given."""
+
+    __slots__ = ("interpreter", "region")
+
+    def __init__(self, region: Region, interpreter: Any) -> None:
+        self.region, self.interpreter = region, interpreter
+
+
+def _apply_at_level(top: Any, region: Region, flat: Sequence[torch.Tensor]) -> Tensors:
+    """``custom_function_call(_RematFunction, region, *flat)`` where a grad or jvp level is on top.
+
+    What functorch does there (``dispatch_functorch``, the interpreter's ``process`` and
+    ``custom_function_call_grad``): unwrap dead wrappers, lift the tensors to the level, apply a single-level Function at that level whose forward
+    applies ``_RematFunction`` one level lower and whose backward and jvp are
+    ``_RematFunction``'s. functorch builds that Function as a new class on every call
+    and applies the one below through ``Function.apply``, which binds its signature;
+    :class:`_RematAtLevel` is that Function, made once, taking the level as an argument.
+    Elsewhere (vmap, functionalize, a torch-function mode or subclass to consult,
+    ``torch.export`` tracing) ``apply`` leaves the call to functorch.
+    """
+    interpreter = GradInterpreter(top) if top.key() == TransformType.Grad else JvpInterpreter(top)
+    lift = interpreter._cptr.lift  # the interpreter's own lift of a tensor to its level, as process() does
+    flat = tuple(lift(unwrap_if_dead(t)) for t in flat)
+    allowed = single_level_function_allowed()
+    set_single_level_function_allowed(True)
+    try:
+        return cast(Tensors, _RematAtLevel.apply(_AtLevel(region, interpreter), *flat))
+    finally:
+        set_single_level_function_allowed(allowed)
 
 
 # ----------------------------------------------------------------- derived regions
@@ -522,6 +566,35 @@ class _RematFunction(torch.autograd.Function):
     def vmap(info: Any, in_dims: tuple[Any, ...], region: Region, *flat: torch.Tensor) -> tuple[Tensors, tuple[int, ...]]:
         outs = apply(VmapRegion(region, in_dims[1:], info.randomness), flat)
         return outs, (0,) * len(outs)
+
+
+class _RematAtLevel(SingleLevelFunction):  # type: ignore[misc]  # torch's private class, typed Any in _internals
+    """``_RematFunction`` at one torch.func grad or jvp level (see :func:`_apply_at_level`)."""
+
+    @staticmethod
+    def forward(at: _AtLevel, *operands: torch.Tensor) -> Tensors:
+        level = at.interpreter.level()
+        unwrapped = tuple(unwrap_for_grad(x, level) for x in operands)
+        # As functorch's rule: grad and forward-mode AD on (a single-level Function's
+        # forward runs with both off), the level popped.
+        with torch.enable_grad(), set_fwd_grad_enabled(True), at.interpreter.lower():
+            outs = apply(at.region, unwrapped)
+        # An output that is an input, unwrapped, is returned as the input itself (as
+        # functorch's wrap_outputs_maintaining_identity does); the others are wrapped.
+        given = {id(u): x for u, x in zip(unwrapped, operands)}
+        return tuple(given[id(o)] if id(o) in given else wrap_for_grad(o, level) for o in outs)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Tensors) -> None:
+        _RematFunction.setup_context(ctx, (inputs[0].region, *inputs[1:]), output)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        return _RematFunction.backward(ctx, *grads)  # (None for the _AtLevel, *input grads)
+
+    @staticmethod
+    def jvp(ctx: Any, *tangents: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+        return _RematFunction.jvp(ctx, *tangents)
 
 
 def _saved_primals(ctx: Any) -> Tensors:

@@ -34,6 +34,10 @@ __all__ = [
     "OpOverload",
     "OpOverloadPacket",
     "SingleLevelFunction",
+    "has_torch_function",
+    "functorch_dispatches_first",
+    "set_single_level_function_allowed",
+    "single_level_function_allowed",
     "StorageWeakRef",
     "TransformType",
     "VmapInterpreter",
@@ -118,6 +122,32 @@ from torch._functorch.utils import enable_single_level_autograd_function  # noqa
 
 #: An autograd.Function that lives at one functorch level only (torch >= 2.1).
 SingleLevelFunction: Any = torch.autograd.function._SingleLevelFunction
+#: Whether applying one is allowed now (what ``enable_single_level_autograd_function`` sets).
+single_level_function_allowed: Callable[[], bool] = _C.get_single_level_autograd_function_allowed
+set_single_level_function_allowed: Callable[[bool], None] = _C.set_single_level_autograd_function_allowed
+
+
+_FUNCTORCH_FRONT = torch._C.DispatchKey.FuncTorchDynamicLayerFrontMode
+_PRE_DISPATCH = torch._C.DispatchKey.PreDispatch
+
+
+def functorch_dispatches_first() -> bool:
+    """Would a higher-order operator called now go to functorch's interpreter stack first?
+
+    Its key is on (transforms are active and not disabled) and the one key above it
+    that is not a fallthrough for such operators, ``make_fx``'s pre-dispatch tracing
+    (``torch.export``), is off.
+    """
+    included = torch._C._dispatch_tls_local_include_set()
+    return bool(
+        included.has(_FUNCTORCH_FRONT)
+        and not included.has(_PRE_DISPATCH)
+        and not torch._C._dispatch_tls_local_exclude_set().has(_FUNCTORCH_FRONT)
+    )
+
+
+#: Would a call with these arguments go to a ``__torch_function__`` (a mode or a subclass)?
+has_torch_function: Callable[[Any], bool] = torch._C._has_torch_function
 
 
 #: ``function.apply(*args)`` without its per-call ``inspect.signature(forward).bind``: the C++ entry point.
