@@ -149,7 +149,9 @@ def _only_forward_levels_active() -> bool:
 
 def _needs_graph(tensors: Sequence[torch.Tensor]) -> bool:
     """Must a computation on ``tensors`` be recorded for a later differentiation?"""
-    return torch.is_grad_enabled() and (grad_levels_active() or any(t.requires_grad for t in tensors))
+    return torch.is_grad_enabled() and (
+        any(t.requires_grad for t in tensors) or (transforms_active() and grad_levels_active())
+    )
 
 
 @eager_under_compile
@@ -306,7 +308,10 @@ def vjp(
         # result can be differentiated again.
         with torch.enable_grad():
             leaves = tuple(_local_leaf(p, i in wrt, create_graph) for i, p in enumerate(primals))
-            with _outside_legacy_vmap():
+            if _in_legacy_vmap():
+                with _outside_legacy_vmap():
+                    outs = region.run(leaves, Phase.RECOMPUTE)
+            else:
                 outs = region.run(leaves, Phase.RECOMPUTE)
             pairs = [(o, c) for o, c in zip(outs, cotangents) if o.requires_grad]
             if not pairs:
@@ -392,7 +397,7 @@ def _vjp_here(region: Region, primals: Tensors, cotangents: Tensors, needs: Sequ
     # create_graph backward, or autograd's vmap mode of is_grads_batched.
     plain_forward_mode = top is None and forward_ad_level() >= 0
     legacy_vmap = _in_legacy_vmap()
-    direct = _only_forward_levels_active() or legacy_vmap or plain_forward_mode
+    direct = (top is not None and _only_forward_levels_active()) or legacy_vmap or plain_forward_mode
     if needs_graph and not direct:
         vjp_region = VjpRegion(region, len(primals), needs)
         grads = iter(apply(vjp_region, (*primals, *cotangents)))

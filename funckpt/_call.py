@@ -268,7 +268,7 @@ class UserRegion(Region):
         self.used_constants: set[int] = set()  # non-differentiable inputs the forward run read  # inputs saved without a version check (see _autograd.setup_context)
         # Outputs aliasing inputs or each other are rebuilt as views by the caller
         # (_aliasing.py), except inside vmap, whose batched tensors have no storage.
-        self.views_outside = not vmap_active()
+        self.views_outside = not (transforms_active() and vmap_active())
         self.plan: _aliasing.Plan | None = None
         self.default_device: torch.device | None = None
         self.snapshots: dict[int, torch.Tensor] = {}  # input index -> its value before the forward wrote it
@@ -280,10 +280,8 @@ class UserRegion(Region):
         self.saved = None if policy is None or policy is nothing_saveable else Saved(policy, name)
         self._recompute_context: Any = None
         self.autocast: list[_autocast.AutocastState] = []
-        self.generators = [
-            *(leaf for leaf in argspec.dynamic.leaves if isinstance(leaf, torch.Generator)),
-            *captured.generators,
-        ]
+        self.generators = [leaf for leaf in argspec.dynamic.leaves if isinstance(leaf, torch.Generator)]
+        self.generators += captured.generators
 
     def _user_context(self, forward: bool) -> Any:
         """``context_fn``'s first context for the forward run, its second for a recomputation.
