@@ -518,19 +518,35 @@ class Substitute(OnThreadStack, TorchFunctionMode):
         # function called inside remat): it cannot trace the mutation of these collections.
         compiling = torch.compiler.is_compiling()
         used = None if compiling else self.used
-        swap = self._swap
-        args = tuple([swap(a, used) for a in args])
+        mapping, known, inside = self.mapping, self.known, self.inside
+        swapped = []
+        for a in args:  # _swap, with its tensor case inline (this runs for every operator)
+            if isinstance(a, torch.Tensor):
+                key = id(a)
+                replacement = mapping.get(key) if mapping else None
+                if replacement is not None:
+                    if used is not None:
+                        used.add(id(replacement))
+                    a = replacement
+                elif key in known:
+                    if used is not None:
+                        used.add(key)
+                elif key not in inside:
+                    self._check(a)
+            elif isinstance(a, (list, tuple)):
+                a = self._swap(a, used)
+            swapped.append(a)
         if kwargs:
-            kwargs = {k: swap(v, used) for k, v in kwargs.items()}
+            kwargs = {k: self._swap(v, used) for k, v in kwargs.items()}
         if func in _UNINITIALIZED:
             self.uninitialized = True
-        out = func(*args, **(kwargs or {}))
+        out = func(*swapped, **(kwargs or {}))
         # Every tensor made here is the run's own, whatever it becomes later: a leaf
         # made inside and then set to require grad (as HF T5 does) is not foreign.
         made = None if compiling else self.made
         for o in out if isinstance(out, (tuple, list)) else (out,):
             if isinstance(o, torch.Tensor):
-                self.inside.add(id(o))
+                inside.add(id(o))
                 if made is not None and o.requires_grad:
                     made.append(weakref.ref(o))
         return out
