@@ -132,6 +132,10 @@ class Region:
         """Inputs no gradient flows into that are still saved with a version check (read by the run)."""
         return set()
 
+    def outputs_share_no_input_storage(self) -> bool:
+        """Known after the forward run: no output it returned shares storage with an input."""
+        return False
+
 
 
 
@@ -483,6 +487,8 @@ class _RematFunction(torch.autograd.Function):
         # becomes a real view of that input, so autograd's rules for views made by
         # a custom Function apply (an in-place update of it raises instead of
         # changing the input behind autograd's back).
+        if region.outputs_share_no_input_storage():
+            return outs
         storages = {storage_of(t): t for t in flat}
         storages.pop(None, None)
         return tuple(_as_view_of(storages.get(storage_of(o)), o) for o in outs)

@@ -270,6 +270,7 @@ class UserRegion(Region):
         # (_aliasing.py), except inside vmap, whose batched tensors have no storage.
         self.views_outside = not (transforms_active() and vmap_active())
         self.plan: _aliasing.Plan | None = None
+        self.planned = False  # did the forward run plan its outputs (_aliasing.plan)?
         self.default_device: torch.device | None = None
         self.snapshots: dict[int, torch.Tensor] = {}  # input index -> its value before the forward wrote it
         self.out_slots: TreeSlots | None = None
@@ -376,6 +377,11 @@ class UserRegion(Region):
 
     def checked_constants(self) -> set[int]:
         return self.used_constants
+
+    def outputs_share_no_input_storage(self) -> bool:
+        # Where the forward run planned its outputs, every output sharing an input's
+        # storage became a view the caller rebuilds (or a copy): none is returned here.
+        return self.planned
 
     def _refuse_differentiable_writes(self, flat: tuple[torch.Tensor, ...]) -> None:
         """Raise if the forward run wrote a differentiable value into an input that had none.
@@ -633,7 +639,8 @@ class UserRegion(Region):
                     "Pass the tensor to the remat'd function as an argument."
                 )
             self._refuse_differentiable_writes(flat)
-        self.plan = _aliasing.plan(flat, tensors, grad_forward) if self.views_outside and plain_autograd else None
+        self.planned = self.views_outside and plain_autograd
+        self.plan = _aliasing.plan(flat, tensors, grad_forward) if self.planned else None
         if self.plan is not None:
             self._snapshot_viewed_inputs(flat)
         # Inputs that no gradient flows into but the function read (a mask, frozen
