@@ -63,7 +63,6 @@ from ._internals import (
     apply_function,
     compiler_disable,
     custom_function_call,
-    enable_single_level_autograd_function,
     forward_ad_level,
     functorch_dispatches_first,
     grad_levels_active,
@@ -664,8 +663,12 @@ def _guard_same_level(region: Region, grads: list[Any], primals: Tensors) -> lis
     if not present or not anchors:
         return grads
     level = maybe_get_level(anchors[0])
-    with enable_single_level_autograd_function():
+    allowed = single_level_function_allowed()
+    set_single_level_function_allowed(True)  # enable_single_level_autograd_function, without its generator
+    try:
         guarded = iter(_SameLevelGuard.apply(region.name, level, len(present), *present, *anchors))
+    finally:
+        set_single_level_function_allowed(allowed)
     return [None if g is None else next(guarded) for g in grads]
 
 

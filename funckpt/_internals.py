@@ -25,7 +25,6 @@ __all__ = [
     "torch_function_mode_enabled",
     "has_gradient_dtype",
     "register_tensor_hook",
-    "no_torch_function",
     "current_graph_task_id",
     "queue_engine_callback",
     "DisableFuncTorch",
@@ -49,7 +48,6 @@ __all__ = [
     "comptime",
     "custom_function_call",
     "define_operator",
-    "enable_single_level_autograd_function",
     "forward_ad_level",
     "forward_mode_active",
     "fsdp2_training_state",
@@ -118,11 +116,10 @@ DisableFuncTorch = torch._C._DisableFuncTorch
 # under the transforms, the interpreters' ``lower()`` context, single-level Functions.
 from torch._functorch.autograd_function import custom_function_call  # noqa: E402, F401
 from torch._functorch.pyfunctorch import GradInterpreter, JvpInterpreter, VmapInterpreter  # noqa: E402, F401
-from torch._functorch.utils import enable_single_level_autograd_function  # noqa: E402, F401
 
 #: An autograd.Function that lives at one functorch level only (torch >= 2.1).
 SingleLevelFunction: Any = torch.autograd.function._SingleLevelFunction
-#: Whether applying one is allowed now (what ``enable_single_level_autograd_function`` sets).
+#: Whether applying one is allowed now (what torch's ``enable_single_level_autograd_function`` sets).
 single_level_function_allowed: Callable[[], bool] = _C.get_single_level_autograd_function_allowed
 set_single_level_function_allowed: Callable[[bool], None] = _C.set_single_level_autograd_function_allowed
 
@@ -230,11 +227,6 @@ def register_tensor_hook(t: torch.Tensor, hook: Callable[..., Any]) -> None:
 def torch_function_mode_enabled() -> bool:
     """Is any torch-function mode active (``with torch.device(...)`` is one)?"""
     return bool(torch._C._is_torch_function_mode_enabled())
-
-
-def no_torch_function() -> Any:
-    """A context with torch-function modes and subclasses off (torch >= 1.13)."""
-    return torch._C.DisableTorchFunction()
 
 
 def current_graph_task_id() -> int:

@@ -84,6 +84,6 @@ def flatten_args(
     args: tuple[Any, ...], kwargs: dict[str, Any], static_argnums: tuple[int, ...]
 ) -> tuple[list[torch.Tensor], ArgSpec]:
     static = {i: args[i] for i in static_argnums}
-    dynamic = tuple(a for i, a in enumerate(args) if i not in static)
+    dynamic = tuple(a for i, a in enumerate(args) if i not in static) if static else args
     tensors, slots = flatten((dynamic, kwargs))
     return tensors, ArgSpec(slots, static, len(args))
