@@ -61,6 +61,7 @@ from ._internals import (
     VmapInterpreter,
     add_batch_dim,
     apply_function,
+    autograd_grad,
     compiler_disable,
     custom_function_call,
     forward_ad_level,
@@ -319,12 +320,8 @@ def vjp(
             pairs = [(o, c) for o, c in zip(outs, cotangents) if o.requires_grad]
             if not pairs:
                 return [None] * len(primals)
-            grads = torch.autograd.grad(
-                [o for o, _ in pairs],
-                [leaves[i] for i in wrt],
-                [c for _, c in pairs],
-                allow_unused=True,
-                create_graph=create_graph,
+            grads = autograd_grad(
+                [o for o, _ in pairs], [leaves[i] for i in wrt], [c for _, c in pairs], create_graph
             )
     else:
         # Under torch.func transforms: a fresh vjp level on top of the current stack.

@@ -14,7 +14,7 @@ oldest version it claims.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar, cast
 
 import torch
@@ -34,6 +34,7 @@ __all__ = [
     "OpOverloadPacket",
     "SingleLevelFunction",
     "has_torch_function",
+    "autograd_grad",
     "functorch_dispatches_first",
     "set_single_level_function_allowed",
     "single_level_function_allowed",
@@ -217,6 +218,42 @@ sequence_nr: Callable[[], int] = torch._C._autograd._get_sequence_nr
 def graph_task_keeps_graph() -> bool:
     """Was the running backward called with ``retain_graph=True``? (torch >= 1.13)"""
     return bool(torch._C._autograd._get_current_graph_task_keep_graph())
+
+
+from torch.autograd.graph import _engine_run_backward  # noqa: E402  # torch >= 2.2
+
+
+def autograd_grad(
+    outputs: Sequence[torch.Tensor],
+    inputs: Sequence[torch.Tensor],
+    grad_outputs: Sequence[torch.Tensor],
+    create_graph: bool,
+) -> tuple[torch.Tensor | None, ...]:
+    """``torch.autograd.grad(outputs, inputs, grad_outputs, allow_unused=True, create_graph=create_graph)``.
+
+    Where that call's Python has nothing to do (no torch-function mode or subclass to
+    consult, every cotangent a tensor of its output's shape, complex where it is,
+    no nested tensor), the engine is run directly, through the same function
+    ``torch.autograd.grad`` ends in (it keeps torch's debug logging and the
+    context stash for device threads); anywhere else ``torch.autograd.grad`` itself
+    runs, with its checks and errors.
+    """
+    if (
+        not inputs
+        or has_torch_function((*outputs, *inputs))
+        or any(
+            g is None or o.shape != g.shape or o.is_nested or o.is_complex() != g.is_complex()
+            for o, g in zip(outputs, grad_outputs, strict=True)
+        )
+    ):
+        return tuple(
+            torch.autograd.grad(outputs, inputs, grad_outputs, allow_unused=True, create_graph=create_graph)
+        )
+    return tuple(
+        _engine_run_backward(
+            tuple(outputs), tuple(grad_outputs), create_graph, create_graph, tuple(inputs), True, accumulate_grad=False
+        )
+    )
 
 
 def register_tensor_hook(t: torch.Tensor, hook: Callable[..., Any]) -> None:
