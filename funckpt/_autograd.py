@@ -75,6 +75,7 @@ from ._internals import (
     legacy_vmap_decrement,
     legacy_vmap_depth,
     legacy_vmap_increment,
+    level_lift,
     make_dual,
     maybe_get_level,
     peek_interpreter_stack,
@@ -202,7 +203,7 @@ def _apply_at_level(top: Any, region: Region, flat: Sequence[torch.Tensor]) -> T
     ``torch.export`` tracing) ``apply`` leaves the call to functorch.
     """
     interpreter = GradInterpreter(top) if top.key() == TransformType.Grad else JvpInterpreter(top)
-    lift = interpreter._cptr.lift  # the interpreter's own lift of a tensor to its level, as process() does
+    lift = level_lift(interpreter)
     flat = tuple(lift(unwrap_if_dead(t)) for t in flat)
     allowed = single_level_function_allowed()
     set_single_level_function_allowed(True)

@@ -62,6 +62,7 @@ __all__ = [
     "legacy_vmap_decrement",
     "legacy_vmap_depth",
     "legacy_vmap_increment",
+    "level_lift",
     "level_kinds",
     "make_dual",
     "maybe_get_level",
@@ -117,6 +118,11 @@ DisableFuncTorch = torch._C._DisableFuncTorch
 # under the transforms, the interpreters' ``lower()`` context, single-level Functions.
 from torch._functorch.autograd_function import custom_function_call  # noqa: E402, F401
 from torch._functorch.pyfunctorch import GradInterpreter, JvpInterpreter, VmapInterpreter  # noqa: E402, F401
+
+def level_lift(interpreter: Any) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The interpreter's lift of a tensor to its level (what its ``process()`` applies to every argument)."""
+    return cast("Callable[[torch.Tensor], torch.Tensor]", interpreter._cptr.lift)
+
 
 #: An autograd.Function that lives at one functorch level only (torch >= 2.1).
 SingleLevelFunction: Any = torch.autograd.function._SingleLevelFunction
