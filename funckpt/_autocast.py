@@ -10,14 +10,13 @@ device type the call's tensors live on.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from collections.abc import Iterable
+from typing import Any, NamedTuple
 
 import torch
 
 
-@dataclass(frozen=True)
-class AutocastState:
+class AutocastState(NamedTuple):
     device_type: str
     enabled: bool
     dtype: torch.dtype
@@ -25,7 +24,12 @@ class AutocastState:
 
 
 def capture(tensors: Iterable[torch.Tensor]) -> list[AutocastState]:
-    device_types = dict.fromkeys(["cpu", *(t.device.type for t in tensors)])
+    device_types = ["cpu"]
+    for t in tensors:
+        if not t.is_cpu:  # (reading .device makes a device object: only where needed)
+            device_type = t.device.type
+            if device_type not in device_types:
+                device_types.append(device_type)
     return [_current(d) for d in device_types if torch.amp.is_autocast_available(d)]
 
 
@@ -38,14 +42,23 @@ def _current(device_type: str) -> AutocastState:
     )
 
 
-@contextlib.contextmanager
-def replay(states: Iterable[AutocastState]) -> Iterator[None]:
+class replay:
     """Enter the recorded autocast state where it differs from the current one."""
-    with contextlib.ExitStack() as stack:
-        for s in states:
+
+    def __init__(self, states: Iterable[AutocastState]) -> None:
+        self.states = states
+        self.stack: contextlib.ExitStack[bool | None] | None = None
+
+    def __enter__(self) -> None:
+        for s in self.states:
             if s == _current(s.device_type):
                 continue
-            stack.enter_context(
+            if self.stack is None:
+                self.stack = contextlib.ExitStack()
+            self.stack.enter_context(
                 torch.autocast(s.device_type, dtype=s.dtype, enabled=s.enabled, cache_enabled=s.cache_enabled)
             )
-        yield
+
+    def __exit__(self, *exc: Any) -> bool | None:
+        stack, self.stack = self.stack, None
+        return stack.__exit__(*exc) if stack is not None else None

@@ -62,22 +62,27 @@ from ._internals import (
     VmapInterpreter,
     add_batch_dim,
     apply_function,
+    autograd_grad,
     compiler_disable,
     custom_function_call,
-    enable_single_level_autograd_function,
     forward_ad_level,
+    functorch_dispatches_first,
     grad_levels_active,
     graph_task_keeps_graph,
+    has_torch_function,
     is_batchedtensor,
     is_dead_tensor_wrapper,
     jvp_levels_active,
     legacy_vmap_decrement,
     legacy_vmap_depth,
     legacy_vmap_increment,
+    level_lift,
     make_dual,
     maybe_get_level,
     peek_interpreter_stack,
     set_fwd_grad_enabled,
+    set_single_level_function_allowed,
+    single_level_function_allowed,
     storage_of,
     transforms_active,
     unpack_dual,
@@ -150,6 +155,10 @@ class Region:
         """
         return None
 
+    def outputs_share_no_input_storage(self) -> bool:
+        """Known after the forward run: no output it returned shares storage with an input."""
+        return False
+
 
 
 
@@ -167,7 +176,9 @@ def _only_forward_levels_active() -> bool:
 
 def _needs_graph(tensors: Sequence[torch.Tensor]) -> bool:
     """Must a computation on ``tensors`` be recorded for a later differentiation?"""
-    return torch.is_grad_enabled() and (grad_levels_active() or any(t.requires_grad for t in tensors))
+    return torch.is_grad_enabled() and (
+        any(t.requires_grad for t in tensors) or (transforms_active() and grad_levels_active())
+    )
 
 
 @eager_under_compile
@@ -179,9 +190,49 @@ def apply(region: Region, flat: Sequence[torch.Tensor]) -> Tensors:
     ``forward`` takes positional arguments only, with no defaults.
     """
     if transforms_active():
+        top = peek_interpreter_stack()
+        if (
+            top is not None
+            and top.key() in (TransformType.Grad, TransformType.Jvp)
+            and functorch_dispatches_first()
+            and not has_torch_function(tuple(flat))
+        ):
+            return _apply_at_level(top, region, flat)
         return cast(Tensors, custom_function_call(_RematFunction, region, *flat))
     flat = tuple(unwrap_if_dead(t) for t in flat)  # as Function.apply does
     return cast(Tensors, apply_function(_RematFunction, region, *flat))
+
+
+class _AtLevel:
+    """A region and the grad or jvp level it is applied at: what :class:`_RematAtLevel` is given."""
+
+    __slots__ = ("interpreter", "region")
+
+    def __init__(self, region: Region, interpreter: Any) -> None:
+        self.region, self.interpreter = region, interpreter
+
+
+def _apply_at_level(top: Any, region: Region, flat: Sequence[torch.Tensor]) -> Tensors:
+    """``custom_function_call(_RematFunction, region, *flat)`` where a grad or jvp level is on top.
+
+    What functorch does there (``dispatch_functorch``, the interpreter's ``process`` and
+    ``custom_function_call_grad``): unwrap dead wrappers, lift the tensors to the level, apply a single-level Function at that level whose forward
+    applies ``_RematFunction`` one level lower and whose backward and jvp are
+    ``_RematFunction``'s. functorch builds that Function as a new class on every call
+    and applies the one below through ``Function.apply``, which binds its signature;
+    :class:`_RematAtLevel` is that Function, made once, taking the level as an argument.
+    Elsewhere (vmap, functionalize, a torch-function mode or subclass to consult,
+    ``torch.export`` tracing) ``apply`` leaves the call to functorch.
+    """
+    interpreter = GradInterpreter(top) if top.key() == TransformType.Grad else JvpInterpreter(top)
+    lift = level_lift(interpreter)
+    flat = tuple(lift(unwrap_if_dead(t)) for t in flat)
+    allowed = single_level_function_allowed()
+    set_single_level_function_allowed(True)
+    try:
+        return cast(Tensors, _RematAtLevel.apply(_AtLevel(region, interpreter), *flat))
+    finally:
+        set_single_level_function_allowed(allowed)
 
 
 # ----------------------------------------------------------------- derived regions
@@ -330,17 +381,16 @@ def vjp(
         # result can be differentiated again.
         with torch.enable_grad():
             leaves = tuple(_local_leaf(p, i in wrt, create_graph) for i, p in enumerate(primals))
-            with _outside_legacy_vmap():
+            if _in_legacy_vmap():
+                with _outside_legacy_vmap():
+                    outs = region.run(leaves, Phase.RECOMPUTE)
+            else:
                 outs = region.run(leaves, Phase.RECOMPUTE)
             pairs = [(o, c) for o, c in zip(outs, cotangents) if o.requires_grad]
             if not pairs:
                 return [None] * len(primals)
-            grads = torch.autograd.grad(
-                [o for o, _ in pairs],
-                [leaves[i] for i in wrt],
-                [c for _, c in pairs],
-                allow_unused=True,
-                create_graph=create_graph,
+            grads = autograd_grad(
+                [o for o, _ in pairs], [leaves[i] for i in wrt], [c for _, c in pairs], create_graph
             )
     else:
         # Under torch.func transforms: a fresh vjp level on top of the current stack.
@@ -423,7 +473,7 @@ def _vjp_here(region: Region, primals: Tensors, cotangents: Tensors, needs: Sequ
     # create_graph backward, or autograd's vmap mode of is_grads_batched.
     plain_forward_mode = top is None and forward_ad_level() >= 0
     legacy_vmap = _in_legacy_vmap()
-    direct = _only_forward_levels_active() or legacy_vmap or plain_forward_mode
+    direct = (top is not None and _only_forward_levels_active()) or legacy_vmap or plain_forward_mode
     if needs_graph and not direct:
         vjp_region = VjpRegion(region, len(primals), needs)
         grads = iter(apply(vjp_region, (*primals, *cotangents)))
@@ -522,6 +572,8 @@ class _RematFunction(torch.autograd.Function):
         # becomes a real view of that input, so autograd's rules for views made by
         # a custom Function apply (an in-place update of it raises instead of
         # changing the input behind autograd's back).
+        if region.outputs_share_no_input_storage():
+            return outs
         storages = {storage_of(t): t for t in flat}
         storages.pop(None, None)
         return tuple(_as_view_of(storages.get(storage_of(o)), o) for o in outs)
@@ -612,6 +664,35 @@ class _RematFunction(torch.autograd.Function):
         return outs, (0,) * len(outs)
 
 
+class _RematAtLevel(SingleLevelFunction):  # type: ignore[misc]  # torch's private class, typed Any in _internals
+    """``_RematFunction`` at one torch.func grad or jvp level (see :func:`_apply_at_level`)."""
+
+    @staticmethod
+    def forward(at: _AtLevel, *operands: torch.Tensor) -> Tensors:
+        level = at.interpreter.level()
+        unwrapped = tuple(unwrap_for_grad(x, level) for x in operands)
+        # As functorch's rule: grad and forward-mode AD on (a single-level Function's
+        # forward runs with both off), the level popped.
+        with torch.enable_grad(), set_fwd_grad_enabled(True), at.interpreter.lower():
+            outs = apply(at.region, unwrapped)
+        # An output that is an input, unwrapped, is returned as the input itself (as
+        # functorch's wrap_outputs_maintaining_identity does); the others are wrapped.
+        given = {id(u): x for u, x in zip(unwrapped, operands)}
+        return tuple(given[id(o)] if id(o) in given else wrap_for_grad(o, level) for o in outs)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Tensors) -> None:
+        _RematFunction.setup_context(ctx, (inputs[0].region, *inputs[1:]), output)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        return _RematFunction.backward(ctx, *grads)  # (None for the _AtLevel, *input grads)
+
+    @staticmethod
+    def jvp(ctx: Any, *tangents: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+        return _RematFunction.jvp(ctx, *tangents)
+
+
 def _saved_primals(ctx: Any) -> Tensors:
     try:
         saved = ctx.saved_tensors
@@ -668,8 +749,12 @@ def _guard_same_level(region: Region, grads: list[Any], primals: Tensors) -> lis
     if not present or not anchors:
         return grads
     level = maybe_get_level(anchors[0])
-    with enable_single_level_autograd_function():
+    allowed = single_level_function_allowed()
+    set_single_level_function_allowed(True)  # enable_single_level_autograd_function, without its generator
+    try:
         guarded = iter(_SameLevelGuard.apply(region.name, level, len(present), *present, *anchors))
+    finally:
+        set_single_level_function_allowed(allowed)
     return [None if g is None else next(guarded) for g in grads]
 
 

@@ -292,8 +292,9 @@ class UserRegion(Region):
         self.used_constants: set[int] = set()  # non-differentiable inputs the forward run read  # inputs saved without a version check (see _autograd.setup_context)
         # Outputs aliasing inputs or each other are rebuilt as views by the caller
         # (_aliasing.py), except inside vmap, whose batched tensors have no storage.
-        self.views_outside = not vmap_active()
+        self.views_outside = not (transforms_active() and vmap_active())
         self.plan: _aliasing.Plan | None = None
+        self.planned = False  # did the forward run plan its outputs (_aliasing.plan)?
         self.default_device: torch.device | None = None
         self.snapshots: dict[int, torch.Tensor] = {}  # input index -> its value before the forward wrote it
         self.out_slots: TreeSlots | None = None
@@ -304,10 +305,8 @@ class UserRegion(Region):
         self.saved = None if policy is None or policy is nothing_saveable else Saved(policy, name)
         self._recompute_context: Any = None
         self.autocast: list[_autocast.AutocastState] = []
-        self.generators = [
-            *(leaf for leaf in argspec.dynamic.leaves if isinstance(leaf, torch.Generator)),
-            *captured.generators,
-        ]
+        self.generators = [leaf for leaf in argspec.dynamic.leaves if isinstance(leaf, torch.Generator)]
+        self.generators += captured.generators
 
     def _user_context(self, forward: bool) -> Any:
         """``context_fn``'s first context for the forward run, its second for a recomputation.
@@ -402,6 +401,11 @@ class UserRegion(Region):
 
     def checked_constants(self) -> set[int]:
         return self.used_constants
+
+    def outputs_share_no_input_storage(self) -> bool:
+        # Where the forward run planned its outputs, every output sharing an input's
+        # storage became a view the caller rebuilds (or a copy): none is returned here.
+        return self.planned
 
     def _refuse_differentiable_writes(self, flat: tuple[torch.Tensor, ...]) -> None:
         """Raise if the forward run wrote a differentiable value into an input that had none.
@@ -552,6 +556,9 @@ class UserRegion(Region):
             fn = fn.func
         if isinstance(fn, types.FunctionType):
             roots += [*(fn.__closure__ or ()), fn.__defaults__, fn.__kwdefaults__]
+        roots = [r for r in roots if r is not None]
+        if not roots:  # nothing to look into (a plain function of its arguments)
+            return
         stored = [
             t
             for t in tensors_inside(roots, budget=10_000, into_modules=False)
@@ -661,7 +668,8 @@ class UserRegion(Region):
                     "Pass the tensor to the remat'd function as an argument."
                 )
             self._refuse_differentiable_writes(flat)
-        self.plan = _aliasing.plan(flat, tensors, grad_forward) if self.views_outside and plain_autograd else None
+        self.planned = self.views_outside and plain_autograd
+        self.plan = _aliasing.plan(flat, tensors, grad_forward) if self.planned else None
         if self.plan is not None:
             self._snapshot_viewed_inputs(flat)
         # Inputs that no gradient flows into but the function read (a mask, frozen

@@ -61,11 +61,9 @@ from ._internals import (
     is_dead_tensor_wrapper,
     is_functorch_wrapped,
     maybe_get_level,
-    no_torch_function,
     reparametrize_module,
+    sequence_nr,
     set_fwd_grad_enabled,
-    set_grad_enabled,
-    transforms_active,
     unpack_dual,
 )
 
@@ -135,6 +133,8 @@ def find_captured(fn: Callable[..., Any] | tuple[Any, ...]) -> Captured:
     each tensor once, in discovery order, each ``torch.Generator`` found, and
     each module with its named tensors.
     """
+    if type(fn) is types.FunctionType and _reaches_nothing(fn):
+        return Captured()  # what the walk below finds for such a function, without its set-up
     found: dict[int, torch.Tensor] = {}
     generators: dict[int, torch.Generator] = {}
     modules: list[tuple[torch.nn.Module, dict[str, torch.Tensor]]] = []
@@ -198,6 +198,28 @@ def find_captured(fn: Callable[..., Any] | tuple[Any, ...]) -> Captured:
 
     _walk(fn, leaf, expand, budget=_MAX_ITEMS, max_depth=_MAX_DEPTH, depth_first=True)
     return Captured(list(found.values()), list(generators.values()), modules)
+
+
+def _reaches_nothing(fn: types.FunctionType) -> bool:
+    """A function with no closure, defaults or global other than modules and classes (or library code).
+
+    The walk of :func:`find_captured` stops at once for it; this asks the same
+    questions in the same order, so the answer is the same (a global rebound to a
+    tensor since the last call is seen: nothing is remembered between calls).
+    """
+    if _is_library(fn):
+        return True
+    if fn.__closure__ or fn.__defaults__ or fn.__kwdefaults__:
+        return False
+    namespace = fn.__globals__
+    for name in _global_names(fn.__code__):
+        value = namespace.get(name, _MISSING)
+        if value is not _MISSING and not isinstance(value, (types.ModuleType, type)):
+            return False
+    return True
+
+
+_MISSING = object()
 
 
 _OPAQUE_DATA = (str, bytes, bytearray, memoryview, int, float, complex, type, types.ModuleType)
@@ -496,19 +518,35 @@ class Substitute(OnThreadStack, TorchFunctionMode):
         # function called inside remat): it cannot trace the mutation of these collections.
         compiling = torch.compiler.is_compiling()
         used = None if compiling else self.used
-        swap = self._swap
-        args = tuple([swap(a, used) for a in args])
+        mapping, known, inside = self.mapping, self.known, self.inside
+        swapped = []
+        for a in args:  # _swap, with its tensor case inline (this runs for every operator)
+            if isinstance(a, torch.Tensor):
+                key = id(a)
+                replacement = mapping.get(key) if mapping else None
+                if replacement is not None:
+                    if used is not None:
+                        used.add(id(replacement))
+                    a = replacement
+                elif key in known:
+                    if used is not None:
+                        used.add(key)
+                elif key not in inside:
+                    self._check(a)
+            elif isinstance(a, (list, tuple)):
+                a = self._swap(a, used)
+            swapped.append(a)
         if kwargs:
-            kwargs = {k: swap(v, used) for k, v in kwargs.items()}
+            kwargs = {k: self._swap(v, used) for k, v in kwargs.items()}
         if func in _UNINITIALIZED:
             self.uninitialized = True
-        out = func(*args, **(kwargs or {}))
+        out = func(*swapped, **(kwargs or {}))
         # Every tensor made here is the run's own, whatever it becomes later: a leaf
         # made inside and then set to require grad (as HF T5 does) is not foreign.
         made = None if compiling else self.made
         for o in out if isinstance(out, (tuple, list)) else (out,):
             if isinstance(o, torch.Tensor):
-                self.inside.add(id(o))
+                inside.add(id(o))
                 if made is not None and o.requires_grad:
                     made.append(weakref.ref(o))
         return out
@@ -574,28 +612,13 @@ def local_graph_leaves(
     return foreign, reached
 
 
-_PROBE = torch.zeros((), requires_grad=True)  # a leaf whose views make autograd nodes
-
-
 def next_sequence_nr() -> int:
-    """The sequence number the next autograd node created on this thread will get (at least).
+    """The sequence number the next autograd node created on this thread will get.
 
-    Call it before entering any user context: it runs one or two tiny operators.
+    Read from autograd's own thread-local counter (no operator runs), so it is
+    the same inside or outside transforms, inference mode and torch-function modes.
     """
-    if not transforms_active() and not torch.is_inference_mode_enabled():
-        previous = torch.is_grad_enabled()
-        set_grad_enabled(True)
-        try:
-            with no_torch_function():  # an enclosing region's Substitute must not see the probe
-                node = _PROBE.view_as(_PROBE).grad_fn
-        finally:
-            set_grad_enabled(previous)
-        if node is not None:
-            return int(node._sequence_nr()) + 1
-    with torch.inference_mode(False), torch.enable_grad():
-        probe = torch.zeros((), requires_grad=True).clone()
-    assert probe.grad_fn is not None
-    return probe.grad_fn._sequence_nr() + 1
+    return sequence_nr()
 
 
 def _foreign_level(t: torch.Tensor) -> bool:

@@ -208,35 +208,66 @@ _RTOL_OTHER_FLOAT = 1e-1  # 8-bit floating-point types
 
 
 class Digest:
-    """The mean and standard deviation of one output's values (``stats``), and how to compare them."""
+    """The standard deviation and mean of one output's values, and how to compare them.
 
-    __slots__ = ("numel", "rtol", "stats")
+    On the CPU both are read into ``values`` at once (reading costs no synchronisation
+    there, and the comparison is then plain Python); on an accelerator they stay on
+    the device as ``stats`` (``[std, mean]``) until the comparison reads them.
+    """
 
-    def __init__(self, stats: torch.Tensor, numel: int, rtol: float) -> None:
-        self.stats, self.numel, self.rtol = stats, numel, rtol
+    __slots__ = ("numel", "rtol", "stats", "values")
+
+    def __init__(
+        self, stats: torch.Tensor | None, numel: int, rtol: float, values: tuple[float, float] | None = None
+    ) -> None:
+        self.stats, self.numel, self.rtol, self.values = stats, numel, rtol, values
 
     def sum_and_norm(self, mean: float, std: float) -> tuple[float, float]:
         """Sum and L2 norm of the values, from their mean and (population) standard deviation."""
         return mean * self.numel, math.sqrt(max(std * std + mean * mean, 0.0) * self.numel)
+
+    def read(self) -> tuple[float, float]:
+        """``(std, mean)`` as numbers (a host synchronisation on an accelerator)."""
+        if self.values is not None:
+            return self.values
+        assert self.stats is not None
+        std, mean = self.stats.tolist()
+        return float(std), float(mean)
+
+    def comparable(self, other: Digest) -> bool:
+        """Taken of as many values, in the same place (both read on the CPU, or both on one device)?"""
+        if self.numel != other.numel:
+            return False
+        if self.stats is None or other.stats is None:
+            return self.stats is None and other.stats is None
+        return self.stats.device == other.stats.device
 
 
 def _digestible(t: torch.Tensor) -> bool:
     return (
         type(t) in (torch.Tensor, torch.nn.Parameter)
         and t.layout == torch.strided
-        and t.device.type != "meta"
+        and not t.is_meta
         and not t.is_quantized
         and t.numel() > 0
     )
 
 
-def _stats(v: torch.Tensor) -> torch.Tensor:
-    """``[std, mean]`` of ``v``'s values: one reduction kernel, accumulated in at least float32."""
+def _one(b: torch.Tensor) -> Digest:
+    """The digest of one plain tensor: one reduction kernel, accumulated in at least float32."""
+    exact = not has_gradient_dtype(b)
+    rtol = 0.0 if exact else _RTOL.get(b.dtype, _RTOL_OTHER_FLOAT)
+    numel = b.numel()
+    v = b
     if v.is_complex():
         v = torch.view_as_real(v.resolve_conj())
-    if not v.is_floating_point():  # integers and booleans
+        numel *= 2
+    elif exact:  # integers and booleans
         v = v.to(torch.float64)
-    return torch.stack(torch.std_mean(v, correction=0))
+    std, mean = torch.std_mean(v, correction=0)
+    if b.is_cpu and not DEFER_ON_CPU:
+        return Digest(None, numel, rtol, (std.item(), mean.item()))
+    return Digest(torch.stack((std, mean)), numel, rtol)
 
 
 def digest(tensors: Sequence[torch.Tensor]) -> list[Digest | None]:
@@ -246,41 +277,45 @@ def digest(tensors: Sequence[torch.Tensor]) -> list[Digest | None]:
     functorch and forward-mode AD, so it records nothing and costs one small
     reduction per output.
     """
-    digests: list[Digest | None] = []
-    plain = not transforms_active()
-    with contextlib.ExitStack() as stack:
-        if not plain:
-            stack.enter_context(DisableFuncTorch())
-        if forward_ad_level() >= 0:
-            stack.enter_context(set_fwd_grad_enabled(False))
-        stack.callback(set_grad_enabled, torch.is_grad_enabled())  # no_grad without its Python frames
-        set_grad_enabled(False)
-        for t in tensors:
-            b = t if plain else bottom(t)
-            if not _digestible(b):
-                digests.append(None)
-                continue
-            exact = not has_gradient_dtype(b)
-            rtol = 0.0 if exact else _RTOL.get(b.dtype, _RTOL_OTHER_FLOAT)
-            digests.append(Digest(_stats(b), b.numel() * (2 if b.is_complex() else 1), rtol))
-    return digests
+    plain = not transforms_active() and forward_ad_level() < 0
+    grad_was = torch.is_grad_enabled()
+    set_grad_enabled(False)  # no_grad without its Python frames
+    try:
+        if plain:  # the common case, without the contexts below
+            return [_one(t) if _digestible(t) else None for t in tensors]
+        with contextlib.ExitStack() as stack:
+            if transforms_active():
+                stack.enter_context(DisableFuncTorch())
+            if forward_ad_level() >= 0:
+                stack.enter_context(set_fwd_grad_enabled(False))
+            bottoms = [bottom(t) for t in tensors]
+            return [_one(b) if _digestible(b) else None for b in bottoms]
+    finally:
+        set_grad_enabled(grad_was)
 
 
 def _differing(forward: Sequence[Digest | None], recomputed: Sequence[Digest | None]) -> list[int]:
-    """Indices of the outputs whose digests differ beyond tolerance (one host sync)."""
+    """Indices of the outputs whose digests differ beyond tolerance (one host sync on an accelerator)."""
     pairs = [
         (i, a, b)
         for i, (a, b) in enumerate(zip(forward, recomputed))
-        if a is not None and b is not None and a.numel == b.numel and a.stats.device == b.stats.device
+        if a is not None and b is not None and a.comparable(b)
     ]
     if not pairs:
         return []
-    with torch.no_grad(), DisableFuncTorch():
-        stats = [s for _, a, b in pairs for s in (a.stats, b.stats)]
-        values = torch.cat(stats).tolist() if stats[0].device.type == "cpu" else torch.cat(stats).cpu().tolist()
+    on_device = [s for _, a, b in pairs for s in (a.stats, b.stats) if s is not None]
+    read: list[float] = []
+    if on_device:
+        with torch.no_grad(), DisableFuncTorch():
+            read = torch.cat(on_device).cpu().tolist()
     differing = []
-    for k, (i, a, _) in enumerate(pairs):
-        std_f, mean_f, std_r, mean_r = (float(v) for v in values[4 * k : 4 * k + 4])
+    k = 0
+    for i, a, b in pairs:
+        if a.values is not None and b.values is not None:
+            (std_f, mean_f), (std_r, mean_r) = a.values, b.values
+        else:
+            std_f, mean_f, std_r, mean_r = (float(v) for v in read[4 * k : 4 * k + 4])
+            k += 1
         (sum_f, norm_f), (sum_r, norm_r) = a.sum_and_norm(mean_f, std_f), a.sum_and_norm(mean_r, std_r)
         scale = max(abs(norm_f), abs(norm_r))
         # |sum(x) - sum(y)| <= sqrt(n) |x - y|_2: the sum gets sqrt(n) times the norm's tolerance.
@@ -295,7 +330,8 @@ _Check = tuple[str, Sequence["Digest | None"], Sequence["Digest | None"], "tuple
 # Comparisons of digests on an accelerator, by autograd graph task, made at its end.
 _deferred: dict[int, list[_Check]] = {}
 _deferred_lock = threading.Lock()
-#: Defer CPU comparisons too (tests exercise the accelerator path with it).
+#: Keep CPU digests as tensors and defer their comparisons, as on an accelerator
+#: (tests exercise the accelerator path with it).
 DEFER_ON_CPU = False
 
 
@@ -313,7 +349,7 @@ def check_same_values(
     kernels. The error is then raised by the backward call itself, as any other is.
     """
     task = current_graph_task_id()
-    on_device = any(d is not None and d.stats.device.type != "cpu" for d in (*forward, *recomputed))
+    on_device = any(d is not None and d.stats is not None for d in (*forward, *recomputed))
     if task >= 0 and (on_device or DEFER_ON_CPU):
         with _deferred_lock:
             first = task not in _deferred
@@ -343,7 +379,7 @@ def _compare(
     i = differing[0]
     a, b = forward[i], recomputed[i]
     assert a is not None and b is not None
-    (s_f, n_f), (s_r, n_r) = a.sum_and_norm(*reversed(a.stats.tolist())), b.sum_and_norm(*reversed(b.stats.tolist()))
+    (s_f, n_f), (s_r, n_r) = a.sum_and_norm(*reversed(a.read())), b.sum_and_norm(*reversed(b.read()))
     message = (
         f"remat({name}): the recomputation during the backward pass did not reproduce the forward pass: "
         f"output tensor {i} has other values (sum {s_f:.6g}, norm {n_f:.6g} in the forward pass; "

@@ -14,7 +14,7 @@ oldest version it claims.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar, cast
 
 import torch
@@ -25,7 +25,6 @@ __all__ = [
     "torch_function_mode_enabled",
     "has_gradient_dtype",
     "register_tensor_hook",
-    "no_torch_function",
     "current_graph_task_id",
     "queue_engine_callback",
     "DisableFuncTorch",
@@ -34,6 +33,11 @@ __all__ = [
     "OpOverload",
     "OpOverloadPacket",
     "SingleLevelFunction",
+    "has_torch_function",
+    "autograd_grad",
+    "functorch_dispatches_first",
+    "set_single_level_function_allowed",
+    "single_level_function_allowed",
     "StorageWeakRef",
     "TransformType",
     "VmapInterpreter",
@@ -45,7 +49,6 @@ __all__ = [
     "comptime",
     "custom_function_call",
     "define_operator",
-    "enable_single_level_autograd_function",
     "forward_ad_level",
     "forward_mode_active",
     "fsdp2_training_state",
@@ -59,12 +62,14 @@ __all__ = [
     "legacy_vmap_decrement",
     "legacy_vmap_depth",
     "legacy_vmap_increment",
+    "level_lift",
     "level_kinds",
     "make_dual",
     "maybe_get_level",
     "peek_interpreter_stack",
     "reparametrize_module",
     "set_fwd_grad_enabled",
+    "sequence_nr",
     "set_grad_enabled",
     "skip_code",
     "storage_of",
@@ -113,10 +118,40 @@ DisableFuncTorch = torch._C._DisableFuncTorch
 # under the transforms, the interpreters' ``lower()`` context, single-level Functions.
 from torch._functorch.autograd_function import custom_function_call  # noqa: E402, F401
 from torch._functorch.pyfunctorch import GradInterpreter, JvpInterpreter, VmapInterpreter  # noqa: E402, F401
-from torch._functorch.utils import enable_single_level_autograd_function  # noqa: E402, F401
+
+def level_lift(interpreter: Any) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The interpreter's lift of a tensor to its level (what its ``process()`` applies to every argument)."""
+    return cast("Callable[[torch.Tensor], torch.Tensor]", interpreter._cptr.lift)
+
 
 #: An autograd.Function that lives at one functorch level only (torch >= 2.1).
 SingleLevelFunction: Any = torch.autograd.function._SingleLevelFunction
+#: Whether applying one is allowed now (what torch's ``enable_single_level_autograd_function`` sets).
+single_level_function_allowed: Callable[[], bool] = _C.get_single_level_autograd_function_allowed
+set_single_level_function_allowed: Callable[[bool], None] = _C.set_single_level_autograd_function_allowed
+
+
+_FUNCTORCH_FRONT = torch._C.DispatchKey.FuncTorchDynamicLayerFrontMode
+_PRE_DISPATCH = torch._C.DispatchKey.PreDispatch
+
+
+def functorch_dispatches_first() -> bool:
+    """Would a higher-order operator called now go to functorch's interpreter stack first?
+
+    Its key is on (transforms are active and not disabled) and the one key above it
+    that is not a fallthrough for such operators, ``make_fx``'s pre-dispatch tracing
+    (``torch.export``), is off.
+    """
+    included = torch._C._dispatch_tls_local_include_set()
+    return bool(
+        included.has(_FUNCTORCH_FRONT)
+        and not included.has(_PRE_DISPATCH)
+        and not torch._C._dispatch_tls_local_exclude_set().has(_FUNCTORCH_FRONT)
+    )
+
+
+#: Would a call with these arguments go to a ``__torch_function__`` (a mode or a subclass)?
+has_torch_function: Callable[[Any], bool] = torch._C._has_torch_function
 
 
 #: ``function.apply(*args)`` without its per-call ``inspect.signature(forward).bind``: the C++ entry point.
@@ -182,9 +217,49 @@ def set_grad_enabled(enabled: bool) -> None:
     torch._C._set_grad_enabled(enabled)
 
 
+#: The sequence number the next autograd node created on this thread gets (torch >= 2.1).
+sequence_nr: Callable[[], int] = torch._C._autograd._get_sequence_nr
+
+
 def graph_task_keeps_graph() -> bool:
     """Was the running backward called with ``retain_graph=True``? (torch >= 1.13)"""
     return bool(torch._C._autograd._get_current_graph_task_keep_graph())
+
+
+from torch.autograd.graph import _engine_run_backward  # noqa: E402  # torch >= 2.2
+
+
+def autograd_grad(
+    outputs: Sequence[torch.Tensor],
+    inputs: Sequence[torch.Tensor],
+    grad_outputs: Sequence[torch.Tensor],
+    create_graph: bool,
+) -> tuple[torch.Tensor | None, ...]:
+    """``torch.autograd.grad(outputs, inputs, grad_outputs, allow_unused=True, create_graph=create_graph)``.
+
+    Where that call's Python has nothing to do (no torch-function mode or subclass to
+    consult, every cotangent a tensor of its output's shape, complex where it is,
+    no nested tensor), the engine is run directly, through the same function
+    ``torch.autograd.grad`` ends in (it keeps torch's debug logging and the
+    context stash for device threads); anywhere else ``torch.autograd.grad`` itself
+    runs, with its checks and errors.
+    """
+    if (
+        not inputs
+        or has_torch_function((*outputs, *inputs))
+        or any(
+            g is None or o.shape != g.shape or o.is_nested or o.is_complex() != g.is_complex()
+            for o, g in zip(outputs, grad_outputs, strict=True)
+        )
+    ):
+        return tuple(
+            torch.autograd.grad(outputs, inputs, grad_outputs, allow_unused=True, create_graph=create_graph)
+        )
+    return tuple(
+        _engine_run_backward(
+            tuple(outputs), tuple(grad_outputs), create_graph, create_graph, tuple(inputs), True, accumulate_grad=False
+        )
+    )
 
 
 def register_tensor_hook(t: torch.Tensor, hook: Callable[..., Any]) -> None:
@@ -195,11 +270,6 @@ def register_tensor_hook(t: torch.Tensor, hook: Callable[..., Any]) -> None:
 def torch_function_mode_enabled() -> bool:
     """Is any torch-function mode active (``with torch.device(...)`` is one)?"""
     return bool(torch._C._is_torch_function_mode_enabled())
-
-
-def no_torch_function() -> Any:
-    """A context with torch-function modes and subclasses off (torch >= 1.13)."""
-    return torch._C.DisableTorchFunction()
 
 
 def current_graph_task_id() -> int:

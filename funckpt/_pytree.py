@@ -39,6 +39,8 @@ class TreeSlots:
     tensor_positions: tuple[int, ...]
 
     def fill(self, tensors: Sequence[torch.Tensor]) -> Any:
+        if len(self.tensor_positions) == len(self.leaves):  # every leaf a tensor (unflatten checks the count)
+            return optree.tree_unflatten(self.treespec, tensors)
         leaves = list(self.leaves)
         for pos, t in zip(self.tensor_positions, tensors, strict=True):
             leaves[pos] = t
@@ -71,6 +73,8 @@ class ArgSpec:
 
     def rebuild(self, tensors: Sequence[torch.Tensor]) -> tuple[tuple[Any, ...], dict[str, Any]]:
         dyn_args, kwargs = self.dynamic.fill(tensors)
+        if not self.static:
+            return dyn_args, kwargs
         it = iter(dyn_args)
         args = tuple(self.static[i] if i in self.static else next(it) for i in range(self.nargs))
         return args, kwargs
@@ -80,6 +84,6 @@ def flatten_args(
     args: tuple[Any, ...], kwargs: dict[str, Any], static_argnums: tuple[int, ...]
 ) -> tuple[list[torch.Tensor], ArgSpec]:
     static = {i: args[i] for i in static_argnums}
-    dynamic = tuple(a for i, a in enumerate(args) if i not in static)
+    dynamic = tuple(a for i, a in enumerate(args) if i not in static) if static else args
     tensors, slots = flatten((dynamic, kwargs))
     return tensors, ArgSpec(slots, static, len(args))

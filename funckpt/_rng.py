@@ -17,8 +17,7 @@ generator is where it would be without remat.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -51,6 +50,8 @@ def accelerator_devices(tensors: Iterable[torch.Tensor]) -> list[torch.device]:
     """The distinct non-CPU devices of ``tensors`` that have a global generator."""
     devices: dict[torch.device, None] = {}
     for t in tensors:
+        if t.is_cpu:  # (reading .device makes a device object: only where needed)
+            continue
         d = t.device
         if d.type in ("cpu", "meta"):
             continue
@@ -100,18 +101,31 @@ def restore(state: RngState) -> None:
         g.set_state(s)
 
 
-@contextlib.contextmanager
-def replay(state: RngState) -> Iterator[None]:
+class replay:
     """Run the body from ``state``; put every generator back as it was afterwards."""
-    saved_cpu = torch.get_rng_state()
-    saved_devices = {d: _get_state(d) for d in state.devices}
-    saved_explicit = [(g, g.get_state()) for g, _ in state.explicit]
-    try:
-        restore(state)
-        yield
-    finally:
-        torch.set_rng_state(saved_cpu)
-        for d, s in saved_devices.items():
+
+    def __init__(self, state: RngState) -> None:
+        self.state = state
+        self.saved: RngState | None = None
+
+    def __enter__(self) -> None:
+        state = self.state
+        self.saved = RngState(
+            torch.get_rng_state(),
+            {d: _get_state(d) for d in state.devices} if state.devices else {},
+            [(g, g.get_state()) for g, _ in state.explicit],
+        )
+        try:
+            restore(state)
+        except BaseException:
+            self.__exit__()
+            raise
+
+    def __exit__(self, *exc: Any) -> None:
+        saved, self.saved = self.saved, None
+        assert saved is not None
+        torch.set_rng_state(saved.cpu)
+        for d, s in saved.devices.items():
             _set_state(d, s)
-        for g, s in saved_explicit:
+        for g, s in saved.explicit:
             g.set_state(s)
