@@ -47,6 +47,7 @@ from ._internals import (
     queue_engine_callback,
     DisableFuncTorch,
     bottom,
+    dispatch_modes_active,
     forward_ad_level,
     set_fwd_grad_enabled,
     set_grad_enabled,
@@ -235,12 +236,11 @@ class Digest:
         return float(std), float(mean)
 
     def comparable(self, other: Digest) -> bool:
-        """Taken of as many values, in the same place (both read on the CPU, or both on one device)?"""
-        if self.numel != other.numel:
-            return False
-        if self.stats is None or other.stats is None:
-            return self.stats is None and other.stats is None
-        return self.stats.device == other.stats.device
+        """Taken of as many values, in the same place (both on the CPU, read or not, or both on one device)?"""
+        return self.numel == other.numel and self._place() == other._place()
+
+    def _place(self) -> torch.device:
+        return torch.device("cpu") if self.stats is None else self.stats.device
 
 
 def _digestible(t: torch.Tensor) -> bool:
@@ -265,7 +265,9 @@ def _one(b: torch.Tensor) -> Digest:
     elif exact:  # integers and booleans
         v = v.to(torch.float64)
     std, mean = torch.std_mean(v, correction=0)
-    if b.is_cpu and not DEFER_ON_CPU:
+    # On the CPU the two numbers are read now, unless a dispatch mode traces this run
+    # (linearize's make_fx): reading a traced value would be a data-dependent operation.
+    if b.is_cpu and not DEFER_ON_CPU and not dispatch_modes_active():
         return Digest(None, numel, rtol, (std.item(), mean.item()))
     return Digest(torch.stack((std, mean)), numel, rtol)
 
@@ -303,19 +305,20 @@ def _differing(forward: Sequence[Digest | None], recomputed: Sequence[Digest | N
     ]
     if not pairs:
         return []
-    on_device = [s for _, a, b in pairs for s in (a.stats, b.stats) if s is not None]
+    # Digests not read yet (on an accelerator, or taken while a dispatch mode traced) are read at once.
+    unread = [d.stats for _, a, b in pairs for d in (a, b) if d.values is None and d.stats is not None]
     read: list[float] = []
-    if on_device:
+    if unread:
         with torch.no_grad(), DisableFuncTorch():
-            read = torch.cat(on_device).cpu().tolist()
+            read = torch.cat(unread).cpu().tolist()
+    numbers = iter(read)
+
+    def values(d: Digest) -> tuple[float, float]:
+        return d.values if d.values is not None else (float(next(numbers)), float(next(numbers)))
+
     differing = []
-    k = 0
     for i, a, b in pairs:
-        if a.values is not None and b.values is not None:
-            (std_f, mean_f), (std_r, mean_r) = a.values, b.values
-        else:
-            std_f, mean_f, std_r, mean_r = (float(v) for v in read[4 * k : 4 * k + 4])
-            k += 1
+        (std_f, mean_f), (std_r, mean_r) = values(a), values(b)
         (sum_f, norm_f), (sum_r, norm_r) = a.sum_and_norm(mean_f, std_f), a.sum_and_norm(mean_r, std_r)
         scale = max(abs(norm_f), abs(norm_r))
         # |sum(x) - sum(y)| <= sqrt(n) |x - y|_2: the sum gets sqrt(n) times the norm's tolerance.
@@ -349,13 +352,15 @@ def check_same_values(
     kernels. The error is then raised by the backward call itself, as any other is.
     """
     task = current_graph_task_id()
-    on_device = any(d is not None and d.stats is not None for d in (*forward, *recomputed))
+    on_device = any(d is not None and d.stats is not None and d.stats.device.type != "cpu" for d in (*forward, *recomputed))
     if task >= 0 and (on_device or DEFER_ON_CPU):
         with _deferred_lock:
-            first = task not in _deferred
             _deferred.setdefault(task, []).append((name, forward, recomputed, traces))
-        if first:
-            queue_engine_callback(lambda: _check_deferred(task))
+        # One callback per check: the first to run compares everything pending for this task
+        # (one host synchronisation), the others find nothing. A backward that raised before
+        # its callbacks ran leaves its entries behind; the next task with the same number
+        # still queues its own callback, so none of its checks is silently dropped.
+        queue_engine_callback(lambda: _check_deferred(task))
         return
     _compare(name, forward, recomputed, traces)
 

@@ -56,6 +56,7 @@ __all__ = [
     "graph_task_keeps_graph",
     "interpreter_stack",
     "is_batchedtensor",
+    "dispatch_modes_active",
     "is_dead_tensor_wrapper",
     "is_functorch_wrapped",
     "jvp_levels_active",
@@ -265,6 +266,11 @@ def autograd_grad(
 def register_tensor_hook(t: torch.Tensor, hook: Callable[..., Any]) -> None:
     """``t.register_hook(hook)`` (untyped in torch's stubs)."""
     t.register_hook(hook)  # type: ignore[no-untyped-call]
+
+
+def dispatch_modes_active() -> bool:
+    """Is any torch-dispatch mode active (``make_fx`` tracing, ``linearize``, FakeTensorMode, a user's)?"""
+    return bool(torch._C._len_torch_dispatch_stack())
 
 
 def torch_function_mode_enabled() -> bool:
