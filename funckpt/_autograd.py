@@ -498,17 +498,21 @@ def _vjp_of_batched_cotangents(
     operators may run (the vmap may forbid them); only the vjp is batched.
     """
     level = interpreter.level()
+    # An enclosing transform may differentiate the result (grad of jacrev): then the
+    # steps a region's own vjp runs forward must be recorded, and its kept values not used.
+    create_graph = _needs_graph((*primals, *cotangents))
 
     def advancing() -> contextlib.AbstractContextManager[Any]:
         stack = contextlib.ExitStack()
         stack.enter_context(interpreter.lower())
-        stack.enter_context(torch.no_grad())
+        if not create_graph:
+            stack.enter_context(torch.no_grad())
         return stack
 
     def step_vjp(r: Region, p: Tensors, c: Tensors, n: Sequence[bool]) -> list[Any]:
         return _vjp_of_batched_cotangents(r, p, c, n, interpreter)
 
-    own = region.own_vjp(primals, cotangents, needs, create_graph=False, advancing=advancing, step_vjp=step_vjp)
+    own = region.own_vjp(primals, cotangents, needs, create_graph=create_graph, advancing=advancing, step_vjp=step_vjp)
     if own is not None:
         return own
     unwrapped = [unwrap_batched(c, level) for c in cotangents]

@@ -389,7 +389,6 @@ def scan_loss(scan, reverse=False):
     return loss
 
 
-JACREV_OF_JACREV_BUG = "grad/jacrev of jacrev(scan): the batched-cotangent vjp of a loop is not differentiable w.r.t. outer levels"
 
 
 TRANSFORMS = {
@@ -429,14 +428,7 @@ TRANSFORMS = {
 @pytest.mark.parametrize("reverse", [False, True])
 @pytest.mark.parametrize(
     "transform",
-    [
-        pytest.param(
-            t, marks=pytest.mark.xfail(strict=True, reason=JACREV_OF_JACREV_BUG)
-        )
-        if t == "jacrev_jacrev"
-        else t
-        for t in sorted(TRANSFORMS)
-    ],
+    sorted(TRANSFORMS),
 )
 def test_scan_transforms(transform, reverse, checkpoints):
     a = (W0, C0, XS0)
@@ -542,7 +534,6 @@ def test_no_grad_and_inference_mode(checkpoints):
         assert_close(L(w, C0.clone(), XS0.clone()), ref)
 
 
-@pytest.mark.xfail(strict=True, reason=JACREV_OF_JACREV_BUG)
 @pytest.mark.parametrize("checkpoints", [None, 2])
 def test_grad_of_jacrev_of_scan_minimal(checkpoints):
     w = W0
@@ -1454,7 +1445,6 @@ def test_fori_loop_jacrev_hessian_vmap(checkpoints):
     )
 
 
-@pytest.mark.xfail(strict=True, reason=JACREV_OF_JACREV_BUG)
 @pytest.mark.parametrize("checkpoints", [None, 2])
 def test_grad_of_vmap_of_vjp_minimal(checkpoints):
     def loss(scan, c0):
