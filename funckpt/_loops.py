@@ -591,6 +591,17 @@ class LoopRegion(UserRegion):
         super().release_kept()
         self.kept = None
 
+    def run_step_again(self, k: int, carry: Any, x: Any) -> tuple[Any, Any]:
+        """Step ``k`` in the backward pass; what it raises that the forward pass did not is a CheckpointError."""
+        try:
+            return self.loop.step(k, carry, x)
+        except CheckpointError:
+            raise
+        except Exception as e:
+            if isinstance(e, torch.OutOfMemoryError):
+                raise
+            raise self._recomputation_raised(e) from e
+
     # ---------------------------------------------------------------- the vjp
 
     @contextlib.contextmanager
@@ -647,16 +658,26 @@ class StepRegion(Region):
         self.n_x = 0 if x_slots is None else len(x_slots.tensor_positions)
         self.checks = region._compares_values()
         self.carry_digest: list[Digest | None] | None = None  # of the carry it computed, for the determinism check
+        self.expected: list[tuple[torch.Size, torch.dtype]] = []  # the outputs' shapes and dtypes (the cotangents')
 
     def run(self, flat: Tensors, phase: Phase) -> Tensors:
         nc, nx = self.n_carry, self.n_x
         carry = self.carry_slots.fill(flat[:nc])
         x = None if self.x_slots is None else self.x_slots.fill(flat[nc : nc + nx])
         with self.region.substituted(flat[nc + nx :], flat):
-            new, y = self.region.loop.step(self.k, carry, x)
+            new, y = self.region.run_step_again(self.k, carry, x)
         if self.checks:
             self.carry_digest = digest(flatten(new)[0])
         tensors, _ = flatten((new, _tensor_leaves(y)))
+        for t, (shape, dtype) in zip(tensors, self.expected):
+            if t.shape != shape or (has_gradient_dtype(t) and t.dtype != dtype):
+                raise CheckpointError(
+                    f"scan({self.name}): run again in the backward pass, step {self.k} returned a tensor of "
+                    f"shape {tuple(t.shape)} and dtype {t.dtype} where the forward pass had shape "
+                    f"{tuple(shape)} and dtype {dtype}. A step must compute the same thing when called again "
+                    "with the same carry: it may depend on state that changed (a counter, a global, an "
+                    "iterator). Pass such values in the carry or xs."
+                )
         return tuple(tensors)
 
 
@@ -791,7 +812,8 @@ class Reversal:
         carry = state.carry
         with self.advancing(), self.region.substituted(self.captured, self.primals):
             for k in range(start, stop):
-                carry, _ = self.loop.step(k, carry, None if self.x_slots is None else _slice_list(self, k))
+                x = None if self.x_slots is None else _slice_list(self, k)
+                carry, _ = self.region.run_step_again(k, carry, x)
         tensors, slots = flatten(carry)
         return _State.of(tensors, slots, None)
 
@@ -821,6 +843,7 @@ class Reversal:
         step = StepRegion(self.region, k, state.slots, self.x_slots)
         i = self.loop.index(k)
         cotangents = (*self.ct_carry, *(c[i] for c in self.ct_ys))
+        step.expected = [(c.shape, c.dtype) for c in cotangents]
         primals = (*state.tensors, *xs, *self.captured)
         needs = (
             *(has_gradient_dtype(t) for t in state.tensors),

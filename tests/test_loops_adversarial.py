@@ -1155,7 +1155,6 @@ NONDETERMINISM_BUG = (
     "scan(checkpoints=None) never compares a recomputed step with its forward run: a step that "
     "computes other values/dtype when run again gives silently wrong gradients (scan(remat(f)) raises)"
 )
-SHAPE_BUG = "a step whose output shape differs on recomputation raises a raw torch RuntimeError, not CheckpointError"
 
 
 def _counting(change):
@@ -1204,7 +1203,6 @@ def test_remat_per_step_loop_control_raises(change):
         torch.autograd.grad(c.sum(), c0)
 
 
-@pytest.mark.xfail(strict=True, reason=SHAPE_BUG)
 @pytest.mark.parametrize("checkpoints", [None, 1, 2])
 def test_step_whose_shape_changes_on_recomputation_raises_checkpoint_error(checkpoints):
     c0 = C0.clone().requires_grad_()
