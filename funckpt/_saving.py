@@ -340,6 +340,8 @@ def _detached(out: Any) -> Any:
     """``out`` (a tensor, or a tuple or list of them and other values) with detached tensors."""
     if isinstance(out, torch.Tensor):
         return out.detach()
+    if not isinstance(out, (tuple, list)):  # a Python number (aten::_local_scalar_dense, .item())
+        return out
     return type(out)(t.detach() if isinstance(t, torch.Tensor) else t for t in out)
 
 

@@ -1577,10 +1577,6 @@ NESTED_POLICY_BUG = (
     "remat(policy=...)) raises a false CheckpointError: the outer policy's saved op outputs make the inner "
     "remat think a tensor it computed 'outlived the call'"
 )
-SCALAR_SAVE_BUG = (
-    "a policy that saves an op returning a Python scalar (.item(), bool(t), torch.equal: the loop's own "
-    "checks do this) crashes with a raw TypeError in _saving._detached ('bool' object is not iterable)"
-)
 
 
 def _matmul_step(c, x):
@@ -1643,7 +1639,6 @@ def test_remat_with_policy_inside_scan_and_scan_inside_remat_dots(checkpoints):
     assert_close(torch.autograd.grad(_loss_of(got), c0), ref)
 
 
-@pytest.mark.xfail(strict=True, reason=SCALAR_SAVE_BUG)
 @pytest.mark.parametrize("checkpoints", [None, 2])
 def test_scan_inside_remat_with_everything_saveable(checkpoints):
     c0 = C0.clone().requires_grad_()
@@ -1657,7 +1652,6 @@ def test_scan_inside_remat_with_everything_saveable(checkpoints):
     )
 
 
-@pytest.mark.xfail(strict=True, reason=SCALAR_SAVE_BUG)
 def test_scan_step_calling_item_with_everything_saveable():
     def f(c, x):
         return torch.tanh(c @ W0 + x) * (1.0 + 0.0 * c.sum().item()), None
