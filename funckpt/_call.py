@@ -70,7 +70,7 @@ from ._internals import (
 from ._options import RematOptions, callable_name, check_static_argnums
 from ._pytree import ArgSpec, TreeSlots, flatten, flatten_args
 from ._residuals import notify
-from ._saving import Saved, WriteWatch, clone_together
+from ._saving import Saved, WriteWatch, clone_together, held_by_recording_regions
 from .policies import nothing_saveable
 
 __all__ = ["UserRegion", "call", "finish", "nothing_to_differentiate", "prepare"]
@@ -526,6 +526,9 @@ class UserRegion(Region):
         if alive:
             gc.collect()  # a reference cycle waiting for the collector is not an escape
             alive = [t for t in (r() for r in made) if t is not None and t.requires_grad and id(t) not in given]
+        if alive:
+            held = held_by_recording_regions()
+            alive = [t for t in alive if id(t) not in held]
         if alive:
             raise CheckpointError(
                 f"remat({self.name}): a tensor of shape {tuple(alive[0].shape)} that the function computed "

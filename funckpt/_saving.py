@@ -336,6 +336,15 @@ class Saved:
         return Replayer(self, allow_mutation, self.fetch())
 
 
+def held_by_recording_regions() -> set[int]:
+    """Ids of the tensors the policies of the regions recording now keep (until their forward run ends).
+
+    A region nested in one whose policy keeps values: the outer recorder holds the very
+    tensors the inner run made, so they outlive the inner run without having escaped it.
+    """
+    return {id(t) for saved in active.stack for out in saved.kept.values() for t in _tensors(out)}
+
+
 def _detached(out: Any) -> Any:
     """``out`` (a tensor, or a tuple or list of them and other values) with detached tensors."""
     if isinstance(out, torch.Tensor):

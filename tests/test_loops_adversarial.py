@@ -1572,11 +1572,6 @@ def test_peak_memory_under_grad_is_bounded_by_checkpoints(loop):
 
 # ----------------------------------------------------------------------------- loops and policies
 
-NESTED_POLICY_BUG = (
-    "a remat'd call (or scan/remat step) inside a region whose policy saves ops (scan(policy=...), "
-    "remat(policy=...)) raises a false CheckpointError: the outer policy's saved op outputs make the inner "
-    "remat think a tensor it computed 'outlived the call'"
-)
 
 
 def _matmul_step(c, x):
@@ -1587,7 +1582,6 @@ def _loss_of(out):
     return out[0].pow(2).sum() + out[1].pow(2).sum()
 
 
-@pytest.mark.xfail(strict=True, reason=NESTED_POLICY_BUG)
 @pytest.mark.parametrize(
     "policy,inner",
     [("dots_saveable", "remat"), ("everything_saveable", "scan_with_policy")],
@@ -1606,7 +1600,6 @@ def test_nested_step_inside_scan_with_a_policy(policy, inner):
     assert_close(got, ref)
 
 
-@pytest.mark.xfail(strict=True, reason=NESTED_POLICY_BUG)
 def test_remat_inside_remat_with_everything_saveable_minimal():
     c0 = C0.clone().requires_grad_()
     out = funckpt.remat(
