@@ -52,6 +52,7 @@ from typing import Any, cast
 
 import torch
 
+from ._capture import has_tangent
 from ._errors import CheckpointError
 from ._internals import (
     has_gradient_dtype,
@@ -456,7 +457,9 @@ def _outside_legacy_vmap() -> Iterator[None]:
 
 
 def _local_leaf(p: torch.Tensor, wrt: bool, create_graph: bool) -> torch.Tensor:
-    if create_graph and p.requires_grad:
+    # With create_graph the result must stay differentiable through p: by reverse mode (p's
+    # graph) and by plain forward mode (p's tangent, which detach() would drop).
+    if create_graph and (p.requires_grad or (not wrt and has_tangent(p))):
         return p.view_as(p) if wrt else p
     leaf = p.detach()
     return leaf.requires_grad_(True) if wrt else leaf
@@ -600,7 +603,10 @@ class _RematFunction(torch.autograd.Function):
                 continue
             # One that requires grad is kept itself (a higher-order gradient must reach it
             # through this very tensor); others as an alias with a fresh version counter.
-            alias = None if t.requires_grad or t.is_inference() else _unversioned_alias(t)
+            # So is a plain forward-mode dual: an alias would drop its tangent, which a backward
+            # with create_graph inside the dual level must see.
+            keep_itself = t.requires_grad or t.is_inference() or has_tangent(t)
+            alias = None if keep_itself else _unversioned_alias(t)
             if alias is None:  # kept as it is, outside the version check
                 ctx.unsaved[i] = t
             saved.append(alias)

@@ -845,8 +845,11 @@ class Reversal:
         cotangents = (*self.ct_carry, *(c[i] for c in self.ct_ys))
         step.expected = [(c.shape, c.dtype) for c in cotangents]
         primals = (*state.tensors, *xs, *self.captured)
+        # The first step's carry is the loop's input: its gradient is needed if the caller's is.
+        # A later carry's is needed to go on: something before it (a parameter, xs) needs one.
+        carry_needs = (self.needs[j] for j in self.init_index) if k == 0 else (has_gradient_dtype(t) for t in state.tensors)
         needs = (
-            *(has_gradient_dtype(t) for t in state.tensors),
+            *carry_needs,
             *(self.needs[j] for j in self.xs_index),
             *(self.needs[j] for j in self.region.captured_index),
         )

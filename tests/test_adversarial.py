@@ -2324,3 +2324,23 @@ def test_an_argument_computed_inside_a_transform_from_a_tensor_that_requires_gra
         got = transform(lambda c: remat(f)(c, xs[0] * 1).sum())(c0)
         want = transform(lambda c: f(c, xs[0] * 1).sum())(c0)
         torch.testing.assert_close(got, want)
+
+
+def test_plain_forward_mode_dual_that_does_not_require_grad_through_a_create_graph_backward():
+    # The dual input is saved as itself (an alias would drop its tangent) and stays a dual in the
+    # recomputation, so the gradient's tangent equals the one without remat.
+    import torch.autograd.forward_ad as fwAD
+
+    w0 = torch.randn(3, 3, dtype=torch.float64)
+    c0 = torch.randn(3, dtype=torch.float64)
+
+    def run(wrap):
+        w = w0.clone().requires_grad_()
+        with fwAD.dual_level():
+            c = fwAD.make_dual(c0, torch.ones_like(c0))
+            out = wrap(lambda c: torch.tanh(c @ w))(c)
+            (g,) = torch.autograd.grad(out.pow(2).sum(), w, create_graph=True)
+            primal, tangent = fwAD.unpack_dual(g)
+            return primal.detach().clone(), tangent.detach().clone()
+
+    torch.testing.assert_close(run(remat), run(lambda f: f))

@@ -1678,10 +1678,6 @@ def test_while_loop_with_tensor_cond_and_everything_saveable():
 
 # ----------------------------------------------------------------------------- forward mode corners
 
-FWAD_BUG = (
-    "plain forward-mode AD (torch.autograd.forward_ad) around a create_graph backward: when the dual input "
-    "does not itself require grad, the gradient's tangent is wrong (loops) or None (a single funckpt.remat call)"
-)
 
 
 def _dual_of_create_graph_grad(scan, dual_requires_grad):
@@ -1700,7 +1696,7 @@ def _dual_of_create_graph_grad(scan, dual_requires_grad):
 
 @pytest.mark.parametrize(
     "dual_requires_grad",
-    [True, pytest.param(False, marks=pytest.mark.xfail(strict=True, reason=FWAD_BUG))],
+    [True, False],
 )
 @pytest.mark.parametrize("checkpoints", [None, 2])
 def test_forward_ad_dual_over_create_graph_backward(checkpoints, dual_requires_grad):
