@@ -436,7 +436,6 @@ class LoopRegion(UserRegion):
         self.final_digest: list[Digest | None] | None = None  # the carry the loop returned
         self.n_steps = 0
         self.carry_slots: TreeSlots | None = None
-        self.ys_slots: TreeSlots | None = None
         self.n_carry = 0
         self._forward = False
         self._inputs: tuple[torch.Tensor, ...] = ()
@@ -547,7 +546,6 @@ class LoopRegion(UserRegion):
         self.n_carry = len(tensors)
         self.final_digest = digest(tensors) if self._compares_values() else None
         stacked = self._stacked(ys)
-        _, self.ys_slots = flatten(stacked)
         carry, stacked = _distinct((carry, stacked))
         return carry, stacked
 

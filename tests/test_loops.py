@@ -450,3 +450,24 @@ def test_while_loop_with_a_condition_batched_by_vmap_raises_a_clear_error():
 
     with pytest.raises(funckpt.CheckpointError, match="differs across a vmap's batch"):
         tf.vmap(run)(torch.zeros(3, 2))
+
+
+def test_while_loop_second_backward_with_retain_graph():
+    w = (torch.randn(3, 3, dtype=D) * 0.5).requires_grad_()
+    c0 = torch.randn(3, dtype=D, requires_grad=True)
+
+    def body(c):
+        return torch.tanh(c @ w) + 0.1
+
+    def cond(c):
+        return bool(c.sum() < 50)
+
+    out = funckpt.while_loop(cond, body, c0, max_steps=30, checkpoints=3)
+    first = torch.autograd.grad(out.sum(), (w, c0), retain_graph=True)
+    second = torch.autograd.grad(out.sum(), (w, c0))
+    c = c0
+    for _ in range(30):
+        c = body(c) if cond(c) else c
+    expected = torch.autograd.grad(c.sum(), (w, c0))
+    assert_close(first, expected)
+    assert_close(second, expected)
