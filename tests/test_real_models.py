@@ -674,3 +674,38 @@ def test_timm_checkpoint_seq_two_steps_with_optimizer():
             F.cross_entropy(m(x), y).backward()
             opt.step()
     assert_close(model.state_dict(), reference.state_dict())
+
+
+@pytest.mark.parametrize("checkpoints", [None, 2])
+def test_scan_over_stacked_hf_gpt2_layers(checkpoints):
+    """JAX's scan-over-layers pattern: the layers' parameters stacked as xs, one block as the step."""
+    cfg = transformers.GPT2Config(
+        vocab_size=V, n_positions=16, n_embd=H, n_layer=4, n_head=2,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False,
+    )
+    blocks = list(transformers.GPT2Model(cfg).to(D).h)
+    params, buffers = tf.stack_module_state(blocks)
+    params = {k: v.detach() for k, v in params.items()}
+    template = copy.deepcopy(blocks[0]).to("meta")
+    buffers_one = {k: v[0] for k, v in buffers.items()}
+
+    def step(h, p):
+        out = tf.functional_call(template, (p, buffers_one), (h,))
+        return (out[0] if isinstance(out, tuple) else out), None
+
+    def with_scan(params, h0):
+        return funckpt.scan(step, h0, params, checkpoints=checkpoints)[0].pow(2).mean()
+
+    def plain(params, h0):
+        h = h0
+        for i in range(len(blocks)):
+            h, _ = step(h, {k: v[i] for k, v in params.items()})
+        return h.pow(2).mean()
+
+    h0 = torch.randn(B, S, H, dtype=D)
+    assert_close(tf.grad(with_scan)(params, h0), tf.grad(plain)(params, h0))
+    leaves = {k: v.clone().requires_grad_() for k, v in params.items()}
+    ref = {k: v.clone().requires_grad_() for k, v in params.items()}
+    with_scan(leaves, h0).backward()
+    plain(ref, h0).backward()
+    assert_close({k: v.grad for k, v in leaves.items()}, {k: v.grad for k, v in ref.items()})
