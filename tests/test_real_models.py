@@ -676,12 +676,14 @@ def test_timm_checkpoint_seq_two_steps_with_optimizer():
     assert_close(model.state_dict(), reference.state_dict())
 
 
-@pytest.mark.parametrize("checkpoints", [None, 2])
-def test_scan_over_stacked_hf_gpt2_layers(checkpoints):
-    """JAX's scan-over-layers pattern: the layers' parameters stacked as xs, one block as the step."""
+@pytest.mark.parametrize("dropout", [0.0, 0.2])
+@pytest.mark.parametrize("checkpoints", [None, 1, 2])
+def test_scan_over_stacked_hf_gpt2_layers(checkpoints, dropout):
+    """JAX's scan-over-layers pattern: the layers' parameters stacked as xs, one block as the step;
+    with dropout, the same masks as the Python loop under the same seed."""
     cfg = transformers.GPT2Config(
         vocab_size=V, n_positions=16, n_embd=H, n_layer=4, n_head=2,
-        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False,
+        resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout, use_cache=False,
     )
     blocks = list(transformers.GPT2Model(cfg).to(D).h)
     params, buffers = tf.stack_module_state(blocks)
@@ -702,10 +704,14 @@ def test_scan_over_stacked_hf_gpt2_layers(checkpoints):
             h, _ = step(h, {k: v[i] for k, v in params.items()})
         return h.pow(2).mean()
 
+    def seeded(fn, *args):
+        torch.manual_seed(0)
+        return fn(*args)
+
     h0 = torch.randn(B, S, H, dtype=D)
-    assert_close(tf.grad(with_scan)(params, h0), tf.grad(plain)(params, h0))
+    assert_close(seeded(tf.grad(with_scan), params, h0), seeded(tf.grad(plain), params, h0))
     leaves = {k: v.clone().requires_grad_() for k, v in params.items()}
     ref = {k: v.clone().requires_grad_() for k, v in params.items()}
-    with_scan(leaves, h0).backward()
-    plain(ref, h0).backward()
+    seeded(with_scan, leaves, h0).backward()
+    seeded(plain, ref, h0).backward()
     assert_close({k: v.grad for k, v in leaves.items()}, {k: v.grad for k, v in ref.items()})
