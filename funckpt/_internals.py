@@ -57,6 +57,7 @@ __all__ = [
     "interpreter_stack",
     "is_batchedtensor",
     "dispatch_modes_active",
+    "outside_functorch",
     "is_dead_tensor_wrapper",
     "is_functorch_wrapped",
     "jvp_levels_active",
@@ -119,6 +120,9 @@ DisableFuncTorch = torch._C._DisableFuncTorch
 # under the transforms, the interpreters' ``lower()`` context, single-level Functions.
 from torch._functorch.autograd_function import custom_function_call  # noqa: E402, F401
 from torch._functorch.pyfunctorch import GradInterpreter, JvpInterpreter, VmapInterpreter  # noqa: E402, F401
+from torch._functorch.pyfunctorch import (  # noqa: E402
+    temporarily_clear_interpreter_stack as outside_functorch,  # since 2.0: run a block with no transform active
+)
 
 def level_lift(interpreter: Any) -> Callable[[torch.Tensor], torch.Tensor]:
     """The interpreter's lift of a tensor to its level (what its ``process()`` applies to every argument)."""

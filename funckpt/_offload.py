@@ -32,6 +32,8 @@ from typing import Any, Protocol
 
 import torch
 
+from ._internals import outside_functorch
+
 __all__ = ["BACKENDS", "Backend", "Moved", "Offloaded", "chain", "fetch", "prefetch", "to_host"]
 
 
@@ -147,6 +149,8 @@ class Pending:
 
 def to_host(out: Any, pinned: bool) -> Offloaded | None:
     """Start moving ``out``'s accelerator tensors to host memory; None if it has none (kept as is)."""
+    if not isinstance(out, (torch.Tensor, tuple, list)):  # a Python number (.item()): kept as it is
+        return None
     single = isinstance(out, torch.Tensor)
     items = [out] if single else list(out)
     moved = False
@@ -163,6 +167,14 @@ def to_host(out: Any, pinned: bool) -> Offloaded | None:
 
 
 def _start_back(value: Offloaded) -> tuple[Any, list[tuple[torch.Tensor, Backend, Any]]]:
+    # The copies back are plain tensors, made outside any torch.func transform active where
+    # the backward runs (under vmap(grad) or jacrev they came out wrapped, and the replayer
+    # serves them below functorch).
+    with outside_functorch():
+        return _copies_back(value)
+
+
+def _copies_back(value: Offloaded) -> tuple[Any, list[tuple[torch.Tensor, Backend, Any]]]:
     marks = []
     items = []
     for item in value.items:

@@ -219,6 +219,10 @@ class Saved:
                 self.labels[position] = name
                 if verdict is True:
                     self.offload.pop(position, None)  # saving beats offloading
+                elif name in self.excluded:
+                    # Kept by an operator-level answer the name's exclusion takes back; what
+                    # remains of it is the offload the name asked for.
+                    self.offload[position] = verdict
                 return
             if not _cacheable(op):
                 return

@@ -363,6 +363,15 @@ def excluded_names(policy: Policy) -> frozenset[str]:
     return frozenset(getattr(policy, "excluded_names", frozenset()))
 
 
+def _keeps_by_operator(policy: Policy) -> bool:
+    """Can ``policy`` keep a value for its operator alone (not only for its name)?"""
+    if policy is nothing_saveable or isinstance(policy, (SaveOnlyTheseNames, SaveAnyNamesButThese, SaveAndOffloadNames)):
+        return False
+    if isinstance(policy, SaveFromBothPolicies):
+        return _keeps_by_operator(policy.policy_1) or _keeps_by_operator(policy.policy_2)
+    return True
+
+
 def from_torch(policy_fn_or_list: Callable[..., Any] | Iterable[Any]) -> FromTorch:
     """Adapt a ``torch.utils.checkpoint`` selective-checkpointing policy.
 
@@ -379,6 +388,11 @@ def from_torch(policy_fn_or_list: Callable[..., Any] | Iterable[Any]) -> FromTor
         >>> keep_mm(torch.ops.aten.mm.default)
         True
     """
+    if isinstance(policy_fn_or_list, (OpOverload, OpOverloadPacket)):  # callable, but an op, not a policy
+        raise TypeError(
+            f"from_torch: policy_fn_or_list is one operator ({policy_fn_or_list}); pass a list of operators to "
+            f"keep, from_torch([{policy_fn_or_list}]), or a policy function (ctx, op, *args, **kwargs)"
+        )
     if callable(policy_fn_or_list):
         return FromTorch(policy_fn_or_list)
     try:
@@ -452,7 +466,13 @@ class SaveFromBothPolicies(SavingPolicy):
 
     @property
     def excluded_names(self) -> frozenset[str]:
-        return excluded_names(self.policy_1) & excluded_names(self.policy_2)
+        # A named value is refused where every part that keeps values by operator refuses it:
+        # a part that keeps only named values (nothing_saveable, save_only_these_names, ...)
+        # must not bring back what the other part excludes.
+        parts = [p for p in (self.policy_1, self.policy_2) if _keeps_by_operator(p)]
+        if not parts:
+            return frozenset()
+        return frozenset.intersection(*(excluded_names(p) for p in parts))
 
     @property
     def lowerable(self) -> bool:
