@@ -24,7 +24,6 @@ allocated before it.
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -37,7 +36,7 @@ import funckpt
 from funckpt import policies, remat
 
 from ._common import peak_bytes, table, write_block
-from .core import Variant, peaks, stack_inputs
+from .core import Variant, peaks, stack_inputs, step_times
 from .mlp_stack import block, loss_fn
 
 PLOT = Path(__file__).resolve().parent / "budget.png"
@@ -192,17 +191,7 @@ def cpu_seconds(vs: list[Variant], rounds: int) -> dict[str, float]:
     other processes' load inflates both (caches, clock), by up to ~10% for the median here,
     and the least is the sample they disturbed least.
     """
-    samples: dict[str, list[float]] = {v.name: [] for v in vs}
-    for v in vs:
-        v()
-    for _ in range(rounds):
-        for v in vs:
-            if v.setup is not None:
-                v.setup()
-            start = time.process_time()
-            v.step()
-            samples[v.name].append(time.process_time() - start)
-    return {name: min(s) for name, s in samples.items()}
+    return step_times(vs, rounds, clock=time.process_time, summary=min)
 
 
 def run(rounds: int = 9) -> str:
@@ -250,7 +239,7 @@ def run(rounds: int = 9) -> str:
 
 def gpu_points(config: Any, device: torch.device, rounds: int) -> dict[str, tuple[float, float]]:
     """(peak MiB, median step seconds) per policy, ``.backward()`` on the GPT-style stack."""
-    from .gpu import Block
+    from .gpu import Block, measure_steps
 
     torch.manual_seed(0)
     blocks = nn.ModuleList(Block(config.d, config.heads) for _ in range(config.blocks)).to(device, config.dtype)
@@ -270,28 +259,14 @@ def gpu_points(config: Any, device: torch.device, rounds: int) -> dict[str, tupl
 
     share = dots_share(blocks[0], x)
     steps = {"no remat": make(None), **{name: make(p) for name, p in all_policies(share).items()}}
-    cuda = device.type == "cuda"
-    for s in steps.values():
-        s()
-    times: dict[str, list[float]] = {k: [] for k in steps}
-    peak: dict[str, float] = {}
-    for _ in range(rounds):
-        for name, s in steps.items():
-            blocks.zero_grad(set_to_none=True)
-            if cuda:
-                torch.cuda.synchronize(device)
-                torch.cuda.reset_peak_memory_stats(device)
-                before = torch.cuda.memory_allocated(device)
-            start = time.perf_counter()
-            s()
-            if cuda:
-                torch.cuda.synchronize(device)
-            times[name].append(time.perf_counter() - start)
-            if cuda:
-                peak[name] = max(peak.get(name, 0.0), (torch.cuda.max_memory_allocated(device) - before) / 2**20)
-    if not cuda:  # the smoke run: the profiler's peak instead (see _common.peak_bytes)
-        peak = {name: peak_bytes(s, setup=lambda: blocks.zero_grad(set_to_none=True)) / 2**20 for name, s in steps.items()}
-    return {k: (peak[k], statistics.median(v)) for k, v in times.items()}
+    def clear() -> None:
+        blocks.zero_grad(set_to_none=True)
+
+    measured = measure_steps(steps, device, rounds, setup=clear)
+    if device.type == "cuda":
+        return {k: (peak, seconds) for k, (seconds, peak) in measured.items()}
+    # the smoke run: the profiler's peak instead (see _common.peak_bytes)
+    return {k: (peak_bytes(steps[k], setup=clear) / 2**20, seconds) for k, (seconds, _) in measured.items()}
 
 
 def gpu_section(small: bool = False, rounds: int = 10) -> str:

@@ -95,7 +95,13 @@ def peaks(vs: list[Variant]) -> dict[str, float]:
     return result
 
 
-def step_times(vs: list[Variant], rounds: int) -> dict[str, float]:
+def step_times(
+    vs: list[Variant],
+    rounds: int,
+    clock: Callable[[], float] = time.perf_counter,
+    summary: Callable[[list[float]], float] = statistics.median,
+) -> dict[str, float]:
+    """Each variant's step timed by ``clock`` over ``rounds`` interleaved rounds, summarised by ``summary``."""
     samples: dict[str, list[float]] = {v.name: [] for v in vs}
     for v in vs:
         v()
@@ -103,10 +109,10 @@ def step_times(vs: list[Variant], rounds: int) -> dict[str, float]:
         for v in vs:
             if v.setup is not None:
                 v.setup()
-            start = time.perf_counter()
+            start = clock()
             v.step()
-            samples[v.name].append(time.perf_counter() - start)
-    return {name: statistics.median(s) for name, s in samples.items()}
+            samples[v.name].append(clock() - start)
+    return {name: summary(s) for name, s in samples.items()}
 
 
 def run(rounds: int = 15) -> str:

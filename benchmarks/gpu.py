@@ -22,6 +22,7 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 from functools import partial
 
 import torch
@@ -132,13 +133,24 @@ def _sync(device: torch.device) -> None:
 
 def measure(config: Config, device: torch.device, rounds: int) -> dict[str, tuple[float, float]]:
     """Median step seconds and peak MiB per variant."""
-    steps = variants(config, device)
+    return measure_steps(variants(config, device), device, rounds)
+
+
+def measure_steps(
+    steps: dict[str, Callable[[], Any]],
+    device: torch.device,
+    rounds: int,
+    setup: Callable[[], Any] | None = None,
+) -> dict[str, tuple[float, float]]:
+    """Median step seconds and peak MiB (NaN off CUDA) per step, rounds interleaved; ``setup`` before each."""
     for step in steps.values():
         step()
     times: dict[str, list[float]] = {k: [] for k in steps}
     peaks: dict[str, float] = {}
     for _ in range(rounds):
         for name, step in steps.items():
+            if setup is not None:
+                setup()
             _sync(device)
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
