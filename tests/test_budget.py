@@ -8,10 +8,10 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.testing import assert_close
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import funckpt
 from funckpt import _budget, checkpoint_name, policies, remat
+from tests.fakes import CountComputing
 
 D = torch.float64
 aten = torch.ops.aten
@@ -49,24 +49,13 @@ def kept_bytes(policy):
     return sum(n for _, _, n in kept(policy))
 
 
-class Count(TorchDispatchMode):
-    """Counts the operators that compute something (not the detach of a served value, not views)."""
-
-    def __init__(self):
-        super().__init__()
-        self.n = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is not aten.detach.default and not any(r.alias_info is not None for r in func._schema.returns):
-            self.n += 1
-        return func(*args, **(kwargs or {}))
 
 
 def backward_ops(policy):
     """Operators executed by the backward pass (recomputation included) of one step."""
     p = {k: v.clone().requires_grad_() for k, v in P.items()}
     out = loss(remat(mlp, policy=policy))(p, X)
-    with Count() as c:
+    with CountComputing() as c:
         out.backward()
     return c.n
 

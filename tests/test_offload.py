@@ -14,6 +14,7 @@ from torch.testing import assert_close
 
 import funckpt
 from funckpt import _offload, _residuals, checkpoint_name, policies, remat
+from tests.fakes import FakeBackend
 
 D = torch.float64
 aten = torch.ops.aten
@@ -151,29 +152,6 @@ def test_a_cpu_value_is_simply_kept_no_copy():
 # ------------------------------------------------------------------ the accelerator path, faked
 
 
-class FakeBackend:
-    """Records the calls the CUDA backend would make; copies are clones, marks are counters."""
-
-    def __init__(self):
-        self.log = []
-        self.marks = 0
-
-    def _mark(self):
-        self.marks += 1
-        return self.marks
-
-    def to_host(self, t, pinned):
-        mark = self._mark()
-        self.log.append(("to_host", tuple(t.shape), pinned, mark))
-        return t.detach().clone(), mark
-
-    def to_device(self, host, device, done):
-        mark = self._mark()
-        self.log.append(("to_device", tuple(host.shape), done, mark))
-        return host.clone(), mark
-
-    def ready(self, t, done):
-        self.log.append(("ready", tuple(t.shape), done))
 
 
 @pytest.fixture

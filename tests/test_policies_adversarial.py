@@ -13,10 +13,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 import torch.utils.checkpoint as upstream
 from torch.testing import assert_close
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import funckpt
 from funckpt import _offload, checkpoint_name, policies, remat
+from tests.fakes import CountComputing, FakeBackend
 
 D = torch.float64
 aten = torch.ops.aten
@@ -41,29 +41,6 @@ def loss_of(fn, depth=2):
     return loss
 
 
-class FakeBackend:
-    """As in tests/test_offload.py: a fake accelerator backend registered for "cpu"."""
-
-    def __init__(self):
-        self.log = []
-        self.marks = 0
-
-    def _mark(self):
-        self.marks += 1
-        return self.marks
-
-    def to_host(self, t, pinned):
-        mark = self._mark()
-        self.log.append(("to_host", tuple(t.shape), pinned, mark))
-        return t.detach().clone(), mark
-
-    def to_device(self, host, device, done):
-        mark = self._mark()
-        self.log.append(("to_device", tuple(host.shape), done, mark))
-        return host.clone(), mark
-
-    def ready(self, t, done):
-        self.log.append(("ready", tuple(t.shape), done))
 
 
 @pytest.fixture(params=["cpu-kept", "fake-accelerator"])
@@ -169,15 +146,6 @@ def varied(w1, w2, x):
     return torch.cat([z, z.sin()], dim=0).relu()
 
 
-class Count(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.n = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is not aten.detach.default and not any(r.alias_info is not None for r in func._schema.returns):
-            self.n += 1
-        return func(*args, **(kwargs or {}))
 
 
 def _kept(fn, policy, *args):
@@ -188,7 +156,7 @@ def _kept(fn, policy, *args):
 def _backward_ops(fn, policy, *args):
     args = [a.clone().requires_grad_() for a in args]
     out = remat(fn, policy=policy)(*args).square().sum()
-    with Count() as c:
+    with CountComputing() as c:
         out.backward()
     return c.n
 
