@@ -278,14 +278,7 @@ class VmapRegion(Region):
         unused: set[int] = set()
 
         def batched(*flat: torch.Tensor) -> Tensors:
-            grads = self.base.own_vjp(
-                flat[:n],
-                flat[n:],
-                needs,
-                create_graph=create_graph,
-                advancing=functools.partial(_advancing, create_graph),
-                step_vjp=functools.partial(vjp, create_graph=create_graph),
-            )
+            grads = _own_vjp_here(self.base, flat[:n], flat[n:], needs, create_graph)
             assert grads is not None
             unused.update(i for i, g in enumerate(grads) if g is None)
             return tuple(torch.zeros_like(p) if g is None else g for p, g in zip(flat, grads))
@@ -364,14 +357,7 @@ def vjp(
     the recomputation outlives this call. ``None`` marks an input the outputs
     do not depend on.
     """
-    own = region.own_vjp(
-        primals,
-        cotangents,
-        needs,
-        create_graph=create_graph,
-        advancing=functools.partial(_advancing, create_graph),
-        step_vjp=functools.partial(vjp, create_graph=create_graph),
-    )
+    own = _own_vjp_here(region, primals, cotangents, needs, create_graph)
     if own is not None:
         return own
     wrt = [i for i, need in enumerate(needs) if need]
@@ -405,6 +391,20 @@ def vjp(
     for i, g in zip(wrt, grads):
         result[i] = g
     return result
+
+
+def _own_vjp_here(
+    region: Region, primals: Tensors, cotangents: Tensors, needs: Sequence[bool], create_graph: bool
+) -> list[torch.Tensor | None] | None:
+    """``region``'s own vjp (if it has one) with this stack's rules: :func:`vjp` for each step."""
+    return region.own_vjp(
+        primals,
+        cotangents,
+        needs,
+        create_graph=create_graph,
+        advancing=functools.partial(_advancing, create_graph),
+        step_vjp=functools.partial(vjp, create_graph=create_graph),
+    )
 
 
 @contextlib.contextmanager

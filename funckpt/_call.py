@@ -579,6 +579,14 @@ class UserRegion(Region):
     def run(self, flat: tuple[torch.Tensor, ...], phase: Phase) -> tuple[torch.Tensor, ...]:
         return self.forward_run(flat) if phase is Phase.FORWARD else self.recompute(flat)
 
+    def replacements(
+        self, captured: Sequence[torch.Tensor]
+    ) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor]]:
+        """What ``fn`` gets where it reaches each captured tensor (``id`` to tensor): all of them, for
+        the modules to reparametrize, and those that are not the captured tensor itself, to substitute."""
+        replace = {id(orig): t for orig, t in zip(self.captured.tensors, captured)}
+        return replace, {k: v for k, v in replace.items() if v is not self._originals.get(k)}
+
     @contextlib.contextmanager
     def _running(
         self, flat: tuple[torch.Tensor, ...], *, forward: bool, states: Sequence[Any], modes: Sequence[Any]
@@ -592,8 +600,7 @@ class UserRegion(Region):
         function's use of them.
         """
         args, kwargs = self.argspec.rebuild([flat[i] for i in self.arg_index])
-        replace = {id(orig): flat[i] for orig, i in zip(self.captured.tensors, self.captured_index)}
-        mapping = {k: v for k, v in replace.items() if v is not self._originals.get(k)}
+        replace, mapping = self.replacements([flat[i] for i in self.captured_index])
         first_node = next_sequence_nr() if forward or mapping else 0
         with contextlib.ExitStack() as stack:
             if self.captured.modules:

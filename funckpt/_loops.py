@@ -605,8 +605,7 @@ class LoopRegion(UserRegion):
     @contextlib.contextmanager
     def substituted(self, captured: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor]) -> Iterator[None]:
         """The step function sees ``captured`` where it reaches the tensors captured at the call."""
-        replace = {id(orig): t for orig, t in zip(self.captured.tensors, captured)}
-        mapping = {k: v for k, v in replace.items() if v is not self._originals.get(k)}
+        replace, mapping = self.replacements(captured)
         with contextlib.ExitStack() as stack:
             if self.captured.modules:
                 stack.enter_context(reparametrized(self.captured.modules, replace))
@@ -810,7 +809,7 @@ class Reversal:
         carry = state.carry
         with self.advancing(), self.region.substituted(self.captured, self.primals):
             for k in range(start, stop):
-                x = None if self.x_slots is None else _slice_list(self, k)
+                x = None if self.x_slots is None else self.x_slots.fill(self._x(k))
                 carry, _ = self.region.run_step_again(k, carry, x)
         tensors, slots = flatten(carry)
         return _State.of(tensors, slots, None)
@@ -860,7 +859,3 @@ class Reversal:
         for index, g in zip(self.region.captured_index, grads[nc + nx :]):
             self._add(index, g)
 
-
-def _slice_list(reversal: Reversal, k: int) -> Any:
-    assert reversal.x_slots is not None
-    return reversal.x_slots.fill(reversal._x(k))
