@@ -10,6 +10,7 @@ the profiler stops, and nothing allocated before the step is freed inside it).
 from __future__ import annotations
 
 import datetime
+import gc
 import re
 import platform
 import statistics
@@ -45,6 +46,10 @@ def held_bytes(step: Callable[[], Any], setup: Callable[[], Any] | None = None) 
 def _memory(step: Callable[[], Any], setup: Callable[[], Any] | None) -> tuple[int, int]:
     if setup is not None:
         setup()
+    # Garbage left in reference cycles by earlier code (a test's model, torch's
+    # own closures) would otherwise be freed by a collection inside the profile
+    # and counted against the step.
+    gc.collect()
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         result = step()
     del result

@@ -424,7 +424,11 @@ class LoopRegion(UserRegion):
     def __init__(self, loop: Loop, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.loop = loop
-        self.fn = self._drive
+        # What the escape check looks into is the user's step function. The loop
+        # itself runs through run_fn: storing the bound method self._drive here
+        # would make a reference cycle that keeps the kept carries until the
+        # garbage collector runs.
+        self.fn = loop.user_fn
         # The forward run records no graph (that would keep every step's internals),
         # and outputs that alias inputs stay the Function's own (as views of them).
         self.caller_grad_enabled = False
@@ -471,7 +475,7 @@ class LoopRegion(UserRegion):
                 "be wrong. Pass such tensors in the carry or xs, or do not rebind them before the backward."
             )
 
-    def _drive(self, init: Any, xs: Any) -> tuple[Any, Any]:
+    def run_fn(self, init: Any, xs: Any) -> tuple[Any, Any]:
         """The loop's function: the forward sweep in the forward run, the whole loop in a recomputation."""
         return self._forward_sweep(init, xs) if self._forward else self._whole(init, xs)
 

@@ -60,6 +60,45 @@ def test_no_memory_growth_over_steps_under_backward():
     assert held_bytes(twenty_steps) == 0
 
 
+@pytest.mark.parametrize(
+    "call",
+    [
+        pytest.param(lambda: tf.grad(loss(remat(block)))(WS, X), id="remat-torch.func.grad"),
+        pytest.param(lambda: loss(remat(block, policy=policies.dots_saveable))(_leaves(), X).backward(), id="remat-backward"),
+        pytest.param(lambda: tf.grad(lambda w: _scan_loss(w, None))(WS[0]), id="scan-torch.func.grad"),
+        pytest.param(lambda: _scan_loss(WS[0].clone().requires_grad_(), 2).backward(), id="scan-checkpoints-backward"),
+    ],
+)
+def test_no_reference_cycles_keep_funckpt_objects_alive(call):
+    """Reference counting alone frees what a call keeps (kept values, a loop's carries): never the GC."""
+    import gc
+
+    gc.collect()
+    gc.disable()
+    try:
+        gc.set_debug(gc.DEBUG_SAVEALL)
+        call()
+        gc.collect()
+        left = [type(o).__qualname__ for o in gc.garbage if type(o).__module__.startswith("funckpt")]
+        tensors = sum(isinstance(o, torch.Tensor) for o in gc.garbage)
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+        gc.enable()
+    assert left == [] and tensors == 0
+
+
+def _leaves() -> list:
+    return [w.clone().requires_grad_() for w in WS]
+
+
+def _scan_loss(w, checkpoints):
+    from funckpt import scan
+
+    carry, _ = scan(lambda c, _: (block(w, c), None), X, None, length=5, checkpoints=checkpoints)
+    return carry.square().mean()
+
+
 def test_concurrent_gradients_from_threads_equal_serial_results():
     step = remat(block, policy=policies.dots_saveable)
     inputs = [torch.randn(64, 32, dtype=D, generator=torch.Generator().manual_seed(i)) for i in range(4)]
