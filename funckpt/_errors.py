@@ -209,11 +209,15 @@ _RTOL_OTHER_FLOAT = 1e-1  # 8-bit floating-point types
 
 
 class Digest:
-    """The standard deviation and mean of one output's values, and how to compare them.
+    """The sum and L2 norm of one output's values, and how to compare them.
 
-    On the CPU both are read into ``values`` at once (reading costs no synchronisation
-    there, and the comparison is then plain Python); on an accelerator they stay on
-    the device as ``stats`` (``[std, mean]``) until the comparison reads them.
+    On the CPU both are computed by two plain reductions (``sum`` and
+    ``vector_norm`` are vectorised and many times faster there than a Welford
+    ``std_mean``: 15 against 200 us for 64x1024 floats) and read into ``values``
+    at once (reading costs no synchronisation there, and the comparison is then
+    plain Python). On an accelerator one ``std_mean`` kernel keeps ``[std, mean]``
+    on the device as ``stats`` (one launch, no synchronisation) until the
+    comparison reads them and turns them into the sum and norm.
     """
 
     __slots__ = ("numel", "rtol", "stats", "values")
@@ -223,17 +227,17 @@ class Digest:
     ) -> None:
         self.stats, self.numel, self.rtol, self.values = stats, numel, rtol, values
 
-    def sum_and_norm(self, mean: float, std: float) -> tuple[float, float]:
+    def from_stats(self, std: float, mean: float) -> tuple[float, float]:
         """Sum and L2 norm of the values, from their mean and (population) standard deviation."""
         return mean * self.numel, math.sqrt(max(std * std + mean * mean, 0.0) * self.numel)
 
     def read(self) -> tuple[float, float]:
-        """``(std, mean)`` as numbers (a host synchronisation on an accelerator)."""
+        """``(sum, norm)`` as numbers (a host synchronisation on an accelerator)."""
         if self.values is not None:
             return self.values
         assert self.stats is not None
-        std, mean = self.stats.tolist()
-        return float(std), float(mean)
+        first, second = (float(n) for n in self.stats.tolist())
+        return (first, second) if self.stats.is_cpu else self.from_stats(first, second)
 
     def comparable(self, other: Digest) -> bool:
         """Taken of as many values, in the same place (both on the CPU, read or not, or both on one device)?"""
@@ -254,7 +258,7 @@ def _digestible(t: torch.Tensor) -> bool:
 
 
 def _one(b: torch.Tensor) -> Digest:
-    """The digest of one plain tensor: one reduction kernel, accumulated in at least float32."""
+    """The digest of one plain tensor, accumulated in at least float32."""
     exact = not has_gradient_dtype(b)
     rtol = 0.0 if exact else _RTOL.get(b.dtype, _RTOL_OTHER_FLOAT)
     numel = b.numel()
@@ -264,20 +268,23 @@ def _one(b: torch.Tensor) -> Digest:
         numel *= 2
     elif exact:  # integers and booleans
         v = v.to(torch.float64)
-    std, mean = torch.std_mean(v, correction=0)
-    # On the CPU the two numbers are read now, unless a dispatch mode traces this run
-    # (linearize's make_fx): reading a traced value would be a data-dependent operation.
-    if b.is_cpu and not DEFER_ON_CPU and not dispatch_modes_active():
-        return Digest(None, numel, rtol, (std.item(), mean.item()))
-    return Digest(torch.stack((std, mean)), numel, rtol)
+    if not b.is_cpu:
+        return Digest(torch.stack(torch.std_mean(v, correction=0)), numel, rtol)
+    acc = v.dtype if v.dtype in (torch.float64, torch.float32) else torch.float32
+    total, norm = torch.sum(v, dtype=acc), torch.linalg.vector_norm(v, dtype=acc)
+    # Read now, unless a dispatch mode traces this run (linearize's make_fx): reading
+    # a traced value would be a data-dependent operation.
+    if DEFER_ON_CPU or dispatch_modes_active():
+        return Digest(torch.stack((total, norm)), numel, rtol)
+    return Digest(None, numel, rtol, (total.item(), norm.item()))
 
 
 def digest(tensors: Sequence[torch.Tensor]) -> list[Digest | None]:
     """A :class:`Digest` of each tensor (``None`` where values cannot be compared: meta, sparse, subclasses).
 
     Taken of the plain tensor under any functorch wrapper, outside autograd,
-    functorch and forward-mode AD, so it records nothing and costs one small
-    reduction per output.
+    functorch and forward-mode AD, so it records nothing and costs one or two
+    small reductions per output.
     """
     plain = not transforms_active() and forward_ad_level() < 0
     grad_was = torch.is_grad_enabled()
@@ -313,13 +320,16 @@ def _differing(forward: Sequence[Digest | None], recomputed: Sequence[Digest | N
             read = torch.cat(unread).cpu().tolist()
     numbers = iter(read)
 
-    def values(d: Digest) -> tuple[float, float]:
-        return d.values if d.values is not None else (float(next(numbers)), float(next(numbers)))
+    def sum_and_norm(d: Digest) -> tuple[float, float]:
+        if d.values is not None:
+            return d.values
+        first, second = float(next(numbers)), float(next(numbers))
+        assert d.stats is not None
+        return (first, second) if d.stats.is_cpu else d.from_stats(first, second)
 
     differing = []
     for i, a, b in pairs:
-        (std_f, mean_f), (std_r, mean_r) = values(a), values(b)
-        (sum_f, norm_f), (sum_r, norm_r) = a.sum_and_norm(mean_f, std_f), a.sum_and_norm(mean_r, std_r)
+        (sum_f, norm_f), (sum_r, norm_r) = sum_and_norm(a), sum_and_norm(b)
         scale = max(abs(norm_f), abs(norm_r))
         # |sum(x) - sum(y)| <= sqrt(n) |x - y|_2: the sum gets sqrt(n) times the norm's tolerance.
         for f, r, tol in ((sum_f, sum_r, scale * a.rtol * a.numel**0.5), (norm_f, norm_r, scale * a.rtol)):
@@ -384,7 +394,7 @@ def _compare(
     i = differing[0]
     a, b = forward[i], recomputed[i]
     assert a is not None and b is not None
-    (s_f, n_f), (s_r, n_r) = a.sum_and_norm(*reversed(a.read())), b.sum_and_norm(*reversed(b.read()))
+    (s_f, n_f), (s_r, n_r) = a.read(), b.read()
     message = (
         f"remat({name}): the recomputation during the backward pass did not reproduce the forward pass: "
         f"output tensor {i} has other values (sum {s_f:.6g}, norm {n_f:.6g} in the forward pass; "
