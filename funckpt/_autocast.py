@@ -10,7 +10,7 @@ device type the call's tensors live on.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -23,7 +23,14 @@ class AutocastState(NamedTuple):
     cache_enabled: bool
 
 
-def capture(tensors: Iterable[torch.Tensor]) -> list[AutocastState]:
+#: What :func:`capture` records when autocast is off on every device (the common
+#: case, told by one call): a recomputation then runs with autocast off too.
+OFF: tuple[AutocastState, ...] = ()
+
+
+def capture(tensors: Iterable[torch.Tensor]) -> Sequence[AutocastState]:
+    if not torch._C._is_any_autocast_enabled():
+        return OFF
     device_types = ["cpu"]
     for t in tensors:
         if not t.is_cpu:  # (reading .device makes a device object: only where needed)
@@ -45,11 +52,16 @@ def _current(device_type: str) -> AutocastState:
 class replay:
     """Enter the recorded autocast state where it differs from the current one."""
 
-    def __init__(self, states: Iterable[AutocastState]) -> None:
+    def __init__(self, states: Sequence[AutocastState]) -> None:
         self.states = states
         self.stack: contextlib.ExitStack[bool | None] | None = None
 
     def __enter__(self) -> None:
+        if self.states is OFF:
+            if not torch._C._is_any_autocast_enabled():
+                return
+            # The backward runs under autocast, the forward did not: turn it off where it is on.
+            self.states = [_current(d)._replace(enabled=False) for d in _available_device_types()]
         for s in self.states:
             if s == _current(s.device_type):
                 continue
@@ -62,3 +74,9 @@ class replay:
     def __exit__(self, *exc: Any) -> bool | None:
         stack, self.stack = self.stack, None
         return stack.__exit__(*exc) if stack is not None else None
+
+
+def _available_device_types() -> list[str]:
+    """The device types that have autocast (to turn it off where the forward run had none)."""
+    candidates = ["cpu", "cuda", "xpu", "mps", "hpu", "mtia", "xla", torch._C._get_privateuse1_backend_name()]
+    return [d for d in dict.fromkeys(candidates) if torch.amp.is_autocast_available(d)]

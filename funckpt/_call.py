@@ -62,6 +62,7 @@ from ._internals import (
     is_functorch_wrapped,
     peek_interpreter_stack,
     register_tensor_hook,
+    set_grad_enabled,
     torch_function_mode_enabled,
     storage_of,
     transforms_active,
@@ -258,6 +259,73 @@ class _Run:
     first_node: int
 
 
+class _Running:
+    """:meth:`UserRegion._running`: enters its contexts in order and leaves them in reverse.
+
+    A plain class rather than ``contextlib.ExitStack`` in a generator: this runs
+    twice per remat'd call, where their Python costs more than everything it enters.
+    As with ``ExitStack``, every context entered is left, an error in leaving one
+    does not keep the others from being left, and a context may suppress an error.
+    """
+
+    __slots__ = ("exits", "flat", "forward", "grad", "modes", "region")
+
+    def __init__(
+        self, region: UserRegion, flat: tuple[torch.Tensor, ...], forward: bool, grad: bool, modes: Sequence[Any]
+    ) -> None:
+        self.region, self.flat, self.forward, self.grad, self.modes = region, flat, forward, grad, modes
+        self.exits: list[Callable[[Any, Any, Any], Any]] = []
+
+    def _enter(self, context: Any) -> Any:
+        value = type(context).__enter__(context)
+        self.exits.append(functools.partial(type(context).__exit__, context))
+        return value
+
+    def __enter__(self) -> _Run:
+        region, flat, forward = self.region, self.flat, self.forward
+        args, kwargs = region.argspec.rebuild([flat[i] for i in region.arg_index])
+        replace, mapping = region.replacements([flat[i] for i in region.captured_index])
+        first_node = next_sequence_nr() if forward or mapping else 0
+        try:
+            if region.captured.modules:
+                self._enter(reparametrized(region.captured.modules, replace))
+            if region.options.context_fn is not None:
+                self._enter(region._user_context(forward))
+            if self.grad:
+                grad_was = torch.is_grad_enabled()
+                set_grad_enabled(True)
+                self.exits.append(lambda *exc: set_grad_enabled(grad_was))
+            if forward:
+                region._capture_state(flat)
+            else:
+                self._enter(region._replay_state())
+            substitute = Substitute(mapping, flat, forward, region.name, first_node) if forward or mapping else None
+            if substitute is not None:
+                self._enter(substitute)
+            for mode in self.modes:
+                self._enter(mode)
+            trace = self._enter(OpTrace()) if debug_enabled(region.options.debug) else None
+        except BaseException as e:
+            if not self.__exit__(type(e), e, e.__traceback__):
+                raise
+            raise RuntimeError("funckpt: a context_fn suppressed an error raised while entering the run") from e
+        return _Run(args, kwargs, substitute, trace, first_node)
+
+    def __exit__(self, *exc: Any) -> bool:
+        exits, self.exits = self.exits, []
+        suppressed = False
+        pending: BaseException | None = None
+        while exits:
+            try:
+                if exits.pop()(*exc):
+                    suppressed, pending, exc = True, None, (None, None, None)
+            except BaseException as e:
+                suppressed, pending, exc = False, e, (type(e), e, e.__traceback__)
+        if pending is not None:
+            raise pending
+        return suppressed
+
+
 class UserRegion(Region):
     """The user's function as a region, with the state one call must replay."""
 
@@ -304,7 +372,7 @@ class UserRegion(Region):
         policy = options.policy
         self.saved = None if policy is None or policy is nothing_saveable else Saved(policy, name)
         self._recompute_context: Any = None
-        self.autocast: list[_autocast.AutocastState] = []
+        self.autocast: Sequence[_autocast.AutocastState] = _autocast.OFF
         self.generators = [leaf for leaf in argspec.dynamic.leaves if isinstance(leaf, torch.Generator)]
         self.generators += captured.generators
 
@@ -591,35 +659,18 @@ class UserRegion(Region):
         replace = {id(orig): t for orig, t in zip(self.captured.tensors, captured)}
         return replace, {k: v for k, v in replace.items() if v is not self._originals.get(k)}
 
-    @contextlib.contextmanager
-    def _running(
-        self, flat: tuple[torch.Tensor, ...], *, forward: bool, states: Sequence[Any], modes: Sequence[Any]
-    ) -> Iterator[_Run]:
+    def _running(self, flat: tuple[torch.Tensor, ...], *, forward: bool, grad: bool, modes: Sequence[Any]) -> _Running:
         """The context ``fn`` runs in, both runs: its inputs and reparametrized modules,
-        the user's ``context_fn``, the run's ``states`` (captured or replayed), the
-        substitution of captured tensors, the run's dispatch ``modes``, and the debug trace.
+        the user's ``context_fn``, grad mode (``grad``: on, for the forward run's local
+        graph), the run's state (captured in the forward run, replayed in a
+        recomputation), the substitution of captured tensors, the run's dispatch
+        ``modes``, and the debug trace.
 
         The dispatch modes are built by the caller before the torch-function mode is
         entered: building them reads the inputs' storages, which must not count as the
         function's use of them.
         """
-        args, kwargs = self.argspec.rebuild([flat[i] for i in self.arg_index])
-        replace, mapping = self.replacements([flat[i] for i in self.captured_index])
-        first_node = next_sequence_nr() if forward or mapping else 0
-        with contextlib.ExitStack() as stack:
-            if self.captured.modules:
-                stack.enter_context(reparametrized(self.captured.modules, replace))
-            if self.options.context_fn is not None:
-                stack.enter_context(self._user_context(forward))
-            for state in states:
-                stack.enter_context(state())
-            substitute = Substitute(mapping, flat, forward, self.name, first_node) if forward or mapping else None
-            if substitute is not None:
-                stack.enter_context(substitute)
-            for mode in modes:
-                stack.enter_context(mode)
-            trace = stack.enter_context(OpTrace()) if debug_enabled(self.options.debug) else None
-            yield _Run(args, kwargs, substitute, trace, first_node)
+        return _Running(self, flat, forward, grad, modes)
 
     def forward_run(self, flat: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
         """The first run, in the forward pass: record what a recomputation must replay and check."""
@@ -647,11 +698,7 @@ class UserRegion(Region):
             modes.append(self.saved.recorder(self._write_watch(flat, plain_autograd)))
         elif not all(self.differentiable):
             modes.append(self._write_watch(flat, plain_autograd))
-        states: list[Callable[[], contextlib.AbstractContextManager[object]]] = (
-            [torch.enable_grad] if grad_forward else []
-        )
-        states.append(lambda: self._capture_state(flat))
-        with self._running(flat, forward=True, states=states, modes=modes) as run:
+        with self._running(flat, forward=True, grad=grad_forward, modes=modes) as run:
             if grad_forward and run.substitute is not None:
                 run.substitute.made = []
             containers = _container_snapshot(run.args, run.kwargs)
@@ -707,13 +754,12 @@ class UserRegion(Region):
         self.forward_trace = run.trace.lines if run.trace is not None else None
         return tuple(tensors)
 
-    def _capture_state(self, flat: tuple[torch.Tensor, ...]) -> contextlib.AbstractContextManager[None]:
+    def _capture_state(self, flat: tuple[torch.Tensor, ...]) -> None:
         """Record the state a recomputation replays: autocast, the generators, the default device."""
         self.autocast = _autocast.capture(flat)
         if self.options.preserve_rng_state:
             self.rng = _rng.capture(flat, self.generators)
         self.default_device = _default_device()
-        return contextlib.nullcontext()
 
     def _replay_state(self) -> contextlib.ExitStack[bool | None]:
         """Put back the state the forward run recorded, for the recomputation."""
@@ -739,7 +785,7 @@ class UserRegion(Region):
         if self.saved is not None and not forward_mode_active():
             modes.append(self.saved.replayer(getattr(self.options.policy, "allow_cache_entry_mutation", False)))
         hooks_before = {i: _hook_keys(flat[i]) for i in self.moved_hooks}
-        with self._running(flat, forward=False, states=[self._replay_state], modes=modes) as run:
+        with self._running(flat, forward=False, grad=False, modes=modes) as run:
             out = self._call_fn(run.args, run.kwargs, False, False)
         # Hooks fn registers on its inputs were moved to the caller's tensors by the forward
         # run; registered again here, they would apply a second time to this part.

@@ -129,6 +129,27 @@ def test_recomputation_runs_under_the_forward_autocast_state():
     assert_close(w32.grad, w_ref.grad)
 
 
+def test_recomputation_runs_without_autocast_when_the_forward_had_none():
+    dtypes = []
+
+    def f(w, x):
+        y = x @ w
+        dtypes.append(y.dtype)
+        return y.sin()
+
+    w32 = W.float().requires_grad_()
+    out = remat(f)(w32, X.float())
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out.sum().backward()  # inside an autocast block the forward did not see
+        assert torch.is_autocast_enabled("cpu")  # the block's state is as it was
+    assert dtypes == [torch.float32, torch.float32]
+    w_ref = W.float().requires_grad_()
+    ref = f(w_ref, X.float())
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref.sum().backward()
+    assert_close(w32.grad, w_ref.grad)
+
+
 def test_jacrev_through_random_ops():
     def f(x):
         return torch.nn.functional.dropout(x.sin(), 0.5) * 2
