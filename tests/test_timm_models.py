@@ -515,6 +515,29 @@ def test_jacrev_and_forward_mode(name, routed):
     assert routed
 
 
+@pytest.mark.parametrize("name", ["resnet", "vit"])
+def test_hessian_vector_product_forward_over_reverse(name, routed):
+    """jvp(grad(loss)) w.r.t. all parameters, eval mode (BatchNorm's statistics are inputs
+    without a tangent: the case fixed in 3b7c387)."""
+    reference, x = build(name, train=False)
+    _unfused(reference)
+    models = [remat_blocks(reference), with_grad_checkpointing(reference)]
+    params = {k: v.detach() for k, v in reference.named_parameters()}
+    g = torch.Generator().manual_seed(3)
+    tangents = {k: torch.randn(v.shape, dtype=D, generator=g) for k, v in params.items()}
+
+    def hvp(model):
+        def loss(p):
+            return _loss(tf.functional_call(model, p, (x,)))
+
+        return tf.jvp(tf.grad(loss), (params,), (tangents,))
+
+    expected = hvp(reference)
+    for model in models:
+        assert_close(hvp(model), expected)
+    assert routed
+
+
 @pytest.mark.parametrize("name", ["resnet", "convnext", "vit"])
 def test_double_backward_gradient_penalty(name, routed):
     """A gradient penalty: autograd.grad(create_graph=True) w.r.t. the input, then backward."""
@@ -631,6 +654,34 @@ def test_channels_last(routed):
     reference = reference.to(memory_format=torch.channels_last)
     x = x.contiguous(memory_format=torch.channels_last)
     assert_close(backward_results(with_grad_checkpointing(reference), x), backward_results(reference, x))
+
+
+def test_inference_under_no_grad(routed):
+    """Checkpointing left on for evaluation under torch.no_grad(): same outputs, no graph."""
+    for name in ("resnet", "vit", "swin"):
+        reference, x = build(name, train=False)
+        model = with_grad_checkpointing(reference)
+        with torch.no_grad():
+            expected, got = reference(x), model(x)
+        assert not got.requires_grad
+        assert_close(got, expected)
+    assert routed
+
+
+def test_vit_dynamic_image_size(routed):
+    """dynamic_img_size=True: the position embedding is resampled per input size, call by call."""
+    torch.manual_seed(0)
+    reference = _perturb(
+        timm.models.vision_transformer.VisionTransformer(
+            img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2, num_classes=3, dynamic_img_size=True,
+            **_DROP,
+        ).to(D)
+    ).train()
+    model = with_grad_checkpointing(reference)
+    for res in (32, 40, 24):
+        x = torch.randn(2, 3, res, res, dtype=D)
+        assert_close(backward_results(model, x), backward_results(reference, x))
+    assert routed
 
 
 def test_levit_train_mode():
