@@ -311,10 +311,17 @@ class VjpRegion(Region):
 
 
 class JvpRegion(Region):
-    """``(primals, tangents) -> output tangents``: forward-mode through ``base``."""
+    """``(primals, tangents) -> output tangents``: forward-mode through ``base``.
 
-    def __init__(self, base: Region, n_primals: int) -> None:
+    Only the primals in ``with_tangent`` (the inputs that were duals when the call was
+    made) become duals in the recomputation; the others stay plain, as in the function
+    without remat. A zero tangent is not the same thing: some operators refuse a dual
+    where the original call had none (``batch_norm``'s running statistics in eval mode).
+    """
+
+    def __init__(self, base: Region, n_primals: int, with_tangent: Sequence[bool]) -> None:
         self.base, self.n = base, n_primals
+        self.with_tangent = tuple(with_tangent)
         self.name = base.name
 
     def release_kept(self) -> None:
@@ -322,7 +329,7 @@ class JvpRegion(Region):
 
     def run(self, flat: Tensors, phase: Phase) -> Tensors:
         primals, tangents = flat[: self.n], flat[self.n :]
-        diff = [i for i, p in enumerate(primals) if has_gradient_dtype(p)]
+        diff = [i for i, p in enumerate(primals) if self.with_tangent[i] and has_gradient_dtype(p)]
 
         def f(*xs: torch.Tensor) -> Tensors:
             full = list(primals)
@@ -539,7 +546,7 @@ def _vjp_of_batched_cotangents(
     return result
 
 
-def _jvp_here(region: Region, primals: Tensors, tangents: Tensors) -> Tensors:
+def _jvp_here(region: Region, primals: Tensors, tangents: Tensors, with_tangent: Sequence[bool]) -> Tensors:
     if _needs_graph((*primals, *tangents)):
         if peek_interpreter_stack() is None and forward_ad_level() >= 0:
             # Plain forward-mode AD: the primals are duals at the user's level; the remat'd
@@ -547,8 +554,8 @@ def _jvp_here(region: Region, primals: Tensors, tangents: Tensors) -> Tensors:
             with set_fwd_grad_enabled(True):
                 primals = tuple(unpack_dual(p).primal for p in primals)
                 tangents = tuple(unpack_dual(t).primal for t in tangents)
-        return apply(JvpRegion(region, len(primals)), (*primals, *tangents))
-    return JvpRegion(region, len(primals)).run((*primals, *tangents), Phase.RECOMPUTE)
+        return apply(JvpRegion(region, len(primals), with_tangent), (*primals, *tangents))
+    return JvpRegion(region, len(primals), with_tangent).run((*primals, *tangents), Phase.RECOMPUTE)
 
 
 def _own_live_level(ctx: Any, kind: TransformType, tensors: Sequence[torch.Tensor]) -> Any:
@@ -612,6 +619,9 @@ class _RematFunction(torch.autograd.Function):
             saved.append(alias)
         ctx.save_for_backward(*saved)
         ctx.save_for_forward(*flat)
+        # Which inputs are duals: the jvp rule receives a zero tangent for every other
+        # floating input (autograd materializes them), which must not become a dual.
+        ctx.with_tangent = tuple(map(has_tangent, flat)) if forward_ad_level() >= 0 else None
         top = peek_interpreter_stack()
         ctx.level = 0 if top is None else top.level()
         constant = region.constant_outputs()
@@ -652,18 +662,21 @@ class _RematFunction(torch.autograd.Function):
         primals = _saved_primals(ctx)
         region: Region = ctx.region
         filled = tuple(torch.zeros_like(p) if t is None else t for p, t in zip(primals, tangents))
+        with_tangent = tuple(
+            t is not None and (ctx.with_tangent is None or ctx.with_tangent[i]) for i, t in enumerate(tangents)
+        )
         interpreter = _own_live_level(ctx, TransformType.Jvp, primals)
         # Autograd calls jvp with forward-mode AD off; enclosing jvp levels must
         # still see this computation (jvp of jvp), so turn it back on.
         if interpreter is None:
             with set_fwd_grad_enabled(True):
-                out = _jvp_here(region, primals, filled)
+                out = _jvp_here(region, primals, filled, with_tangent)
         else:
             level = interpreter.level()
             lowered_p = tuple(unwrap_for_grad(p, level) for p in primals)
             lowered_t = tuple(unwrap_for_grad(t, level) for t in filled)
             with interpreter.lower(), set_fwd_grad_enabled(True):
-                lowered_out = _jvp_here(region, lowered_p, lowered_t)
+                lowered_out = _jvp_here(region, lowered_p, lowered_t, with_tangent)
             out = tuple(wrap_for_grad(t, level) for t in lowered_out)
         # Outputs marked non-differentiable (integer tensors) take no tangent.
         return tuple(t if d else None for t, d in zip(out, ctx.output_differentiable))

@@ -263,3 +263,50 @@ def test_jvp_through_a_module_used_inside_the_region():
 
     body = lambda x, m: torch.tanh(m(x)).sum()  # noqa: E731
     assert_close(through(with_module(remat(body))), through(with_module(body)))
+
+
+def _eval_batchnorm_net():
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4), torch.nn.Tanh()).to(D).eval()
+    net[1].running_mean.normal_()  # non-trivial statistics, so a wrong use of them shows
+    net[1].running_var.uniform_(0.5, 2.0)
+    return net
+
+
+FORWARD_MODE = {
+    "jvp": lambda f, x: tf.jvp(f, (x,), (torch.ones_like(x),)),
+    "jacfwd": lambda f, x: tf.jacfwd(f)(x),
+    "hessian": lambda f, x: tf.hessian(lambda x: f(x).sin().sum())(x),
+    "jvp_of_grad": lambda f, x: tf.jvp(tf.grad(lambda x: f(x).sin().sum()), (x,), (torch.ones_like(x),)),
+    "forward_ad": lambda f, x: _plain_forward_ad(f, x),
+}
+
+
+def _plain_forward_ad(f, x):
+    import torch.autograd.forward_ad as fwAD
+
+    with fwAD.dual_level():
+        out = fwAD.unpack_dual(f(fwAD.make_dual(x, torch.ones_like(x))))
+        return out.primal, out.tangent
+
+
+@pytest.mark.parametrize("how", list(FORWARD_MODE))
+def test_forward_mode_through_eval_batchnorm(how):
+    """An input without a tangent (BatchNorm's running statistics) stays a plain tensor in the
+    recomputation: autograd hands the jvp rule a zero tangent for it, and making that a dual made
+    batch_norm raise ("not differentiable wrt running_mean and running_var") as a CheckpointError."""
+    net = _eval_batchnorm_net()
+    x = torch.randn(3, 4, dtype=D)
+    assert_close(FORWARD_MODE[how](remat(net), x), FORWARD_MODE[how](net, x))
+
+
+def test_jvp_wrt_a_parameter_through_eval_batchnorm():
+    net = _eval_batchnorm_net()
+    x = torch.randn(3, 4, dtype=D)
+    w = net[1].weight.detach()
+
+    def f(module):
+        return lambda w: tf.functional_call(module, {"1.weight": w}, (x,))
+
+    expected = tf.jvp(f(net), (w,), (torch.ones_like(w),))
+    assert_close(tf.jvp(f(remat(net)), (w,), (torch.ones_like(w),)), expected)

@@ -471,3 +471,24 @@ def test_while_loop_second_backward_with_retain_graph():
     expected = torch.autograd.grad(c.sum(), (w, c0))
     assert_close(first, expected)
     assert_close(second, expected)
+
+
+@pytest.mark.parametrize("checkpoints", [None, 2])
+def test_forward_mode_through_a_step_with_eval_batchnorm(checkpoints):
+    """The step's buffers (running statistics) get no tangent in the recomputation, as in the Python loop."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4)).to(D).eval()
+    net[1].running_mean.normal_()
+
+    def step(h, x):
+        return torch.tanh(net(h) + x), None
+
+    def python_loop(h):
+        for x in xs:
+            h, _ = step(h, x)
+        return h
+
+    xs, h0 = torch.randn(5, 3, 4, dtype=D), torch.randn(3, 4, dtype=D)
+    scanned = lambda h: funckpt.scan(step, h, xs, checkpoints=checkpoints)[0]  # noqa: E731
+    assert_close(tf.jvp(scanned, (h0,), (h0,)), tf.jvp(python_loop, (h0,), (h0,)))
+    assert_close(tf.jacfwd(scanned)(h0), tf.jacfwd(python_loop)(h0))
