@@ -605,10 +605,12 @@ class UserRegion(Region):
             raise CheckpointError(
                 f"remat({self.name}): a tensor of shape {tuple(alive[0].shape)} that the function computed "
                 "outlived the call other than as its return value (kept by a forward hook, a list or dict "
-                "it appends to, a global or a module attribute; HF's output_attentions and "
-                "output_hidden_states do this). remat records no graph for it in the caller's autograd, "
-                "so a gradient through it would be silently missing. Return it from the function, detach "
-                "it if it is only kept for logging, or checkpoint with HF's own route (README)."
+                "it appends to, a global, or a module attribute such as a cache a module fills on its first "
+                "call; HF's output_attentions and output_hidden_states do this). remat records no graph for "
+                "it in the caller's autograd, so a gradient through it would be silently missing. Return it "
+                "from the function, detach it if it is only kept for logging, run such a module without "
+                "its cache (or under torch.no_grad() where no gradient is needed), or checkpoint HF models "
+                "with HF's own route (README)."
             )
 
     def _refuse_stored_tensors(self) -> None:
