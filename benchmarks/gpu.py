@@ -164,13 +164,31 @@ def measure_steps(
     return {k: (statistics.median(v), peaks.get(k, float("nan"))) for k, v in times.items()}
 
 
+def attention_kernels(step: Callable[[], Any]) -> str:
+    """The attention operators one step runs (flash, efficient, cuDNN or the math fallback), from the profiler.
+
+    Under ``torch.func`` transforms SDPA may pick another backend than under
+    ``.backward()`` (the math one materialises every T x T score matrix): this
+    column tells where a peak memory difference between the two APIs comes from.
+    """
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        step()
+    names = {
+        e.name.removeprefix("aten::").removeprefix("_scaled_dot_product_")
+        for e in prof.events()
+        if "attention" in e.name and e.name != "aten::scaled_dot_product_attention" and not e.name.endswith("backward")
+    }
+    return ", ".join(sorted(names)) or "-"
+
+
 def section(title: str, config: Config, device: torch.device, rounds: int) -> str:
     result = measure(config, device, rounds)
+    kernels = {name: attention_kernels(step) for name, step in variants(config, device).items()}
     ckpt = result[".backward() + torch.utils.checkpoint"][0]
     rows = []
     for name, (t, peak) in result.items():
         base = result[("torch.func.grad" if name.startswith("torch.func") else ".backward()") + ", no checkpointing"][0]
-        rows.append([f"`{name}`", f"{peak:.0f}", f"{t * 1e3:.1f}", f"{t / ckpt:.2f}", f"{t / base:.2f}"])
+        rows.append([f"`{name}`", f"{peak:.0f}", f"{t * 1e3:.1f}", f"{t / ckpt:.2f}", f"{t / base:.2f}", kernels[name]])
     return "\n".join(
         [
             f"### {title}",
@@ -178,7 +196,10 @@ def section(title: str, config: Config, device: torch.device, rounds: int) -> st
             f"{config.blocks} blocks, d={config.d}, {config.heads} heads, T={config.t}, B={config.b}, "
             f"{str(config.dtype).removeprefix('torch.')}; medians of {rounds} interleaved rounds.",
             "",
-            table(["variant", "peak MiB", "step ms", "step / torch ckpt", "step / same API without checkpointing"], rows),
+            table(
+                ["variant", "peak MiB", "step ms", "step / torch ckpt", "step / same API without checkpointing", "attention operators"],
+                rows,
+            ),
         ]
     )
 
