@@ -697,7 +697,14 @@ class _RematAtLevel(SingleLevelFunction):  # type: ignore[misc]  # torch's priva
         # As functorch's rule: grad and forward-mode AD on (a single-level Function's
         # forward runs with both off), the level popped.
         with torch.enable_grad(), set_fwd_grad_enabled(True), at.interpreter.lower():
-            outs = apply(at.region, unwrapped)
+            if _nothing_records_below(unwrapped):
+                # The Function one level lower would make no node (no input requires grad
+                # there, no transform or dual below): its forward alone, as Function.apply
+                # runs it (grad and forward-mode AD off), without its setup_context.
+                with torch.no_grad(), set_fwd_grad_enabled(False):
+                    outs = _RematFunction.forward(at.region, *unwrapped)
+            else:
+                outs = apply(at.region, unwrapped)
         # An output that is an input, unwrapped, is returned as the input itself (as
         # functorch's wrap_outputs_maintaining_identity does); the others are wrapped.
         given = {id(u): x for u, x in zip(unwrapped, operands)}
@@ -714,6 +721,16 @@ class _RematAtLevel(SingleLevelFunction):  # type: ignore[misc]  # torch's priva
     @staticmethod
     def jvp(ctx: Any, *tangents: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
         return _RematFunction.jvp(ctx, *tangents)
+
+
+def _nothing_records_below(flat: Tensors) -> bool:
+    """Plain autograd, forward-mode AD off and no input requiring grad: a Function here records nothing."""
+    return (
+        not transforms_active()
+        and forward_ad_level() < 0
+        and not any(t.requires_grad for t in flat)
+        and not has_torch_function(flat)
+    )
 
 
 def _saved_primals(ctx: Any) -> Tensors:
