@@ -763,17 +763,26 @@ class UserRegion(Region):
             self.rng = _rng.capture(flat, self.generators)
         self.default_device = _default_device()
 
-    def _replay_state(self) -> contextlib.ExitStack[bool | None]:
-        """Put back the state the forward run recorded, for the recomputation."""
-        stack = contextlib.ExitStack()
-        stack.enter_context(_autocast.replay(self.autocast))
-        if self.options.preserve_rng_state and self.rng is not None:
-            stack.enter_context(_rng.replay(self.rng))
-        if self.default_device is not None and self.default_device != _default_device():
-            # The caller's ``with torch.device(...)`` is not in force where the
-            # autograd engine runs the backward (a device thread, for instance).
-            stack.enter_context(torch.device(self.default_device))
-        return stack
+    def _replay_state(self, autocast: bool = True) -> contextlib.ExitStack[bool | None]:
+        """Put back the state the forward run recorded, for the recomputation.
+
+        ``autocast=False`` leaves autocast as it is (a loop's reversal, which runs
+        its steps' vjps as well as their recomputations: it replays autocast around
+        each recomputation only, see ``LoopRegion.run_step_again``).
+        """
+        # Built inside a with: a replay that fails to enter (the RNG's) leaves the
+        # ones entered before it (autocast's), rather than keeping them on for good.
+        with contextlib.ExitStack() as stack:
+            if autocast:
+                stack.enter_context(_autocast.replay(self.autocast))
+            if self.options.preserve_rng_state and self.rng is not None:
+                stack.enter_context(_rng.replay(self.rng))
+            if self.default_device is not None and self.default_device != _default_device():
+                # The caller's ``with torch.device(...)`` is not in force where the
+                # autograd engine runs the backward (a device thread, for instance).
+                stack.enter_context(torch.device(self.default_device))
+            return stack.pop_all()
+        raise AssertionError("unreachable")  # (for type checkers: the with returns)
 
     def recompute(self, flat: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
         """A later run (backward, jvp, double backward): the forward run again, checked against it."""

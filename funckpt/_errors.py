@@ -270,13 +270,23 @@ def _one(b: torch.Tensor) -> Digest:
         v = v.to(torch.float64)
     if not b.is_cpu:
         return Digest(torch.stack(torch.std_mean(v, correction=0)), numel, rtol)
-    acc = v.dtype if v.dtype in (torch.float64, torch.float32) else torch.float32
-    total, norm = torch.sum(v, dtype=acc), torch.linalg.vector_norm(v, dtype=acc)
     # Read now, unless a dispatch mode traces this run (linearize's make_fx): reading
-    # a traced value would be a data-dependent operation.
+    # a traced value would be a data-dependent operation. Such a digest is taken in
+    # float64: it cannot be looked at to see whether float32 overflowed (below).
     if DEFER_ON_CPU or dispatch_modes_active():
-        return Digest(torch.stack((total, norm)), numel, rtol)
-    return Digest(None, numel, rtol, (total.item(), norm.item()))
+        return Digest(torch.stack(_sum_and_norm(v, torch.float64)), numel, rtol)
+    acc = v.dtype if v.dtype in (torch.float64, torch.float32) else torch.float32
+    total, norm = (n.item() for n in _sum_and_norm(v, acc))
+    if acc is not torch.float64 and not (math.isfinite(total) and math.isfinite(norm)):
+        # The sum of squares overflows float32 for finite values beyond about 1e19 (1e16
+        # for a million of them): both would then be inf, whatever the values, and the
+        # comparison would see nothing. std_mean never overflowed there; float64 does not.
+        total, norm = (n.item() for n in _sum_and_norm(v, torch.float64))
+    return Digest(None, numel, rtol, (total, norm))
+
+
+def _sum_and_norm(v: torch.Tensor, acc: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.sum(v, dtype=acc), torch.linalg.vector_norm(v, dtype=acc)
 
 
 def digest(tensors: Sequence[torch.Tensor]) -> list[Digest | None]:

@@ -38,7 +38,7 @@ from typing import Any
 import optree
 import torch
 
-from . import _rng, _schedule
+from . import _autocast, _rng, _schedule
 from ._autograd import Phase, Region, StepVjp, Tensors, apply, eager_under_compile
 from ._call import UserRegion, finish, nothing_to_differentiate, prepare
 from ._capture import Substitute, changed_captures, reparametrized
@@ -596,7 +596,10 @@ class LoopRegion(UserRegion):
     def run_step_again(self, k: int, carry: Any, x: Any) -> tuple[Any, Any]:
         """Step ``k`` in the backward pass; what it raises that the forward pass did not is a CheckpointError."""
         try:
-            return self.loop.step(k, carry, x)
+            # Autocast as in the forward run, around the step only: its vjp runs under the
+            # backward's autocast, as the loop's would without remat.
+            with _autocast.replay(self.autocast):
+                return self.loop.step(k, carry, x)
         except CheckpointError:
             raise
         except Exception as e:
@@ -732,7 +735,9 @@ class Reversal:
         n = region.n_steps
         stored = self._take_kept()
         replay = stored is None
-        with region._replay_state():  # the generators as at the loop's start, put back afterwards
+        # The generators as at the loop's start, put back afterwards. Not autocast: the
+        # steps' vjps run under the backward's, only their recomputations under the forward's.
+        with region._replay_state(autocast=False):
             if stored is None:
                 stored = {}
                 init = [self.primals[i] for i in self.init_index]

@@ -291,3 +291,32 @@ def test_deferred_value_check_raises_at_the_end_of_the_backward(monkeypatch, tra
     assert _errors._deferred == {}
     run(remat(torch.sin))  # a deterministic function: no alarm
     assert _errors._deferred == {}
+
+
+@pytest.mark.parametrize("defer", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_value_check_sees_a_change_in_values_whose_squares_overflow_float32(monkeypatch, dtype, defer):
+    """Finite values beyond about 1e19: their sum of squares overflows float32, so a digest
+    accumulated there read inf for both runs and let any change through (std_mean did not)."""
+    from funckpt import _errors
+
+    monkeypatch.setattr(_errors, "DEFER_ON_CPU", defer)
+    calls = []
+
+    def f(x):
+        calls.append(1)
+        return x * (1e20 if len(calls) % 2 == 1 else 2e20)
+
+    x = X.to(dtype).requires_grad_()
+    with pytest.raises(CheckpointError, match="has other values"):
+        remat(f)(x).float().sum().backward()
+    assert _errors._deferred == {}
+
+    def g(x):
+        return x * 1e20
+
+    x = X.to(dtype).requires_grad_()
+    remat(g)(x).float().sum().backward()  # a deterministic function: no alarm
+    x_ref = X.to(dtype).requires_grad_()
+    g(x_ref).float().sum().backward()
+    assert_close(x.grad, x_ref.grad)
