@@ -157,3 +157,12 @@ def test_jacrev_through_random_ops():
     expected, _ = seeded(lambda: tf.jacrev(f)(X[0]))
     got, _ = seeded(lambda: tf.jacrev(remat(f))(X[0]))
     assert_close(got, expected)
+
+
+def test_an_autocast_torch_reports_separately_is_not_taken_for_off(monkeypatch):
+    """torch's one-call check misses an MPS-only autocast: capture must still record the state."""
+    from funckpt import _autocast
+
+    monkeypatch.setattr(torch._C, "_is_any_autocast_enabled", lambda: False)
+    monkeypatch.setattr(torch, "is_autocast_enabled", lambda device_type="cpu": device_type == "mps")
+    assert _autocast.capture([]) is not _autocast.OFF
