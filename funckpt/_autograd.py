@@ -547,7 +547,13 @@ def _vjp_of_batched_cotangents(
 
 
 def _jvp_here(region: Region, primals: Tensors, tangents: Tensors, with_tangent: Sequence[bool]) -> Tensors:
-    if _needs_graph((*primals, *tangents)):
+    # Computed directly (not as a remat'd JvpRegion) where only forward-mode levels are on
+    # the stack (jvp of jvp): nothing there would keep the jvp's internals, and applying
+    # the JvpRegion as a Function dropped the mixed term of an input that is a dual at an
+    # enclosing level only, when a plain tensor requiring grad was among the primals (the
+    # twin of the vjp's case in _only_forward_levels_active).
+    direct = peek_interpreter_stack() is not None and _only_forward_levels_active()
+    if _needs_graph((*primals, *tangents)) and not direct:
         if peek_interpreter_stack() is None and forward_ad_level() >= 0:
             # Plain forward-mode AD: the primals are duals at the user's level; the remat'd
             # jvp region takes their primal parts (else applying it would ask for its own jvp).

@@ -312,18 +312,6 @@ def test_jvp_wrt_a_parameter_through_eval_batchnorm():
     assert_close(tf.jvp(f(remat(net)), (w,), (torch.ones_like(w),)), expected)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "jvp of jvp with an input that requires grad but is a dual at no level (a parameter): the mixed "
-        "second derivative d/dx (d/dy f) is silently wrong since 3b7c387 (before it, this raised 'Setting a "
-        "forward grad that itself has a forward gradient'). Root cause not pinned down; likely: the inner level's "
-        "jvp rule now leaves the tangent-less inputs plain (with_tangent from `t is not None`, as forward_ad_level() is -1 under "
-        "torch.func.jvp), and _jvp_here then applies the JvpRegion as a Function (the input requires grad) "
-        "whose own jvp at the outer level does not carry x's outer tangent through the inner tangent. "
-        "Verified: with a w that does not require grad the result is right, and jacfwd(jacfwd) is right"
-    ),
-)
 def test_jvp_of_jvp_with_a_parameter_that_is_no_dual():
     torch.manual_seed(0)
     w = torch.randn(3, 3, dtype=D, requires_grad=True)
@@ -332,7 +320,17 @@ def test_jvp_of_jvp_with_a_parameter_that_is_no_dual():
     def f(x, y, w):
         return (x @ w).tanh() * y.sin()
 
-    def run(g):
+    def run(g, w=w):
         return tf.jvp(lambda x: tf.jvp(lambda y: g(x, y, w), (y,), (ty,)), (x,), (tx,))
 
     assert_close(run(remat(f)), run(f))
+    # and differentiated in reverse mode, by torch.func and by plain autograd
+    assert_close(
+        tf.grad(lambda w: run(remat(f), w)[1][1].sum())(w.detach()), tf.grad(lambda w: run(f, w)[1][1].sum())(w.detach())
+    )
+    grads = []
+    for g in (remat(f), f):
+        leaf = w.detach().clone().requires_grad_()
+        run(g, leaf)[1][1].sum().backward()
+        grads.append(leaf.grad)
+    assert_close(*grads)
