@@ -424,10 +424,9 @@ class LoopRegion(UserRegion):
     def __init__(self, loop: Loop, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.loop = loop
-        # What the escape check looks into is the user's step function. The loop
-        # itself runs through run_fn: storing the bound method self._drive here
-        # would make a reference cycle that keeps the kept carries until the
-        # garbage collector runs.
+        # The loop itself runs through run_fn, not through fn: a bound method of this
+        # region stored here would be a reference cycle that keeps the kept carries
+        # until the garbage collector runs. fn is the user's step function.
         self.fn = loop.user_fn
         # The forward run records no graph (that would keep every step's internals),
         # and outputs that alias inputs stay the Function's own (as views of them).
