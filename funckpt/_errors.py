@@ -5,9 +5,9 @@ yields belong to a different function. With ``determinism_check="default"``
 every recomputation compares its outputs against the forward run's:
 
 * their metadata (shape, dtype, device), exactly;
-* their values, through a two-number digest of each output (the mean and
-  standard deviation of its values, from which its sum and L2 norm follow),
-  within a tolerance set by the dtype.
+* their values, through a two-number digest of each output (the sum and L2
+  norm of its values: two reductions on the CPU, one ``std_mean`` launch on an
+  accelerator, from which they follow), within a tolerance set by the dtype.
 
 Comparing values, not the operators or the autograd graph that produced them,
 is what makes the check free of false alarms: ATen decomposes an operator
