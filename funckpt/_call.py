@@ -60,6 +60,7 @@ from ._internals import (
     forward_ad_level,
     forward_mode_active,
     is_functorch_wrapped,
+    parametrization_cache,
     peek_interpreter_stack,
     register_tensor_hook,
     set_grad_enabled,
@@ -259,6 +260,32 @@ class _Run:
     first_node: int
 
 
+class _OwnParametrizationCache:
+    """A run's own ``torch.nn.utils.parametrize.cached()`` cache, while the caller has one on.
+
+    Under ``cached()`` a parametrized module's weight (``W + B @ A``, a LoRA written
+    as a parametrization) is computed on its first access and kept in a global dict.
+    Computed in a run, that tensor belongs to the run's local graph (or to a
+    transform level the run leaves): kept past the call it would be used later with
+    no graph to the parameters (refused as an escaped tensor). Computed before the
+    call, it is a tensor remat cannot route. So the run starts with an empty cache,
+    reuses what it computes itself, and leaves the caller's cache as it found it:
+    outside, the parametrization is computed again, with the same value.
+    """
+
+    __slots__ = ("cache", "outer")
+
+    def __init__(self, cache: dict[Any, torch.Tensor]) -> None:
+        self.cache, self.outer = cache, dict(cache)
+
+    def __enter__(self) -> None:
+        self.cache.clear()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.cache.clear()
+        self.cache.update(self.outer)
+
+
 class _Running:
     """:meth:`UserRegion._running`: enters its contexts in order and leaves them in reverse.
 
@@ -287,6 +314,9 @@ class _Running:
         replace, mapping = region.replacements([flat[i] for i in region.captured_index])
         first_node = next_sequence_nr() if forward or mapping else 0
         try:
+            cache = parametrization_cache()
+            if cache is not None:
+                self._enter(_OwnParametrizationCache(cache))
             if region.captured.modules:
                 self._enter(reparametrized(region.captured.modules, replace))
             if region.options.context_fn is not None:

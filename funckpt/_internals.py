@@ -70,6 +70,7 @@ __all__ = [
     "maybe_get_level",
     "peek_interpreter_stack",
     "reparametrize_module",
+    "parametrization_cache",
     "set_fwd_grad_enabled",
     "sequence_nr",
     "set_grad_enabled",
@@ -311,6 +312,15 @@ def legacy_vmap_increment() -> None:
 #: Swap a module's tensors for others for the body, as torch.func.functional_call does
 #: (torch >= 2.0; the ``stack_weights`` argument since 2.1).
 from torch.nn.utils.stateless import _reparametrize_module as reparametrize_module  # noqa: E402, F401
+
+import torch.nn.utils.parametrize as _parametrize  # noqa: E402
+
+
+def parametrization_cache() -> dict[Any, torch.Tensor] | None:
+    """The dict in which ``torch.nn.utils.parametrize.cached()`` keeps each parametrized
+    tensor once computed (keyed by module and name), while it is on; ``None`` when off.
+    (``_cache`` and ``_cache_enabled``: torch >= 1.9.)"""
+    return _parametrize._cache if _parametrize._cache_enabled else None
 
 
 def fsdp2_training_state(module: Any) -> str:

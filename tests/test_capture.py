@@ -363,3 +363,79 @@ def test_walking_a_large_argument_object_is_bounded():
     y = remat(lambda x, c: x.sin().sum())(x, config)
     assert_close(torch.autograd.grad(y, x), (x.cos(),))
     assert looked_at == []
+
+
+class _LowRank(torch.nn.Module):
+    """A LoRA written as a parametrization: weight = W + B @ A (minLoRA's pattern)."""
+
+    def __init__(self, n, r=2):
+        super().__init__()
+        self.A = torch.nn.Parameter(torch.randn(r, n, dtype=D))
+        self.B = torch.nn.Parameter(torch.randn(n, r, dtype=D))
+
+    def forward(self, w):
+        return w + self.B @ self.A
+
+
+def _parametrized_linear():
+    import torch.nn.utils.parametrize as parametrize
+
+    lin = torch.nn.Linear(4, 4, dtype=D)
+    parametrize.register_parametrization(lin, "weight", _LowRank(4))
+    lin.parametrizations.weight.original.requires_grad_(False)  # frozen base weight
+    return lin
+
+
+def _parametrized_pair():
+    """Two parametrized layers and remat'd copies with the same weights (rebuilt and loaded:
+    a deepcopy of a parametrized module changes what ``cached()`` gives in torch itself)."""
+    layers = [_parametrized_linear(), _parametrized_linear()]
+    wrapped = []
+    for m in layers:
+        w = _parametrized_linear()
+        w.load_state_dict(m.state_dict())
+        wrapped.append(remat(w))
+    return layers, wrapped
+
+
+@pytest.mark.parametrize("read_before", [False, True])
+def test_parametrize_cached_weight_is_recomputed_inside_the_call(read_before):
+    """Under ``parametrize.cached()`` a parametrized weight computed in the call went into
+    torch's global cache and outlived the call: refused as an escaped tensor, a false
+    CheckpointError (and one cached before the call was refused as a tensor remat cannot
+    route). The run now keeps its own cache, and the caller's is left as it was."""
+    import torch.nn.utils.parametrize as parametrize
+
+    layers, wrapped = _parametrized_pair()
+
+    def loss(mods):
+        with parametrize.cached():
+            before = mods[0].weight if read_before else None  # cached by the caller, before the call
+            out = mods[1](torch.tanh(mods[0](X))).square().sum()
+            if read_before:
+                assert mods[0].weight is before  # the caller's entry is still there
+                out = out + before.square().sum()
+        return out
+
+    def trainable(mods):
+        return [p for m in mods for p in m.parameters() if p.requires_grad]
+
+    assert len(trainable(layers)) == 6  # A, B and the bias of each
+    assert_close(torch.autograd.grad(loss(wrapped), trainable(wrapped)), torch.autograd.grad(loss(layers), trainable(layers)))
+
+
+def test_parametrize_cached_weight_under_torch_func_grad():
+    import torch.nn.utils.parametrize as parametrize
+
+    layers, wrapped = _parametrized_pair()
+
+    def loss(mods):
+        def f(params):
+            with parametrize.cached():
+                h = tf.functional_call(mods[0], params[0], (X,), strict=False)
+                return tf.functional_call(mods[1], params[1], (torch.tanh(h),), strict=False).square().sum()
+
+        return f
+
+    params = [{n: p.detach() for n, p in m.named_parameters() if p.requires_grad} for m in layers]
+    assert_close(tf.grad(loss(wrapped))(params), tf.grad(loss(layers))(params))
