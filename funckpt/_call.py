@@ -42,6 +42,7 @@ from ._capture import (
     reparametrized,
     route_through_enclosing,
     tensors_inside,
+    training_as_at_the_call,
 )
 from ._compile import can_lower, lowered_call, skip_as_frame
 from ._errors import (
@@ -807,6 +808,8 @@ class UserRegion(Region):
                 stack.enter_context(_autocast.replay(self.autocast))
             if self.options.preserve_rng_state and self.rng is not None:
                 stack.enter_context(_rng.replay(self.rng))
+            if self.captured.training:
+                stack.enter_context(training_as_at_the_call(self.captured.training))
             if self.default_device is not None and self.default_device != _default_device():
                 # The caller's ``with torch.device(...)`` is not in force where the
                 # autograd engine runs the backward (a device thread, for instance).

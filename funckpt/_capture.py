@@ -84,6 +84,8 @@ class Captured:
     generators: list[torch.Generator] = field(default_factory=list)
     # (module, {dotted name: tensor}) as the module was at the call
     modules: list[tuple[torch.nn.Module, dict[str, torch.Tensor]]] = field(default_factory=list)
+    # (module or submodule, its training flag) at the call, for the recomputation to replay
+    training: list[tuple[torch.nn.Module, bool]] = field(default_factory=list)
 
 
 def _walk(
@@ -138,6 +140,7 @@ def find_captured(fn: Callable[..., Any] | tuple[Any, ...]) -> Captured:
     found: dict[int, torch.Tensor] = {}
     generators: dict[int, torch.Generator] = {}
     modules: list[tuple[torch.nn.Module, dict[str, torch.Tensor]]] = []
+    training: list[tuple[torch.nn.Module, bool]] = []
 
     def leaf(obj: Any) -> bool:
         if isinstance(obj, torch.Tensor):
@@ -155,6 +158,7 @@ def find_captured(fn: Callable[..., Any] | tuple[Any, ...]) -> Captured:
             for t in named.values():
                 found.setdefault(id(t), t)
             for m in obj.modules():  # generators held as attributes (self.gen) are replayed too
+                training.append((m, m.training))
                 for value in vars(m).values():
                     if isinstance(value, torch.Generator):
                         generators.setdefault(id(value), value)
@@ -197,7 +201,7 @@ def find_captured(fn: Callable[..., Any] | tuple[Any, ...]) -> Captured:
         return parts
 
     _walk(fn, leaf, expand, budget=_MAX_ITEMS, max_depth=_MAX_DEPTH, depth_first=True)
-    return Captured(list(found.values()), list(generators.values()), modules)
+    return Captured(list(found.values()), list(generators.values()), modules, training)
 
 
 def _reaches_nothing(fn: types.FunctionType) -> bool:
@@ -381,6 +385,31 @@ def reparametrized(
                 reparametrize_module(module, mapping, tie_weights=False, strict=False, stack_weights=False)
             )
         yield
+
+
+class training_as_at_the_call:
+    """Put each module's ``training`` flag back to what it was at the call, for a recomputation.
+
+    ``model.eval()`` between the forward and the backward pass (an evaluation, a
+    callback) must not turn the recomputation's dropout off or its BatchNorm to
+    running statistics: the gradient is the forward pass's computation's. The
+    flags are restored on leaving.
+    """
+
+    def __init__(self, flags: Sequence[tuple[torch.nn.Module, bool]]) -> None:
+        self.flags = flags
+        self.changed: list[tuple[torch.nn.Module, bool]] = []  # (module, its flag before)
+
+    def __enter__(self) -> None:
+        for module, training in self.flags:
+            if module.training != training:
+                self.changed.append((module, module.training))
+                module.training = training
+
+    def __exit__(self, *exc: Any) -> None:
+        changed, self.changed = self.changed, []
+        for module, before in reversed(changed):
+            module.training = before
 
 
 def _is_library(fn: types.FunctionType) -> bool:

@@ -320,7 +320,7 @@ def parametrization_cache() -> dict[Any, torch.Tensor] | None:
     """The dict in which ``torch.nn.utils.parametrize.cached()`` keeps each parametrized
     tensor once computed (keyed by module and name), while it is on; ``None`` when off.
     (``_cache`` and ``_cache_enabled``: torch >= 1.9.)"""
-    return _parametrize._cache if _parametrize._cache_enabled else None
+    return cast("dict[Any, torch.Tensor]", _parametrize._cache) if _parametrize._cache_enabled else None
 
 
 def fsdp2_training_state(module: Any) -> str:

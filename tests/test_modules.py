@@ -197,3 +197,37 @@ def test_remat_module_reads_the_wrapped_modules_plain_attributes():
     assert wrapped.attention_type == "sliding" and wrapped.downsample is None
     with pytest.raises(AttributeError, match="no attribute 'missing'"):
         wrapped.missing
+
+
+@pytest.mark.parametrize("how", ["remat(module)", "checkpoint", "remat(fn) closing over the module", "scan"])
+def test_mode_switched_between_forward_and_backward_recomputes_in_the_forward_mode(how):
+    """``model.eval()`` (or ``.train()``) between the forward and the backward pass: the
+    recomputation runs in the modes of the forward pass (dropout drawing its masks, BatchNorm
+    on batch statistics), as the graph of the model without remat does; the modes are left
+    as the caller set them."""
+    import funckpt
+
+    x = torch.randn(6, 4, dtype=D)
+    checkpointed = {
+        "remat(module)": lambda net, h: remat(net)(h),
+        "checkpoint": lambda net, h: funckpt.checkpoint(net, h, use_reentrant=False),
+        "remat(fn) closing over the module": lambda net, h: remat(lambda v: net(v))(h),
+        "scan": lambda net, h: funckpt.scan(lambda c, _: (net(c), None), h, None, length=2, checkpoints=1)[0],
+    }[how]
+    plain = (lambda net, h: net(net(h))) if how == "scan" else (lambda net, h: net(h))
+    for start_training in (True, False):
+        results = []
+        for call in (checkpointed, plain):
+            torch.manual_seed(0)
+            # (a loop's step may not update BatchNorm statistics: README, checkpointed loops)
+            norm = nn.LayerNorm(4, dtype=D) if how == "scan" else nn.BatchNorm1d(4, dtype=D)
+            net = nn.Sequential(nn.Linear(4, 4, dtype=D), norm, nn.Dropout(0.5), nn.Tanh())
+            net.train(start_training)
+            torch.manual_seed(1)
+            h = x.clone().requires_grad_()
+            loss = call(net, h).square().sum()
+            net.train(not start_training)  # switched before the backward
+            loss.backward()
+            assert all(m.training is (not start_training) for m in net.modules())
+            results.append([h.grad, *(p.grad for p in net.parameters())])
+        assert_close(results[0], results[1])
