@@ -137,6 +137,10 @@ class Region:
         """Inputs no gradient flows into that are still saved with a version check (read by the run)."""
         return set()
 
+    def describe_input(self, index: int, t: torch.Tensor) -> str:
+        """Input ``index`` (``t``) in words, for an error message (a parameter's name where known)."""
+        return f"input {index} (shape {tuple(t.shape)})"
+
     def own_vjp(
         self,
         primals: Tensors,
@@ -624,6 +628,8 @@ class _RematFunction(torch.autograd.Function):
                 ctx.unsaved[i] = t
             saved.append(alias)
         ctx.save_for_backward(*saved)
+        # The versions saved with the check, to name a modified input if the check fails.
+        ctx.saved_versions = [(i, t, t._version) for i, t in enumerate(saved) if t is not None and t is flat[i]]
         ctx.save_for_forward(*flat)
         # Which inputs are duals: the jvp rule receives a zero tangent for every other
         # floating input (autograd materializes them), which must not become a dual.
@@ -745,9 +751,12 @@ def _saved_primals(ctx: Any) -> Tensors:
     except RuntimeError as e:
         if "modified by an inplace operation" not in str(e):
             raise
+        region: Region = ctx.region
+        changed = [region.describe_input(i, t) for i, t, v in ctx.saved_versions if _version(t) != v]
         raise CheckpointError(
-            f"remat({ctx.region.name}): an input of the remat'd call was modified in place between the "
-            "forward and the backward pass; the recomputation would start from the modified "
+            f"remat({region.name}): {', '.join(changed) if changed else 'an input of the remat call'} was "
+            "modified in place between the forward and the backward pass (an optimizer step, merging adapter "
+            "weights, a copy_ into it); the recomputation would start from the modified "
             "values and the gradient would be wrong. Modify a copy (x = x.clone() before the update), or do "
             "the update after the backward pass."
         ) from e

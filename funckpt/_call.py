@@ -453,6 +453,15 @@ class UserRegion(Region):
 
         return WriteWatch(storages, before_write)
 
+    def describe_input(self, index: int, t: torch.Tensor) -> str:
+        if any(u is t for u in self.captured.tensors):
+            for module, named in self.captured.modules:
+                for name, u in named.items():
+                    if u is t:
+                        return f"{type(module).__name__}'s {name!r} (shape {tuple(t.shape)})"
+            return f"a tensor of shape {tuple(t.shape)} that the function reaches through its closure"
+        return f"an argument of shape {tuple(t.shape)}"
+
     def run_fn(self, *args: Any, **kwargs: Any) -> Any:
         """The region's function on its arguments (a loop's region drives its steps instead)."""
         return self.fn(*args, **kwargs)

@@ -320,3 +320,17 @@ def test_value_check_sees_a_change_in_values_whose_squares_overflow_float32(monk
     x_ref = X.to(dtype).requires_grad_()
     g(x_ref).float().sum().backward()
     assert_close(x.grad, x_ref.grad)
+
+
+def test_an_input_modified_before_the_backward_is_named():
+    """The error names the parameter the update hit (a frozen weight an optimizer or an adapter merge changed)."""
+    import funckpt
+
+    lin = torch.nn.Linear(3, 3, dtype=torch.float64)
+    lin.weight.requires_grad_(False)
+    x = torch.randn(2, 3, dtype=torch.float64, requires_grad=True)
+    loss = funckpt.remat(lin)(x).sum()
+    with torch.no_grad():
+        lin.weight.add_(1)
+    with pytest.raises(funckpt.CheckpointError, match=r"Linear's 'weight' \(shape \(3, 3\)\) was modified in place"):
+        loss.backward()
