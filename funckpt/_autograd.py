@@ -487,7 +487,8 @@ def _vjp_here(region: Region, primals: Tensors, cotangents: Tensors, needs: Sequ
     # create_graph backward, or autograd's vmap mode of is_grads_batched.
     plain_forward_mode = top is None and forward_ad_level() >= 0
     legacy_vmap = _in_legacy_vmap()
-    direct = (top is not None and _only_forward_levels_active()) or legacy_vmap or plain_forward_mode
+    under_jvp = top is not None and _only_forward_levels_active()
+    direct = under_jvp or legacy_vmap or plain_forward_mode
     if needs_graph and not direct:
         vjp_region = VjpRegion(region, len(primals), needs)
         grads = iter(apply(vjp_region, (*primals, *cotangents)))
@@ -496,7 +497,12 @@ def _vjp_here(region: Region, primals: Tensors, cotangents: Tensors, needs: Sequ
         for k in vjp_region.unused:  # unused inputs get None, as torch.autograd.grad(allow_unused=True) says
             needed[positions[k]] = None
         return needed
-    return vjp(region, primals, cotangents, needs, create_graph=needs_graph and (plain_forward_mode or legacy_vmap))
+    # Under a jvp level the backward runs with grad mode on, as torch.func.grad's own does: the
+    # backward formulas then take their differentiable form (SiLU's and Mish's backward call
+    # infinitely_differentiable_*_backward, not the fused silu_backward/mish_backward kernels,
+    # which have no forward-mode derivative), so the jvp levels can differentiate them.
+    create_graph = (needs_graph and (plain_forward_mode or legacy_vmap)) or under_jvp
+    return vjp(region, primals, cotangents, needs, create_graph=create_graph)
 
 
 def _batched_at(t: torch.Tensor, level: int) -> bool:

@@ -334,3 +334,28 @@ def test_jvp_of_jvp_with_a_parameter_that_is_no_dual():
         run(g, leaf)[1][1].sum().backward()
         grads.append(leaf.grad)
     assert_close(*grads)
+
+
+SECOND_ORDER_OVER_REVERSE = {
+    "jvp_of_grad": lambda f, x: tf.jvp(tf.grad(lambda x: f(x).square().sum()), (x,), (torch.ones_like(x),)),
+    "jacfwd_of_jacrev": lambda f, x: tf.jacfwd(tf.jacrev(lambda x: f(x).square().sum()))(x),
+    "hessian": lambda f, x: tf.hessian(lambda x: f(x).square().sum())(x),
+    "vmap_of_jvp_of_grad": lambda f, x: tf.vmap(
+        lambda v: tf.jvp(tf.grad(lambda x: f(x).square().sum()), (x,), (v,))[1]
+    )(torch.eye(x.numel(), dtype=D).reshape(-1, *x.shape)),
+}
+
+
+@pytest.mark.parametrize("act", ["silu", "mish"])
+@pytest.mark.parametrize("how", list(SECOND_ORDER_OVER_REVERSE))
+def test_forward_over_reverse_through_activations_with_fused_backward(how, act):
+    """SiLU and Mish have fused backward kernels (silu_backward, mish_backward) without a
+    forward-mode derivative; their backward formulas use them only with grad mode off and a
+    differentiable form otherwise. A jvp of remat's backward (a Hessian-vector product of a
+    diffusion UNet or DiT: SiLU everywhere) ran that backward with grad mode off, so torch
+    raised "Trying to use forward AD with aten::silu_backward that does not support it"."""
+    f = getattr(torch.nn.functional, act)
+    x = torch.randn(2, 3, dtype=D, generator=torch.Generator().manual_seed(3))
+    net = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.SiLU(), torch.nn.Linear(3, 3)).to(D)
+    for fn in (f, net, lambda x: net(f(x))):
+        assert_close(SECOND_ORDER_OVER_REVERSE[how](remat(fn), x), SECOND_ORDER_OVER_REVERSE[how](fn, x))
