@@ -183,6 +183,19 @@ def _in_place_error(name: str) -> CheckpointError:
     )
 
 
+def _substituted(tensors: list[torch.Tensor], substitute: Any) -> list[torch.Tensor]:
+    """``fn``'s output tensors, with a captured tensor it returns untouched replaced as its uses are.
+
+    The substitution mode swaps captured tensors only where an operator receives them;
+    one returned as it is (``lambda: y`` with ``y`` a closure cell) would otherwise
+    leave the region as the caller's own tensor, outside the region's graph.
+    """
+    mapping = substitute.mapping if substitute is not None else None
+    if not mapping:
+        return tensors
+    return [mapping.get(id(t), t) for t in tensors]
+
+
 def _container_snapshot(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, list[Any]] | None:
     """Structure and leaves of the arguments if any is a list or dict (else ``None``: nothing to watch)."""
     if not any(isinstance(a, (list, dict)) for a in (*args, *kwargs.values())):
@@ -749,6 +762,7 @@ class UserRegion(Region):
         if grad_forward:
             self.moved_hooks = _move_input_hooks(flat, given)
         tensors, slots = flatten(out)
+        tensors = _substituted(tensors, run.substitute)
         self._refuse_hidden_tensors(slots.leaves, plain_autograd)
         if grad_forward:
             self._refuse_stored_tensors()
@@ -845,7 +859,7 @@ class UserRegion(Region):
         for i, before in hooks_before.items():
             _remove_hooks_since(flat[i], before)
         tensors, slots = flatten(out)
-        tensors = _aliasing.owned_outputs(self.plan, tensors)
+        tensors = _aliasing.owned_outputs(self.plan, _substituted(tensors, run.substitute))
         if self.options.determinism_check == "default":
             assert self.out_slots is not None
             traces = (self.forward_trace or [], run.trace.lines) if run.trace is not None else None

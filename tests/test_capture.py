@@ -439,3 +439,33 @@ def test_parametrize_cached_weight_under_torch_func_grad():
 
     params = [{n: p.detach() for n, p in m.named_parameters() if p.requires_grad} for m in layers]
     assert_close(tf.grad(loss(wrapped))(params), tf.grad(loss(layers))(params))
+
+
+def test_closure_tensor_returned_untouched_gets_its_gradient():
+    """A remat'd function that returns a closed-over tensor as it is (JAX's test_remat_jit2:
+    ``remat(lambda: y)()``) raised a false CheckpointError: no operator received ``y``, so it
+    was never substituted and left the region as the caller's tensor."""
+    import torch.func as tf
+
+    from funckpt import remat
+
+    x = torch.tensor(3.0, dtype=torch.float64)
+
+    def f(x):
+        y = 2 * x
+        a = remat(lambda: y)()
+        b = remat(lambda z: (y, z * y))(x)
+        return a * b[0] + b[1]
+
+    def ref(x):
+        y = 2 * x
+        return y * y + x * y
+
+    assert_close(tf.grad(f)(x), tf.grad(ref)(x))
+    assert_close(tf.grad(tf.grad(f))(x), tf.grad(tf.grad(ref))(x))
+    assert_close(tf.jvp(f, (x,), (torch.ones_like(x),)), tf.jvp(ref, (x,), (torch.ones_like(x),)))
+    xs = torch.linspace(1, 2, 3, dtype=torch.float64)
+    assert_close(tf.vmap(tf.grad(f))(xs), tf.vmap(tf.grad(ref))(xs))
+    xx = x.clone().requires_grad_()
+    (g,) = torch.autograd.grad(f(xx), xx)
+    assert_close(g, tf.grad(ref)(x))
