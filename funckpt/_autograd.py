@@ -733,7 +733,11 @@ class _RematAtLevel(SingleLevelFunction):  # type: ignore[misc]  # torch's priva
         _RematFunction.setup_context(ctx, (inputs[0].region, *inputs[1:]), output)
 
     @staticmethod
+    @eager_under_compile
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        # Disabled itself, not only through _RematFunction.backward: Dynamo, tracing a
+        # torch.func.vjp's vjp_fn, inlines this frame and then takes the call below for
+        # an autograd.Function's backward on its own fake context (an AssertionError).
         return _RematFunction.backward(ctx, *grads)  # (None for the _AtLevel, *input grads)
 
     @staticmethod
