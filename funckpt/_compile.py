@@ -55,7 +55,7 @@ from torch.utils.checkpoint import (
 
 from ._errors import debug_enabled
 from ._internals import StorageWeakRef, comptime, skip_code, storage_weak_ref, transforms_active
-from .policies import Policy, lowerable
+from .policies import FromTorch, Policy, lowerable
 
 if TYPE_CHECKING:
     from ._options import RematOptions
@@ -81,12 +81,52 @@ def can_lower(options: RematOptions) -> bool:
 
 
 def _selective(policy: Policy) -> Callable[..., CheckpointPolicy]:
+    # A from_torch policy: what torch.utils.checkpoint would be given. Dynamo must
+    # hold the context_fn as a constant, which it cannot with a closure over the
+    # frozen FromTorch value (fullgraph=True failed with "Not a Python constant").
+    source = getattr(policy, "source", None) if isinstance(policy, FromTorch) else None
+    if isinstance(source, tuple):
+        return _from_torch_ops(source)
+    if source is not None:
+        return _from_torch_source(source)
     # An operator policy's plain predicate: Dynamo inlines a module-level function
     # more readily than the frozen value's __call__.
     policy = getattr(policy, "decide", policy)
 
     def torch_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
         return CheckpointPolicy.MUST_SAVE if policy(op, *args, **kwargs) else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return torch_policy
+
+
+def _from_torch_ops(ops: tuple[Any, ...]) -> Callable[..., CheckpointPolicy]:
+    # Operators or their packets, as FromTorch.__call__ matches them.
+    def torch_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        saved = op in ops or getattr(op, "overloadpacket", None) in ops
+        return CheckpointPolicy.MUST_SAVE if saved else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return torch_policy
+
+
+_TORCH_VERDICTS = (
+    CheckpointPolicy.MUST_SAVE,
+    CheckpointPolicy.PREFER_SAVE,
+    CheckpointPolicy.MUST_RECOMPUTE,
+    CheckpointPolicy.PREFER_RECOMPUTE,
+)
+
+
+def _from_torch_source(source: Callable[..., Any]) -> Callable[..., CheckpointPolicy]:
+    # A bool answer (which from_torch accepts) as the compiler's policy value.
+    def torch_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        verdict = source(ctx, op, *args, **kwargs)
+        if verdict is True:
+            return CheckpointPolicy.MUST_SAVE
+        if verdict is False:
+            return CheckpointPolicy.PREFER_RECOMPUTE
+        if verdict in _TORCH_VERDICTS:
+            return verdict
+        return CheckpointPolicy.MUST_SAVE  # an offload answer: kept on the device here (see lowerable)
 
     return torch_policy
 

@@ -452,3 +452,24 @@ def test_remat_of_a_compiled_function_still_compiles_it():
     counters.clear()
     remat(compiled)(torch.randn(3, D)).sum().backward()
     assert counters["stats"]["unique_graphs"] >= 1
+
+
+@pytest.mark.parametrize("kind", ["packets", "overloads", "function"])
+def test_from_torch_policies_lower_under_fullgraph(kind):
+    # The lowered region's context_fn closed over the frozen FromTorch value, which
+    # Dynamo cannot hold as a constant: fullgraph=True failed with "Not a Python
+    # constant" (without fullgraph the call silently ran eagerly).
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    def by_function(ctx, op, *args, **kwargs):
+        return CheckpointPolicy.MUST_SAVE if op is torch.ops.aten.mm.default else CheckpointPolicy.PREFER_RECOMPUTE
+
+    source = {"packets": (torch.ops.aten.mm,), "overloads": (torch.ops.aten.mm.default,), "function": by_function}[kind]
+    w = torch.randn(D, D, dtype=torch.float64, requires_grad=True)
+    x = torch.randn(3, D, dtype=torch.float64)
+    f = remat(lambda x: torch.tanh(x @ w).sin(), policy=policies.from_torch(source))
+    compiled, graphs = _counting_compile(lambda x: f(x).sum(), fullgraph=True)
+    (got,) = torch.autograd.grad(compiled(x), w)
+    (expected,) = torch.autograd.grad(torch.tanh(x @ w).sin().sum(), w)
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-12)
+    assert len(graphs) == 1
