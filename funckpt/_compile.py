@@ -44,7 +44,7 @@ from __future__ import annotations
 import functools
 import operator
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch.utils.checkpoint import (
@@ -125,7 +125,7 @@ def _from_torch_source(source: Callable[..., Any]) -> Callable[..., CheckpointPo
         if verdict is False:
             return CheckpointPolicy.PREFER_RECOMPUTE
         if verdict in _TORCH_VERDICTS:
-            return verdict
+            return cast(CheckpointPolicy, verdict)
         return CheckpointPolicy.MUST_SAVE  # an offload answer: kept on the device here (see lowerable)
 
     return torch_policy
