@@ -198,20 +198,6 @@ def with_grad_checkpointing(model: nn.Module) -> nn.Module:
     return model
 
 
-@pytest.fixture
-def routed(monkeypatch):
-    """diffusers' default checkpointing function calls ``torch.utils.checkpoint.checkpoint``
-    (looked up at call time): route it to funckpt. Returns the calls made."""
-    calls: list[Any] = []
-
-    def checkpoint(function, *args, **kwargs):
-        calls.append(function)
-        return funckpt.checkpoint(function, *args, **kwargs)
-
-    monkeypatch.setattr(torch.utils.checkpoint, "checkpoint", checkpoint)
-    return calls
-
-
 def _refuse_torch_checkpoint(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("torch.utils.checkpoint.checkpoint was called")

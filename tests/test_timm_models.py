@@ -239,21 +239,6 @@ def with_grad_checkpointing(model: nn.Module) -> nn.Module:
     return model
 
 
-@pytest.fixture
-def routed(monkeypatch):
-    """timm's checkpoint helpers call ``torch.utils.checkpoint.checkpoint``: route it to funckpt.
-
-    Returns the list of calls made, so a test can check that checkpointing happened."""
-    calls: list[Any] = []
-
-    def checkpoint(function, *args, **kwargs):
-        calls.append(function)
-        return funckpt.checkpoint(function, *args, **kwargs)
-
-    monkeypatch.setattr(torch.utils.checkpoint, "checkpoint", checkpoint)
-    return calls
-
-
 def _grads(model: nn.Module) -> dict[str, torch.Tensor | None]:
     return {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
 
