@@ -28,13 +28,17 @@ class AutocastState(NamedTuple):
 OFF: tuple[AutocastState, ...] = ()
 
 
-def _any_enabled() -> bool:
-    # torch's one-call check does not cover MPS (torch 2.13): asked separately.
-    return bool(torch._C._is_any_autocast_enabled() or torch.is_autocast_enabled("mps"))
+def any_enabled() -> bool:
+    """Is autocast on for any device type?"""
+    # torch's one-call check does not cover MPS (torch 2.13): asked separately, where torch has MPS.
+    return bool(torch._C._is_any_autocast_enabled() or (_MPS and torch.is_autocast_enabled("mps")))
+
+
+_MPS = torch.backends.mps.is_built()
 
 
 def capture(tensors: Iterable[torch.Tensor]) -> Sequence[AutocastState]:
-    if not _any_enabled():
+    if not any_enabled():
         return OFF
     device_types = ["cpu"]
     for t in tensors:
@@ -63,7 +67,7 @@ class replay:
 
     def __enter__(self) -> None:
         if self.states is OFF:
-            if not _any_enabled():
+            if not any_enabled():
                 return
             # The backward runs under autocast, the forward did not: turn it off where it is on.
             self.states = [_current(d)._replace(enabled=False) for d in _available_device_types()]

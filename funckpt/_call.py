@@ -342,7 +342,8 @@ class _Running:
             if forward:
                 region._capture_state(flat)
             else:
-                self._enter(region._replay_state())
+                for context in region._replays():
+                    self._enter(context)
             substitute = Substitute(mapping, flat, forward, region.name, first_node) if forward or mapping else None
             if substitute is not None:
                 self._enter(substitute)
@@ -827,18 +828,26 @@ class UserRegion(Region):
         # Built inside a with: a replay that fails to enter (the RNG's) leaves the
         # ones entered before it (autocast's), rather than keeping them on for good.
         with contextlib.ExitStack() as stack:
-            if autocast:
-                stack.enter_context(_autocast.replay(self.autocast))
-            if self.options.preserve_rng_state and self.rng is not None:
-                stack.enter_context(_rng.replay(self.rng))
-            if self.captured.training:
-                stack.enter_context(training_as_at_the_call(self.captured.training))
-            if self.default_device is not None and self.default_device != _default_device():
-                # The caller's ``with torch.device(...)`` is not in force where the
-                # autograd engine runs the backward (a device thread, for instance).
-                stack.enter_context(torch.device(self.default_device))
+            for context in self._replays(autocast):
+                stack.enter_context(context)
             return stack.pop_all()
         raise AssertionError("unreachable")  # (for type checkers: the with returns)
+
+    def _replays(self, autocast: bool = True) -> list[Any]:
+        """The contexts that put back the state the forward run recorded, to enter in order
+        (:meth:`_replay_state` enters them; a recomputation's :class:`_Running`, each itself)."""
+        contexts: list[Any] = []
+        if autocast and (self.autocast is not _autocast.OFF or _autocast.any_enabled()):
+            contexts.append(_autocast.replay(self.autocast))
+        if self.options.preserve_rng_state and self.rng is not None:
+            contexts.append(_rng.replay(self.rng))
+        if self.captured.training:
+            contexts.append(training_as_at_the_call(self.captured.training))
+        if self.default_device is not None and self.default_device != _default_device():
+            # The caller's ``with torch.device(...)`` is not in force where the
+            # autograd engine runs the backward (a device thread, for instance).
+            contexts.append(torch.device(self.default_device))
+        return contexts
 
     def recompute(self, flat: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
         """A later run (backward, jvp, double backward): the forward run again, checked against it."""

@@ -14,11 +14,13 @@ oldest version it claims.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar, cast
 
 import torch
 import torch.autograd.forward_ad as _fwAD
+from torch._C._dynamo.eval_frame import get_eval_frame_callback as eval_frame_callback  # Dynamo's frame callback now
 from torch.multiprocessing.reductions import StorageWeakRef
 
 __all__ = [
@@ -344,11 +346,35 @@ def comptime(fn: Any) -> None:
 
 
 def compiler_disable(reason: str) -> Callable[[_F], _F]:
-    """``torch.compiler.disable``, typed: a decorator that keeps Dynamo from tracing a function."""
+    """``torch.compiler.disable``, typed: a decorator that keeps Dynamo from tracing a function.
+
+    The function it returns enters ``torch.compiler.disable``'s wrapper only where
+    Dynamo could see the call: while it traces (``is_compiling()``, which Dynamo reads
+    as a constant, so it traces the disabled branch alone) or while its frame
+    callback is set (eager code a compiled function runs, after a graph break,
+    whose callees it would otherwise compile). Elsewhere the wrapper, a few frame
+    evaluator swaps, would do nothing at a cost paid on every remat'd call.
+    """
     try:
-        return cast("Callable[[_F], _F]", torch.compiler.disable(reason=reason))  # type: ignore[no-untyped-call]
+        disable = cast("Callable[[_F], _F]", torch.compiler.disable(reason=reason))  # type: ignore[no-untyped-call]
     except TypeError:  # torch < 2.8: no reason argument
-        return cast("Callable[[_F], _F]", torch.compiler.disable)
+        disable = cast("Callable[[_F], _F]", torch.compiler.disable)
+
+    def decorate(fn: _F) -> _F:
+        disabled = disable(fn)
+
+        @functools.wraps(fn)
+        def eager_unless_compiling(*args: Any, **kwargs: Any) -> Any:
+            if torch.compiler.is_compiling() or eval_frame_callback() is not None:
+                return disabled(*args, **kwargs)
+            return fn(*args, **kwargs)
+
+        skip_code(eager_unless_compiling.__code__)  # type: ignore[attr-defined]
+        return cast(_F, eager_unless_compiling)
+
+    return decorate
+
+
 
 
 #: ``StorageWeakRef(storage)``, typed: a weak, hashable handle on a storage (equal for the same storage).

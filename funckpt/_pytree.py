@@ -15,6 +15,7 @@ globally or, following torchopt's convention, in funckpt's namespace::
 
 from __future__ import annotations
 
+import functools
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -37,8 +38,16 @@ class TreeSlots:
     treespec: optree.PyTreeSpec
     leaves: tuple[Any, ...]
     tensor_positions: tuple[int, ...]
+    # The shapes of tree built without optree (see _plain_slots): "" for any other.
+    plain: str = ""
 
     def fill(self, tensors: Sequence[torch.Tensor]) -> Any:
+        if self.plain:
+            if len(tensors) != len(self.leaves):
+                raise ValueError(f"expected {len(self.leaves)} tensors, got {len(tensors)}")
+            if self.plain == "leaf":
+                return tensors[0]
+            return tuple(tensors) if self.plain == "tuple" else (tuple(tensors), {})
         if len(self.tensor_positions) == len(self.leaves):  # every leaf a tensor (unflatten checks the count)
             return optree.tree_unflatten(self.treespec, tensors)
         leaves = list(self.leaves)
@@ -47,8 +56,44 @@ class TreeSlots:
         return optree.tree_unflatten(self.treespec, leaves)
 
 
+# Tensors of these exact types are leaves in every optree namespace.
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+
+
+@functools.lru_cache(maxsize=256)
+def _plain_slots(shape: str, n: int) -> TreeSlots:
+    """The slots of a tree of ``n`` plain tensors: one tensor ("leaf"), a tuple of them
+    ("tuple") or positional arguments and no keyword ones ("args", ``(tensors, {})``).
+
+    The same value optree's flattening gives (its structure included, which
+    errors print and recomputations compare), made once per shape: a remat'd
+    call's arguments and outputs are usually such trees, and flattening them
+    with optree on every call costs more than the rest of their handling.
+    """
+    dummy = torch.empty(0)
+    tree: Any = dummy if shape == "leaf" else (dummy,) * n if shape == "tuple" else ((dummy,) * n, {})
+    treespec = optree.tree_structure(tree, none_is_leaf=False, namespace=NAMESPACE)
+    return TreeSlots(treespec, (None,) * n, tuple(range(n)), shape)
+
+
+def _all_plain(items: tuple[Any, ...]) -> bool:
+    for item in items:
+        if type(item) not in _PLAIN_TENSORS:
+            return False
+    return True
+
+
 def flatten(tree: Any) -> tuple[list[torch.Tensor], TreeSlots]:
     """Split ``tree`` into its tensor leaves and everything needed to rebuild it."""
+    kind = type(tree)
+    if kind in _PLAIN_TENSORS:
+        return [tree], _plain_slots("leaf", 1)
+    if kind is tuple and _all_plain(tree):
+        return list(tree), _plain_slots("tuple", len(tree))
+    return _flatten(tree)
+
+
+def _flatten(tree: Any) -> tuple[list[torch.Tensor], TreeSlots]:
     leaves, treespec = optree.tree_flatten(tree, none_is_leaf=False, namespace=NAMESPACE)
     tensors = []
     positions = []
@@ -85,5 +130,7 @@ def flatten_args(
 ) -> tuple[list[torch.Tensor], ArgSpec]:
     static = {i: args[i] for i in static_argnums}
     dynamic = tuple(a for i, a in enumerate(args) if i not in static) if static else args
-    tensors, slots = flatten((dynamic, kwargs))
+    if not kwargs and _all_plain(dynamic):
+        return list(dynamic), ArgSpec(_plain_slots("args", len(dynamic)), static, len(args))
+    tensors, slots = _flatten((dynamic, kwargs))
     return tensors, ArgSpec(slots, static, len(args))

@@ -454,9 +454,10 @@ def test_compiled_vjp_fn_of_remat_gives_the_plain_gradient():
 
 @pytest.mark.xfail(
     strict=True,
-    reason="remat's eager path (_call_eagerly) is torch.compiler.disable'd, which is recursive: "
-    "a torch.compile'd function called inside remat(...) outside any compiled code runs uncompiled, "
-    "silently (torch.utils.checkpoint(compiled_fn) compiles it). Values are right; the compile is lost.",
+    reason="remat runs the function under its own torch-function mode (the substitution of captured "
+    "tensors, _capture.Substitute); Dynamo traces that mode's handler into the compiled function, cannot "
+    "(it keys tensors by id()), and runs the compiled function uncompiled, silently "
+    "(torch.utils.checkpoint(compiled_fn) compiles it). Values are right; the compile is lost.",
 )
 def test_remat_of_a_compiled_function_still_compiles_it():
     from torch._dynamo.utils import counters

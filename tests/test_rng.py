@@ -165,4 +165,5 @@ def test_an_autocast_torch_reports_separately_is_not_taken_for_off(monkeypatch):
 
     monkeypatch.setattr(torch._C, "_is_any_autocast_enabled", lambda: False)
     monkeypatch.setattr(torch, "is_autocast_enabled", lambda device_type="cpu": device_type == "mps")
+    monkeypatch.setattr(_autocast, "_MPS", True)  # a torch built with MPS (only there is it asked)
     assert _autocast.capture([]) is not _autocast.OFF
