@@ -8,6 +8,12 @@ is the CPU proxy for the host-bound GPU step (the GPU's kernels are as short as
 these). ``determinism_check="none"`` runs alongside, so the difference is what
 the determinism check costs per call.
 
+A second stack is the CPU proxy for the issue's launch-bound GPU stack: 12 tiny
+GPT-style ``nn.Module`` blocks (pre-norm LayerNorm, qkv ``Linear``, causal
+``scaled_dot_product_attention``, projection, GELU MLP; width 32, 4 heads, 8
+tokens, batch 2), checkpointed per block, where the host's cost per operator
+(the substitution mode, module reparametrization) shows, not only the cost per call.
+
     python -m benchmarks.overhead
 """
 
@@ -19,6 +25,8 @@ from collections.abc import Callable
 
 import torch
 import torch.func as tf
+import torch.nn as nn
+import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from funckpt import remat
@@ -62,9 +70,59 @@ def variants() -> dict[str, tuple[str, Callable[[], object]]]:
     return out
 
 
-def measure(rounds: int = 60) -> dict[str, float]:
+D, HEADS, T, B, LAYERS = 32, 4, 8, 2, 12
+
+
+class GPTBlock(nn.Module):
+    """A pre-norm transformer block at host-bound sizes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ln1, self.qkv, self.proj = nn.LayerNorm(D), nn.Linear(D, 3 * D), nn.Linear(D, D)
+        self.ln2, self.fc, self.out = nn.LayerNorm(D), nn.Linear(D, 4 * D), nn.Linear(4 * D, D)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = (t.view(B, T, HEADS, D // HEADS).transpose(1, 2) for t in self.qkv(self.ln1(x)).split(D, -1))
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(B, T, D)
+        x = x + self.proj(a)
+        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+
+
+def module_variants() -> dict[str, tuple[str, Callable[[], object]]]:
+    """name -> (API, one gradient step) for the stack of GPT blocks."""
+    torch.manual_seed(0)
+    blocks = [GPTBlock() for _ in range(LAYERS)]
+    x = torch.randn(B, T, D)
+    stacks = {
+        "no checkpointing": nn.Sequential(*blocks),
+        "torch.utils.checkpoint": nn.Sequential(*blocks),
+        "remat": nn.Sequential(*(remat(b) for b in blocks)),
+    }
+    out: dict[str, tuple[str, Callable[[], object]]] = {}
+    for name, model in stacks.items():
+        if name == "torch.utils.checkpoint":
+
+            def forward(x: torch.Tensor, model: nn.Module = model) -> torch.Tensor:
+                for b in model:
+                    x = checkpoint(b, x, use_reentrant=False)
+                return x
+
+        else:
+            forward = model
+        params = {k: v.detach() for k, v in model.named_parameters()}
+
+        def loss(p: dict[str, torch.Tensor], model: nn.Module = model) -> torch.Tensor:
+            return tf.functional_call(model, p, (x,)).pow(2).mean()
+
+        out[f".backward(), {name}"] = (".backward()", lambda forward=forward: forward(x).pow(2).mean().backward())
+        if name != "torch.utils.checkpoint":
+            out[f"torch.func.grad, {name}"] = ("torch.func.grad", lambda loss=loss, p=params: tf.grad(loss)(p))
+    return out
+
+
+def measure(rounds: int = 60, steps: dict[str, tuple[str, Callable[[], object]]] | None = None) -> dict[str, float]:
     """Median step time per variant, in seconds."""
-    steps = variants()
+    steps = variants() if steps is None else steps
     for _, step in steps.values():
         step()
     samples: dict[str, list[float]] = {k: [] for k in steps}
@@ -95,6 +153,10 @@ def run(rounds: int = 60) -> str:
         api: (med[f"{api}, remat"] - med[f'{api}, remat, determinism_check="none"']) / BLOCKS * 1e6
         for api in (".backward()", "torch.func.grad")
     }
+    mod = measure(max(rounds // 3, 2), module_variants())
+    mod_rows = [[f"`{name}`", f"{t * 1e3:.2f}"] for name, t in mod.items()]
+    step_ratio = mod[".backward(), remat"] / mod[".backward(), torch.utils.checkpoint"]
+    grad_ratio = mod["torch.func.grad, remat"] / mod[".backward(), torch.utils.checkpoint"]
     return "\n".join(
         [
             "## Per-call overhead (CPU proxy for the host-bound GPU step)",
@@ -111,6 +173,15 @@ def run(rounds: int = 60) -> str:
             f"comparison) costs {check['.backward()']:.0f} us per call under `.backward()` and",
             f"{check['torch.func.grad']:.0f} us under `torch.func.grad` on this CPU; on an accelerator it adds one",
             "host synchronisation at the end of each backward pass (not measured here: no GPU was available).",
+            "",
+            f"**Module blocks** (the CPU proxy for the launch-bound GPU stack): {LAYERS} GPT-style blocks",
+            f"(width {D}, {HEADS} heads, {T} tokens, batch {B}), checkpointed per block, medians of",
+            f"{max(rounds // 3, 2)} interleaved rounds:",
+            "",
+            table(["variant", "step (ms)"], mod_rows),
+            "",
+            f"Step of `.backward()` + remat / `.backward()` + `torch.utils.checkpoint`: **{step_ratio:.2f}x**;",
+            f"`torch.func.grad` + remat / `.backward()` + `torch.utils.checkpoint`: **{grad_ratio:.2f}x**.",
         ]
     )
 

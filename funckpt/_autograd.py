@@ -636,10 +636,15 @@ class _RematFunction(torch.autograd.Function):
         ctx.save_for_backward(*saved)
         # The versions saved with the check, to name a modified input if the check fails.
         ctx.saved_versions = [(i, t, t._version) for i, t in enumerate(saved) if t is not None and t is flat[i]]
-        ctx.save_for_forward(*flat)
         # Which inputs are duals: the jvp rule receives a zero tangent for every other
         # floating input (autograd materializes them), which must not become a dual.
-        ctx.with_tangent = tuple(map(has_tangent, flat)) if forward_ad_level() >= 0 else None
+        # Without a forward-mode level (torch.func.jvp's included) now, the jvp rule is
+        # never called for this node: nothing to save for it.
+        if forward_ad_level() >= 0:
+            ctx.save_for_forward(*flat)
+            ctx.with_tangent = tuple(map(has_tangent, flat))
+        else:
+            ctx.with_tangent = None
         top = peek_interpreter_stack()
         ctx.level = 0 if top is None else top.level()
         constant = region.constant_outputs()

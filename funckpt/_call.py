@@ -332,7 +332,7 @@ class _Running:
             if cache is not None:
                 self._enter(_OwnParametrizationCache(cache))
             if region.captured.modules:
-                self._enter(reparametrized(region.captured.modules, replace))
+                self._enter(reparametrized(region.captured, replace))
             if region.options.context_fn is not None:
                 self._enter(region._user_context(forward))
             if self.grad:
@@ -418,7 +418,7 @@ class UserRegion(Region):
         self.saved = None if policy is None or policy is nothing_saveable else Saved(policy, name)
         self._recompute_context: Any = None
         self.autocast: Sequence[_autocast.AutocastState] = _autocast.OFF
-        self.generators = [leaf for leaf in argspec.dynamic.leaves if isinstance(leaf, torch.Generator)]
+        self.generators = [] if argspec.dynamic.plain else [leaf for leaf in argspec.dynamic.leaves if isinstance(leaf, torch.Generator)]
         self.generators += captured.generators
 
     def _user_context(self, forward: bool) -> Any:
@@ -711,9 +711,13 @@ class UserRegion(Region):
         self, captured: Sequence[torch.Tensor]
     ) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor]]:
         """What ``fn`` gets where it reaches each captured tensor (``id`` to tensor): all of them, for
-        the modules to reparametrize, and those that are not the captured tensor itself, to substitute."""
+        the modules to reparametrize, and those that are not the captured tensor itself and that ``fn``
+        reaches other than through a module's attributes, to substitute."""
+        if not captured:
+            return {}, {}
         replace = {id(orig): t for orig, t in zip(self.captured.tensors, captured)}
-        return replace, {k: v for k, v in replace.items() if v is not self._originals.get(k)}
+        direct = self.captured.reached_directly
+        return replace, {k: v for k, v in replace.items() if k in direct and v is not self._originals.get(k)}
 
     def _running(self, flat: tuple[torch.Tensor, ...], *, forward: bool, grad: bool, modes: Sequence[Any]) -> _Running:
         """The context ``fn`` runs in, both runs: its inputs and reparametrized modules,

@@ -61,7 +61,6 @@ from ._internals import (
     is_dead_tensor_wrapper,
     is_functorch_wrapped,
     maybe_get_level,
-    reparametrize_module,
     sequence_nr,
     set_fwd_grad_enabled,
     unpack_dual,
@@ -86,6 +85,13 @@ class Captured:
     modules: list[tuple[torch.nn.Module, dict[str, torch.Tensor]]] = field(default_factory=list)
     # (module or submodule, its training flag) at the call, for the recomputation to replay
     training: list[tuple[torch.nn.Module, bool]] = field(default_factory=list)
+    # ids of the tensors reached other than as a module's named tensor (a closure cell, a
+    # global, a partial argument, a container): only these need the substitution mode, the
+    # others are put in place by reparametrizing their modules.
+    reached_directly: set[int] = field(default_factory=set)
+    # For each module in ``modules``: (owning submodule, attribute name, tensor) per named
+    # tensor, in the same order, so reparametrizing needs no dotted-name lookups.
+    places: list[list[tuple[torch.nn.Module, str, torch.Tensor]]] = field(default_factory=list)
 
 
 def _walk(
@@ -125,7 +131,7 @@ def _walk(
         pending.extend(reversed(children) if depth_first else children)
 
 
-def find_captured(fn: Callable[..., Any] | tuple[Any, ...]) -> Captured:
+def find_captured(fn: Callable[..., Any] | tuple[Any, ...], modules_too: bool = True) -> Captured:
     """Tensors reachable from ``fn`` other than through its call arguments.
 
     Walks modules (parameters, buffers and plain tensor attributes), bound
@@ -133,7 +139,9 @@ def find_captured(fn: Callable[..., Any] | tuple[Any, ...]) -> Captured:
     named by the function's code (recursively into the user's own functions),
     containers, and plain objects' ``__dict__``, to a bounded depth. Returns
     each tensor once, in discovery order, each ``torch.Generator`` found, and
-    each module with its named tensors.
+    each module with its named tensors. ``modules_too=False`` leaves out what
+    modules hold (their forward's code is still walked): the tensors reached
+    directly only.
     """
     if type(fn) is types.FunctionType and _reaches_nothing(fn):
         return Captured()  # what the walk below finds for such a function, without its set-up
@@ -141,10 +149,13 @@ def find_captured(fn: Callable[..., Any] | tuple[Any, ...]) -> Captured:
     generators: dict[int, torch.Generator] = {}
     modules: list[tuple[torch.nn.Module, dict[str, torch.Tensor]]] = []
     training: list[tuple[torch.nn.Module, bool]] = []
+    places: list[list[tuple[torch.nn.Module, str, torch.Tensor]]] = []
+    direct: set[int] = set()
 
     def leaf(obj: Any) -> bool:
         if isinstance(obj, torch.Tensor):
             found.setdefault(id(obj), obj)
+            direct.add(id(obj))
             return True
         if isinstance(obj, torch.Generator):
             generators.setdefault(id(obj), obj)
@@ -153,15 +164,16 @@ def find_captured(fn: Callable[..., Any] | tuple[Any, ...]) -> Captured:
 
     def expand(obj: Any) -> list[Any]:
         if isinstance(obj, torch.nn.Module):
-            named = _named_tensors(obj)
-            modules.append((obj, named))
-            for t in named.values():
+            if not modules_too:
+                return [type(obj).forward]
+            state = _module_state(obj)
+            modules.append((obj, state.named))
+            places.append(state.places)
+            for t in state.named.values():
                 found.setdefault(id(t), t)
-            for m in obj.modules():  # generators held as attributes (self.gen) are replayed too
-                training.append((m, m.training))
-                for value in vars(m).values():
-                    if isinstance(value, torch.Generator):
-                        generators.setdefault(id(value), value)
+            training.extend(state.training)
+            for g in state.generators:  # generators held as attributes (self.gen) are replayed too
+                generators.setdefault(id(g), g)
             return [type(obj).forward]
         if isinstance(obj, functools.partial):
             return [obj.func, *obj.args, *obj.keywords.values()]
@@ -201,7 +213,7 @@ def find_captured(fn: Callable[..., Any] | tuple[Any, ...]) -> Captured:
         return parts
 
     _walk(fn, leaf, expand, budget=_MAX_ITEMS, max_depth=_MAX_DEPTH, depth_first=True)
-    return Captured(list(found.values()), list(generators.values()), modules, training)
+    return Captured(list(found.values()), list(generators.values()), modules, training, direct, places)
 
 
 def _reaches_nothing(fn: types.FunctionType) -> bool:
@@ -309,40 +321,77 @@ def changed_captures(fn: Callable[..., Any], before: Captured) -> list[torch.Ten
     re-parametrized to the call's), and so are results of computations, which
     ``fn`` itself may have stored in a container it closes over.
     """
-    now = find_captured(fn)
-    held = {id(t) for _, named in now.modules for t in named.values()}
+    now = find_captured(fn, modules_too=False)
     seen = {id(t) for t in before.tensors}
-    return [
+    changed = [
         t
         for t in now.tensors
         if id(t) not in seen
-        and id(t) not in held
         and (
             (is_functorch_wrapped(t) and not is_dead_tensor_wrapper(t))
             or (t.requires_grad and t.grad_fn is None)
         )
     ]
+    if not changed:  # the common case, told without walking the modules
+        return changed
+    held = {id(t) for _, named in find_captured(fn).modules for t in named.values()}
+    return [t for t in changed if id(t) not in held]
 
 
-def _named_tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Parameters, buffers and plain tensor attributes, by dotted name (aliases kept)."""
-    named: dict[str, torch.Tensor] = dict(module.named_parameters(remove_duplicate=False))
-    named.update(module.named_buffers(remove_duplicate=False))
+@dataclass
+class _ModuleState:
+    """What :func:`_module_state` reads off a module and its submodules in one pass."""
+
+    named: dict[str, torch.Tensor]  # parameters, buffers, plain tensor attributes, by dotted name
+    places: list[tuple[torch.nn.Module, str, torch.Tensor]]  # (owner, attribute, tensor), as ``named``
+    training: list[tuple[torch.nn.Module, bool]]  # every submodule once, with its flag
+    generators: list[torch.Generator]  # generators held as attributes
+
+
+def _module_state(module: torch.nn.Module) -> _ModuleState:
+    """Parameters, buffers and plain tensor attributes by dotted name (aliases kept, in the order
+    ``named_parameters``, then ``named_buffers``, then attributes give them), where each sits,
+    the training flags and the generators, in one walk of the submodules (the three walks of
+    ``named_parameters``, ``named_buffers`` and ``modules`` cost more than the rest of a call)."""
+    params: list[tuple[str, torch.nn.Module, str, torch.Tensor]] = []
+    buffers: list[tuple[str, torch.nn.Module, str, torch.Tensor]] = []
+    attrs: list[tuple[str, torch.nn.Module, str, torch.Tensor]] = []
+    training: list[tuple[torch.nn.Module, bool]] = []
+    generators: list[torch.Generator] = []
+    visited: set[int] = set()
     sharded = _sharded_types()
     for prefix, m in module.named_modules(remove_duplicate=False):
         if sharded and isinstance(m, sharded) and _fsdp_hooks_would_run(m):
-            raise CheckpointError(
-                f"remat: {type(m).__name__}{f' (at {prefix!r})' if prefix else ''} is managed by FSDP, "
-                "and calling it inside the remat'd function would let FSDP's hooks swap its "
-                "parameters during the call, so remat cannot route or recompute them. Apply remat "
-                "first and shard the result: fully_shard(remat(block)), not remat(fully_shard(block)); "
-                "and do not fully_shard the layers inside a remat'd nn.Sequential (remat each layer "
-                "and shard that instead)."
-            )
+            _refuse_sharded(m, prefix)
+        dot = f"{prefix}." if prefix else ""
+        params += [(dot + k, m, k, p) for k, p in m._parameters.items() if p is not None]
+        buffers += [(dot + k, m, k, b) for k, b in m._buffers.items() if b is not None]
+        first = id(m) not in visited
+        visited.add(id(m))
+        if first:
+            training.append((m, m.training))
         for key, value in vars(m).items():
             if isinstance(value, torch.Tensor) and not key.startswith("_"):
-                named[f"{prefix}.{key}" if prefix else key] = value
-    return named
+                attrs.append((dot + key, m, key, value))
+            elif first and isinstance(value, torch.Generator):
+                generators.append(value)
+    named: dict[str, torch.Tensor] = {}
+    where: dict[str, tuple[torch.nn.Module, str, torch.Tensor]] = {}
+    for name, owner, key, t in (*params, *buffers, *attrs):
+        named[name] = t
+        where[name] = (owner, key, t)
+    return _ModuleState(named, list(where.values()), training, generators)
+
+
+def _refuse_sharded(m: torch.nn.Module, prefix: str) -> None:
+    raise CheckpointError(
+        f"remat: {type(m).__name__}{f' (at {prefix!r})' if prefix else ''} is managed by FSDP, "
+        "and calling it inside the remat'd function would let FSDP's hooks swap its "
+        "parameters during the call, so remat cannot route or recompute them. Apply remat "
+        "first and shard the result: fully_shard(remat(block)), not remat(fully_shard(block)); "
+        "and do not fully_shard the layers inside a remat'd nn.Sequential (remat each layer "
+        "and shard that instead)."
+    )
 
 
 def _sharded_types() -> tuple[type[Any], ...]:
@@ -373,18 +422,58 @@ def _fsdp_hooks_would_run(module: torch.nn.Module) -> bool:
         return True
 
 
-@contextlib.contextmanager
-def reparametrized(
-    modules: Sequence[tuple[torch.nn.Module, dict[str, torch.Tensor]]], replace: dict[int, torch.Tensor]
-) -> Iterator[None]:
-    """Put ``replace[id(t)]`` in each module wherever ``t`` sat at the call."""
-    with contextlib.ExitStack() as stack:
-        for module, named in modules:
-            mapping = {name: replace.get(id(t), t) for name, t in named.items()}
-            stack.enter_context(
-                reparametrize_module(module, mapping, tie_weights=False, strict=False, stack_weights=False)
-            )
-        yield
+class reparametrized:
+    """Put ``replace[id(t)]`` in each module wherever ``t`` sat at the call (``captured.places``).
+
+    What ``torch.func.functional_call``'s reparametrization does (a parameter or
+    buffer entry replaced in its dict, any other attribute set), with the places
+    found once by :func:`find_captured` rather than looked up by dotted name on
+    every run. Leaving puts back what each place held, in reverse order, so a
+    place named twice (a shared submodule) ends as it was.
+    """
+
+    __slots__ = ("captured", "replace", "swapped")
+
+    def __init__(self, captured: Captured, replace: dict[int, torch.Tensor]) -> None:
+        self.captured, self.replace = captured, replace
+        self.swapped: list[tuple[torch.nn.Module, str, Any]] = []
+
+    def __enter__(self) -> None:
+        replace, swapped = self.replace, self.swapped
+        try:
+            for places in self.captured.places:
+                for owner, key, t in places:
+                    swapped.append((owner, key, _swap_tensor(owner, key, replace.get(id(t), t))))
+        except BaseException:
+            self.__exit__()
+            raise
+
+    def __exit__(self, *exc: Any) -> None:
+        swapped, self.swapped = self.swapped, []
+        for owner, key, before in reversed(swapped):
+            _swap_tensor(owner, key, before)
+
+
+_ABSENT = object()
+
+
+def _swap_tensor(owner: torch.nn.Module, key: str, value: Any) -> Any:
+    """Set ``owner``'s parameter, buffer or attribute ``key`` to ``value``; return what it held
+    (``_ABSENT`` where it held nothing, and setting ``_ABSENT`` removes it)."""
+    for entries in (owner._parameters, owner._buffers):
+        if key in entries:
+            before = entries[key]
+            if value is _ABSENT:
+                del entries[key]
+            else:
+                entries[key] = value
+            return before
+    before = owner.__dict__.get(key, _ABSENT)
+    if value is _ABSENT:
+        owner.__dict__.pop(key, None)
+    else:
+        setattr(owner, key, value)
+    return before
 
 
 class training_as_at_the_call:
@@ -566,7 +655,10 @@ class Substitute(OnThreadStack, TorchFunctionMode):
                 a = self._swap(a, used)
             swapped.append(a)
         if kwargs:
-            kwargs = {k: self._swap(v, used) for k, v in kwargs.items()}
+            for v in kwargs.values():
+                if isinstance(v, (torch.Tensor, list, tuple)):  # else nothing to swap or check
+                    kwargs = {k: self._swap(v, used) for k, v in kwargs.items()}
+                    break
         if func in _UNINITIALIZED:
             self.uninitialized = True
         out = func(*swapped, **(kwargs or {}))

@@ -614,7 +614,7 @@ class LoopRegion(UserRegion):
         replace, mapping = self.replacements(captured)
         with contextlib.ExitStack() as stack:
             if self.captured.modules:
-                stack.enter_context(reparametrized(self.captured.modules, replace))
+                stack.enter_context(reparametrized(self.captured, replace))
             if mapping:
                 stack.enter_context(Substitute(mapping, tuple(inputs), False, self.name, 0))
             yield

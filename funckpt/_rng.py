@@ -17,7 +17,7 @@ generator is where it would be without remat.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -72,13 +72,16 @@ class RngState:
     explicit: list[tuple[torch.Generator, torch.Tensor]] = field(default_factory=list)
 
 
-def capture(tensors: Iterable[torch.Tensor], generators: Iterable[torch.Generator] = ()) -> RngState:
-    unique = {id(g): g for g in generators}
+def capture(tensors: Iterable[torch.Tensor], generators: Sequence[torch.Generator] = ()) -> RngState:
+    devices = accelerator_devices(tensors)
     return RngState(
-        cpu=torch.get_rng_state(),
-        devices={d: _get_state(d) for d in accelerator_devices(tensors)},
-        explicit=[(g, g.get_state()) for g in unique.values()],
+        _CPU.get_state(),
+        {d: _get_state(d) for d in devices} if devices else {},
+        [(g, g.get_state()) for g in {id(g): g for g in generators}.values()] if generators else [],
     )
+
+
+_CPU = torch.default_generator  # what torch.get_rng_state and set_rng_state read and write
 
 
 def same(a: RngState, b: RngState) -> bool:
@@ -94,7 +97,7 @@ def same(a: RngState, b: RngState) -> bool:
 
 def restore(state: RngState) -> None:
     """Put every generator ``state`` recorded back to it (inside :func:`replay`, which undoes it)."""
-    torch.set_rng_state(state.cpu)
+    _CPU.set_state(state.cpu)
     for d, s in state.devices.items():
         _set_state(d, s)
     for g, s in state.explicit:
@@ -111,9 +114,9 @@ class replay:
     def __enter__(self) -> None:
         state = self.state
         self.saved = RngState(
-            torch.get_rng_state(),
+            _CPU.get_state(),
             {d: _get_state(d) for d in state.devices} if state.devices else {},
-            [(g, g.get_state()) for g, _ in state.explicit],
+            [(g, g.get_state()) for g, _ in state.explicit] if state.explicit else [],
         )
         try:
             restore(state)
@@ -124,7 +127,7 @@ class replay:
     def __exit__(self, *exc: Any) -> None:
         saved, self.saved = self.saved, None
         assert saved is not None
-        torch.set_rng_state(saved.cpu)
+        _CPU.set_state(saved.cpu)
         for d, s in saved.devices.items():
             _set_state(d, s)
         for g, s in saved.explicit:
