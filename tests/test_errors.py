@@ -334,3 +334,27 @@ def test_an_input_modified_before_the_backward_is_named():
         lin.weight.add_(1)
     with pytest.raises(funckpt.CheckpointError, match=r"Linear's 'weight' \(shape \(3, 3\)\) was modified in place"):
         loss.backward()
+
+
+@pytest.mark.parametrize("arity", ["arguments", "outputs"])
+def test_a_nondeterministic_function_around_a_nested_remat_of_a_new_arity_still_raises(arity):
+    """Handling the inner call's tree of plain tensors, of a size remat meets here for the first
+    time (23 of them: no other test uses it), must not count as the outer function's own work: an
+    uninitialized allocation by remat itself turned the outer run's value check off."""
+    n = 23
+    if arity == "arguments":
+        inner = remat(lambda *xs: torch.stack(xs).sin().sum(0))
+        call_inner = lambda x: inner(*[x * (i + 1) for i in range(n)])  # noqa: E731
+    else:
+        inner = remat(lambda x: tuple(x * (i + 1) for i in range(n)))
+        call_inner = lambda x: torch.stack(inner(x)).sin().sum(0)  # noqa: E731
+    calls = []
+
+    def outer(x):
+        calls.append(1)
+        return call_inner(x) * len(calls)  # another value on each call
+
+    x = X.clone().requires_grad_()
+    y = remat(outer)(x)
+    with pytest.raises(CheckpointError, match="has other values"):
+        y.sum().backward()
