@@ -70,7 +70,9 @@ def _plain_slots(shape: str, n: int) -> TreeSlots:
     call's arguments and outputs are usually such trees, and flattening them
     with optree on every call costs more than the rest of their handling.
     """
-    dummy = torch.empty(0)
+    # Any leaf gives the same structure; not a tensor: allocating one here, inside an
+    # enclosing remat's run, would count as that run's (uninitialized) operator.
+    dummy = object()
     tree: Any = dummy if shape == "leaf" else (dummy,) * n if shape == "tuple" else ((dummy,) * n, {})
     treespec = optree.tree_structure(tree, none_is_leaf=False, namespace=NAMESPACE)
     return TreeSlots(treespec, (None,) * n, tuple(range(n)), shape)
