@@ -550,6 +550,9 @@ _UNINITIALIZED = frozenset(
 )
 
 
+_is_compiling = torch.compiler.is_compiling  # (Dynamo reads it as True where it traces)
+
+
 class Substitute(OnThreadStack, TorchFunctionMode):
     """Replaces captured tensors by identity; optionally rejects foreign tensors.
 
@@ -632,28 +635,35 @@ class Substitute(OnThreadStack, TorchFunctionMode):
     def __torch_function__(
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
     ) -> Any:
+        # This runs for every operator of a forward run: the common case (no captured tensor
+        # to swap, every tensor known or made inside) builds nothing.
         # Usage and escapes are not recorded while Dynamo inlines this handler (a compiled
         # function called inside remat): it cannot trace the mutation of these collections.
-        compiling = torch.compiler.is_compiling()
+        compiling = _is_compiling()
         used = None if compiling else self.used
         mapping, known, inside = self.mapping, self.known, self.inside
-        swapped = []
-        for a in args:  # _swap, with its tensor case inline (this runs for every operator)
+        swapped: list[Any] | None = None
+        for i, a in enumerate(args):  # _swap, with its tensor case inline
             if isinstance(a, torch.Tensor):
                 key = id(a)
                 replacement = mapping.get(key) if mapping else None
                 if replacement is not None:
                     if used is not None:
                         used.add(id(replacement))
-                    a = replacement
+                    if swapped is None:
+                        swapped = list(args)
+                    swapped[i] = replacement
                 elif key in known:
                     if used is not None:
                         used.add(key)
                 elif key not in inside:
                     self._check(a)
-            elif isinstance(a, (list, tuple)):
-                a = self._swap(a, used)
-            swapped.append(a)
+            elif isinstance(a, (list, tuple)) and a:
+                b = self._swap(a, used)
+                if b is not a:
+                    if swapped is None:
+                        swapped = list(args)
+                    swapped[i] = b
         if kwargs:
             for v in kwargs.values():
                 if isinstance(v, (torch.Tensor, list, tuple)):  # else nothing to swap or check
@@ -661,15 +671,20 @@ class Substitute(OnThreadStack, TorchFunctionMode):
                     break
         if func in _UNINITIALIZED:
             self.uninitialized = True
-        out = func(*swapped, **(kwargs or {}))
+        out = func(*(args if swapped is None else swapped), **(kwargs or {}))
         # Every tensor made here is the run's own, whatever it becomes later: a leaf
         # made inside and then set to require grad (as HF T5 does) is not foreign.
         made = None if compiling else self.made
-        for o in out if isinstance(out, (tuple, list)) else (out,):
-            if isinstance(o, torch.Tensor):
-                inside.add(id(o))
-                if made is not None and o.requires_grad:
-                    made.append(weakref.ref(o))
+        if isinstance(out, torch.Tensor):
+            inside.add(id(out))
+            if made is not None and out.requires_grad:
+                made.append(weakref.ref(out))
+        elif isinstance(out, (tuple, list)):
+            for o in out:
+                if isinstance(o, torch.Tensor):
+                    inside.add(id(o))
+                    if made is not None and o.requires_grad:
+                        made.append(weakref.ref(o))
         return out
 
 
