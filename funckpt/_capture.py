@@ -144,7 +144,7 @@ def find_captured(fn: Callable[..., Any] | tuple[Any, ...], modules_too: bool = 
     directly only.
     """
     if type(fn) is types.FunctionType and _reaches_nothing(fn):
-        return Captured()  # what the walk below finds for such a function, without its set-up
+        return _NOTHING  # what the walk below finds for such a function, without its set-up
     found: dict[int, torch.Tensor] = {}
     generators: dict[int, torch.Generator] = {}
     modules: list[tuple[torch.nn.Module, dict[str, torch.Tensor]]] = []
@@ -214,6 +214,9 @@ def find_captured(fn: Callable[..., Any] | tuple[Any, ...], modules_too: bool = 
 
     _walk(fn, leaf, expand, budget=_MAX_ITEMS, max_depth=_MAX_DEPTH, depth_first=True)
     return Captured(list(found.values()), list(generators.values()), modules, training, direct, places)
+
+
+_NOTHING = Captured()  # shared: nothing changes a Captured once found
 
 
 def _reaches_nothing(fn: types.FunctionType) -> bool:
