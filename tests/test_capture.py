@@ -469,3 +469,81 @@ def test_closure_tensor_returned_untouched_gets_its_gradient():
     xx = x.clone().requires_grad_()
     (g,) = torch.autograd.grad(f(xx), xx)
     assert_close(g, tf.grad(ref)(x))
+
+
+# A module's own tensor reached other than through its attribute (a hook's closure, a
+# list or partial the module keeps privately): only the substitution mode routes it,
+# the reparametrization of the module's places does not reach it.
+
+
+def _hooked_linear():
+    lin = torch.nn.Linear(4, 4, dtype=D)
+    w = lin.weight
+    lin.register_forward_hook(lambda m, i, o: torch.tanh(o) @ w)
+    return lin
+
+
+def test_forward_hook_closing_over_the_modules_own_parameter():
+    lin = _hooked_linear()
+    params = list(lin.parameters())
+    expected = _backward_grads(lambda: lin(X), params)
+    assert_close(_backward_grads(lambda: remat(lin)(X), params), expected)
+
+
+def test_module_reading_its_parameter_from_an_unregistered_list():
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.randn(4, 4, dtype=D))
+            self._ws = [self.w]  # a plain list: not registered, not walked
+
+        def forward(self, x):
+            return torch.tanh(x @ self._ws[0])
+
+    net = Net()
+    params = list(net.parameters())
+    expected = _backward_grads(lambda: net(X), params)
+    assert_close(_backward_grads(lambda: remat(net)(X), params), expected)
+
+
+def test_scan_step_module_with_a_hook_closing_over_its_parameter():
+    from funckpt import scan
+
+    lin = _hooked_linear()
+    xs = torch.randn(3, 3, 4, dtype=D, generator=torch.Generator().manual_seed(5))
+
+    def step(c, x):
+        c = torch.tanh(lin(c) + x)
+        return c, None
+
+    def python_loop():
+        c = X
+        for x in xs:
+            c, _ = step(c, x)
+        return c
+
+    params = list(lin.parameters())
+    expected = _backward_grads(python_loop, params)
+    assert_close(_backward_grads(lambda: scan(step, X, xs)[0], params), expected)
+
+
+def test_submodule_replaced_between_forward_and_backward():
+    """The recomputation uses the tensors of the call under the names of the call, as
+    functional_call would: the parameters the forward pass used get the gradient."""
+    import copy
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(4, 4, dtype=D)
+            self.out = torch.nn.Linear(4, 4, dtype=D)
+
+        def forward(self, x):
+            return self.out(torch.tanh(self.fc(x)))
+
+    net = Net()
+    params = list(net.parameters())
+    expected = torch.autograd.grad(net(X).square().sum(), params)
+    out = remat(net)(X)
+    net.fc = copy.deepcopy(net.fc)  # same values, new tensors
+    assert_close(torch.autograd.grad(out.square().sum(), params), expected)
