@@ -711,13 +711,15 @@ class UserRegion(Region):
         self, captured: Sequence[torch.Tensor]
     ) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor]]:
         """What ``fn`` gets where it reaches each captured tensor (``id`` to tensor): all of them, for
-        the modules to reparametrize, and those that are not the captured tensor itself and that ``fn``
-        reaches other than through a module's attributes, to substitute."""
+        the modules to reparametrize, and those that are not the captured tensor itself, to substitute.
+
+        A module's own tensors are substituted too, not only put in its places: its code
+        may reach them other than through its attributes (a hook's closure, a list or
+        partial the module keeps privately), where only the substitution routes them."""
         if not captured:
             return {}, {}
         replace = {id(orig): t for orig, t in zip(self.captured.tensors, captured)}
-        direct = self.captured.reached_directly
-        return replace, {k: v for k, v in replace.items() if k in direct and v is not self._originals.get(k)}
+        return replace, {k: v for k, v in replace.items() if v is not self._originals.get(k)}
 
     def _running(self, flat: tuple[torch.Tensor, ...], *, forward: bool, grad: bool, modes: Sequence[Any]) -> _Running:
         """The context ``fn`` runs in, both runs: its inputs and reparametrized modules,

@@ -85,10 +85,6 @@ class Captured:
     modules: list[tuple[torch.nn.Module, dict[str, torch.Tensor]]] = field(default_factory=list)
     # (module or submodule, its training flag) at the call, for the recomputation to replay
     training: list[tuple[torch.nn.Module, bool]] = field(default_factory=list)
-    # ids of the tensors reached other than as a module's named tensor (a closure cell, a
-    # global, a partial argument, a container): only these need the substitution mode, the
-    # others are put in place by reparametrizing their modules.
-    reached_directly: set[int] = field(default_factory=set)
     # For each module in ``modules``: (owning submodule, attribute name, tensor) per named
     # tensor, in the same order, so reparametrizing needs no dotted-name lookups.
     places: list[list[tuple[torch.nn.Module, str, torch.Tensor]]] = field(default_factory=list)
@@ -150,12 +146,10 @@ def find_captured(fn: Callable[..., Any] | tuple[Any, ...], modules_too: bool = 
     modules: list[tuple[torch.nn.Module, dict[str, torch.Tensor]]] = []
     training: list[tuple[torch.nn.Module, bool]] = []
     places: list[list[tuple[torch.nn.Module, str, torch.Tensor]]] = []
-    direct: set[int] = set()
 
     def leaf(obj: Any) -> bool:
         if isinstance(obj, torch.Tensor):
             found.setdefault(id(obj), obj)
-            direct.add(id(obj))
             return True
         if isinstance(obj, torch.Generator):
             generators.setdefault(id(obj), obj)
@@ -213,7 +207,7 @@ def find_captured(fn: Callable[..., Any] | tuple[Any, ...], modules_too: bool = 
         return parts
 
     _walk(fn, leaf, expand, budget=_MAX_ITEMS, max_depth=_MAX_DEPTH, depth_first=True)
-    return Captured(list(found.values()), list(generators.values()), modules, training, direct, places)
+    return Captured(list(found.values()), list(generators.values()), modules, training, places)
 
 
 _NOTHING = Captured()  # shared: nothing changes a Captured once found
