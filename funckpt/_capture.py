@@ -88,6 +88,9 @@ class Captured:
     # For each module in ``modules``: (owning submodule, attribute name, tensor) per named
     # tensor, in the same order, so reparametrizing needs no dotted-name lookups.
     places: list[list[tuple[torch.nn.Module, str, torch.Tensor]]] = field(default_factory=list)
+    # (module, child's name, child) for every submodule of those modules at the call: where one was
+    # replaced since, ``reparametrized`` finds the places by name again, as functional_call would.
+    edges: list[tuple[torch.nn.Module, str, Any]] = field(default_factory=list)
 
 
 def _walk(
@@ -146,6 +149,7 @@ def find_captured(fn: Callable[..., Any] | tuple[Any, ...], modules_too: bool = 
     modules: list[tuple[torch.nn.Module, dict[str, torch.Tensor]]] = []
     training: list[tuple[torch.nn.Module, bool]] = []
     places: list[list[tuple[torch.nn.Module, str, torch.Tensor]]] = []
+    edges: list[tuple[torch.nn.Module, str, Any]] = []
 
     def leaf(obj: Any) -> bool:
         if isinstance(obj, torch.Tensor):
@@ -163,6 +167,7 @@ def find_captured(fn: Callable[..., Any] | tuple[Any, ...], modules_too: bool = 
             state = _module_state(obj)
             modules.append((obj, state.named))
             places.append(state.places)
+            edges.extend(state.edges)
             for t in state.named.values():
                 found.setdefault(id(t), t)
             training.extend(state.training)
@@ -207,7 +212,7 @@ def find_captured(fn: Callable[..., Any] | tuple[Any, ...], modules_too: bool = 
         return parts
 
     _walk(fn, leaf, expand, budget=_MAX_ITEMS, max_depth=_MAX_DEPTH, depth_first=True)
-    return Captured(list(found.values()), list(generators.values()), modules, training, places)
+    return Captured(list(found.values()), list(generators.values()), modules, training, places, edges)
 
 
 _NOTHING = Captured()  # shared: nothing changes a Captured once found
@@ -343,6 +348,7 @@ class _ModuleState:
     places: list[tuple[torch.nn.Module, str, torch.Tensor]]  # (owner, attribute, tensor), as ``named``
     training: list[tuple[torch.nn.Module, bool]]  # every submodule once, with its flag
     generators: list[torch.Generator]  # generators held as attributes
+    edges: list[tuple[torch.nn.Module, str, Any]]  # (module, child's name, child), each module once
 
 
 def _module_state(module: torch.nn.Module) -> _ModuleState:
@@ -355,6 +361,7 @@ def _module_state(module: torch.nn.Module) -> _ModuleState:
     attrs: list[tuple[str, torch.nn.Module, str, torch.Tensor]] = []
     training: list[tuple[torch.nn.Module, bool]] = []
     generators: list[torch.Generator] = []
+    edges: list[tuple[torch.nn.Module, str, Any]] = []
     visited: set[int] = set()
     sharded = _sharded_types()
     for prefix, m in module.named_modules(remove_duplicate=False):
@@ -367,6 +374,7 @@ def _module_state(module: torch.nn.Module) -> _ModuleState:
         visited.add(id(m))
         if first:
             training.append((m, m.training))
+            edges += [(m, k, c) for k, c in m._modules.items()]
         for key, value in vars(m).items():
             if isinstance(value, torch.Tensor) and not key.startswith("_"):
                 attrs.append((dot + key, m, key, value))
@@ -377,7 +385,24 @@ def _module_state(module: torch.nn.Module) -> _ModuleState:
     for name, owner, key, t in (*params, *buffers, *attrs):
         named[name] = t
         where[name] = (owner, key, t)
-    return _ModuleState(named, list(where.values()), training, generators)
+    return _ModuleState(named, list(where.values()), training, generators, edges)
+
+
+def _places_by_name(captured: Captured) -> list[list[tuple[torch.nn.Module, str, torch.Tensor]]]:
+    """``captured.places`` with each owner looked up again by its dotted name (a submodule was
+    replaced since the call); a name that no longer leads to a module keeps the call's owner."""
+    found = []
+    for (module, named), places in zip(captured.modules, captured.places):
+        now = []
+        for name, (owner, key, t) in zip(named, places):
+            prefix = name.rpartition(".")[0]
+            try:
+                owner = module.get_submodule(prefix) if prefix else module
+            except AttributeError:
+                pass
+            now.append((owner, key, t))
+        found.append(now)
+    return found
 
 
 def _refuse_sharded(m: torch.nn.Module, prefix: str) -> None:
@@ -438,7 +463,9 @@ class reparametrized:
     def __enter__(self) -> None:
         replace, swapped = self.replace, self.swapped
         try:
-            for places in self.captured.places:
+            captured = self.captured
+            unchanged = all(parent._modules.get(name) is child for parent, name, child in captured.edges)
+            for places in captured.places if unchanged else _places_by_name(captured):
                 for owner, key, t in places:
                     swapped.append((owner, key, _swap_tensor(owner, key, replace.get(id(t), t))))
         except BaseException:
