@@ -82,6 +82,7 @@ from ._internals import (
     maybe_get_level,
     peek_interpreter_stack,
     set_fwd_grad_enabled,
+    set_grad_enabled,
     set_single_level_function_allowed,
     single_level_function_allowed,
     storage_of,
@@ -368,17 +369,23 @@ def vjp(
     the recomputation outlives this call. ``None`` marks an input the outputs
     do not depend on.
     """
-    own = _own_vjp_here(region, primals, cotangents, needs, create_graph)
-    if own is not None:
-        return own
+    if type(region).own_vjp is not Region.own_vjp:  # (a loop's region; asked only where it may answer)
+        own = _own_vjp_here(region, primals, cotangents, needs, create_graph)
+        if own is not None:
+            return own
     wrt = [i for i, need in enumerate(needs) if need]
     if peek_interpreter_stack() is None:
         # Plain autograd: recompute and differentiate locally. Without
         # create_graph the recomputation starts from detached leaves; with it,
         # from aliases that stay connected to the primals' own graph, so the
         # result can be differentiated again.
-        with torch.enable_grad():
-            leaves = tuple(_local_leaf(p, i in wrt, create_graph) for i, p in enumerate(primals))
+        grad_was = torch.is_grad_enabled()
+        set_grad_enabled(True)  # torch.enable_grad() without its Python frames
+        try:
+            if create_graph:
+                leaves = tuple(_local_leaf(p, need, True) for p, need in zip(primals, needs))
+            else:
+                leaves = tuple(p.detach().requires_grad_(True) if need else p.detach() for p, need in zip(primals, needs))
             if _in_legacy_vmap():
                 with _outside_legacy_vmap():
                     outs = region.run(leaves, Phase.RECOMPUTE)
@@ -390,6 +397,8 @@ def vjp(
             grads = autograd_grad(
                 [o for o, _ in pairs], [leaves[i] for i in wrt], [c for _, c in pairs], create_graph
             )
+        finally:
+            set_grad_enabled(grad_was)
     else:
         # Under torch.func transforms: a fresh vjp level on top of the current stack.
         differentiable: list[bool] = []
