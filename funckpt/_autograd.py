@@ -47,6 +47,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import functools
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, cast
 
@@ -644,7 +645,9 @@ class _RematFunction(torch.autograd.Function):
             saved.append(alias)
         ctx.save_for_backward(*saved)
         # The versions saved with the check, to name a modified input if the check fails.
-        ctx.saved_versions = [(i, t, t._version) for i, t in enumerate(saved) if t is not None and t is flat[i]]
+        # Weakly: the context lives as long as the caller's graph (the loss keeps it), and a strong
+        # reference here would keep every block's input until then, past its own backward.
+        ctx.saved_versions = [(i, weakref.ref(t), t._version) for i, t in enumerate(saved) if t is not None and t is flat[i]]
         # Which inputs are duals: the jvp rule receives a zero tangent for every other
         # floating input (autograd materializes them), which must not become a dual.
         # Without a forward-mode level (torch.func.jvp's included) now, the jvp rule is
@@ -776,7 +779,8 @@ def _saved_primals(ctx: Any) -> Tensors:
         if "modified by an inplace operation" not in str(e):
             raise
         region: Region = ctx.region
-        changed = [region.describe_input(i, t) for i, t, v in ctx.saved_versions if _version(t) != v]
+        alive = [(i, ref(), v) for i, ref, v in ctx.saved_versions]
+        changed = [region.describe_input(i, t) for i, t, v in alive if t is not None and _version(t) != v]
         raise CheckpointError(
             f"remat({region.name}): {', '.join(changed) if changed else 'an input of the remat call'} was "
             "modified in place between the forward and the backward pass (an optimizer step, merging adapter "

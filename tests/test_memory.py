@@ -60,3 +60,23 @@ def test_between_forward_and_backward_vjp_keeps_only_block_inputs():
     # the last output (saved by the loss's square), and six RNG states.
     assert rematted <= 6 * activation + 6 * rng_state + 1024, (rematted, activation)
     assert rematted < 0.2 * plain
+
+
+def test_backward_peak_grows_with_depth_as_torch_checkpoints_does():
+    """During the backward pass each block's input is freed after its own backward, as under
+    torch.utils.checkpoint: a reference to it from the Function's context (which lives as long as
+    the caller's graph) kept one activation per block until the end, past its use."""
+    from torch.utils.checkpoint import checkpoint
+
+    def peak(depth, block_fn):
+        params = init_params(depth=depth, width=64)
+        leaves = [{k: v.clone().requires_grad_() for k, v in p.items()} for p in params]
+        return peak_bytes(lambda: loss_fn(leaves, X, block_fn).backward())
+
+    def torch_block(p, x):
+        return checkpoint(block, p, x, use_reentrant=False)
+
+    per_block_remat = (peak(8, remat(block)) - peak(4, remat(block))) / 4
+    per_block_torch = (peak(8, torch_block) - peak(4, torch_block)) / 4
+    activation = X.numel() * X.element_size()
+    assert per_block_remat <= per_block_torch + 0.1 * activation, (per_block_remat, per_block_torch, activation)
