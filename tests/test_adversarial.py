@@ -2344,3 +2344,17 @@ def test_plain_forward_mode_dual_that_does_not_require_grad_through_a_create_gra
             return primal.detach().clone(), tangent.detach().clone()
 
     torch.testing.assert_close(run(remat), run(lambda f: f))
+
+
+def test_forward_mode_vectorized_jacobian_of_inputs_requiring_grad():
+    """torch.autograd.functional.jacobian(strategy="forward-mode", vectorize=True): plain forward-mode
+    AD under autograd's legacy vmap, with inputs that require grad (pre-existing: a raw
+    "Batching rule not implemented for aten::_unpack_dual" from _jvp_here, also at 7266062)."""
+    x = torch.randn(3, dtype=torch.float64, generator=torch.Generator().manual_seed(0), requires_grad=True)
+
+    def f(x):
+        return x.sin() * x
+
+    expected = torch.autograd.functional.jacobian(f, x, vectorize=True, strategy="forward-mode")
+    got = torch.autograd.functional.jacobian(remat(f), x, vectorize=True, strategy="forward-mode")
+    assert_close(got, expected)
