@@ -579,9 +579,21 @@ def _jvp_here(region: Region, primals: Tensors, tangents: Tensors, with_tangent:
             # jvp region takes their primal parts (else applying it would ask for its own jvp).
             with set_fwd_grad_enabled(True):
                 primals = tuple(unpack_dual(p).primal for p in primals)
-                tangents = tuple(unpack_dual(t).primal for t in tangents)
+                tangents = tuple(_primal_part(t) for t in tangents)
         return apply(JvpRegion(region, len(primals), with_tangent), (*primals, *tangents))
     return JvpRegion(region, len(primals), with_tangent).run((*primals, *tangents), Phase.RECOMPUTE)
+
+
+def _primal_part(t: torch.Tensor) -> torch.Tensor:
+    """``unpack_dual(t).primal``; ``t`` itself under autograd's legacy vmap (a forward-mode jacobian
+    with ``vectorize=True``), where ``_unpack_dual`` has no batching rule and a batched tangent
+    is no dual."""
+    try:
+        return unpack_dual(t).primal
+    except RuntimeError:
+        if not _in_legacy_vmap():
+            raise
+        return t
 
 
 def _own_live_level(ctx: Any, kind: TransformType, tensors: Sequence[torch.Tensor]) -> Any:
