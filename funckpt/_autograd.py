@@ -692,6 +692,7 @@ class _RematFunction(torch.autograd.Function):
             grads = _vjp_here(region, primals, cotangents, needs)
             if not graph_task_keeps_graph():
                 region.release_kept()  # no second backward through this node: free them now
+                _forget_region(ctx)
             return (None, *grads)
         level = interpreter.level()
         lowered_p = tuple(unwrap_for_grad(p, level) for p in primals)
@@ -699,6 +700,8 @@ class _RematFunction(torch.autograd.Function):
         with interpreter.lower():
             grads = _vjp_here(region, lowered_p, lowered_c, needs)
         region.release_kept()  # this level's backward runs once
+        if not graph_task_keeps_graph():
+            _forget_region(ctx)
         wrapped = [None if g is None else wrap_for_grad(g, level) for g in grads]
         if torch.is_grad_enabled():
             wrapped = _guard_same_level(region, wrapped, primals)
@@ -782,6 +785,20 @@ def _nothing_records_below(flat: Tensors) -> bool:
         and not any(t.requires_grad for t in flat)
         and not has_torch_function(flat)
     )
+
+
+def _forget_region(ctx: Any) -> None:
+    """Drop what the context holds beyond its saved tensors, once its only backward has run.
+
+    The context lives as long as the caller's graph (the loss keeps it), through the rest of
+    the backward pass and after it; its saved tensors are freed by autograd after this node's
+    backward, but the region (the function, the tensors it reaches through its closure or a
+    partial, snapshots) and the inputs kept outside ``save_for_backward`` would stay alive
+    until then, where ``torch.utils.checkpoint`` frees them with its saved tensors. A second
+    backward through this node fails on the freed saved tensors before reaching either.
+    """
+    ctx.region = None
+    ctx.unsaved = {}
 
 
 def _saved_primals(ctx: Any) -> Tensors:
