@@ -804,6 +804,12 @@ def _forget_region(ctx: Any) -> None:
 def _saved_primals(ctx: Any) -> Tensors:
     try:
         saved = ctx.saved_tensors
+        if ctx.region is None:  # forgotten after its only backward (_forget_region), with nothing saved to fail on
+            raise RuntimeError(
+                "Trying to backward through the graph a second time (or directly access saved tensors after "
+                "they have already been freed). Specify retain_graph=True if you need to backward through "
+                "the graph a second time."
+            )
     except RuntimeError as e:
         if "modified by an inplace operation" not in str(e):
             raise
