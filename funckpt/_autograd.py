@@ -83,7 +83,9 @@ from ._internals import (
     maybe_get_level,
     peek_interpreter_stack,
     set_fwd_grad_enabled,
+    set_fwd_grad_mode,
     set_grad_enabled,
+    fwd_grad_enabled,
     set_single_level_function_allowed,
     single_level_function_allowed,
     storage_of,
@@ -751,8 +753,14 @@ class _RematAtLevel(SingleLevelFunction):  # type: ignore[misc]  # torch's priva
                 # The Function one level lower would make no node (no input requires grad
                 # there, no transform or dual below): its forward alone, as Function.apply
                 # runs it (grad and forward-mode AD off), without its setup_context.
-                with torch.no_grad(), set_fwd_grad_enabled(False):
+                grad_was, fwd_was = torch.is_grad_enabled(), fwd_grad_enabled()
+                set_grad_enabled(False)  # (no_grad and set_fwd_grad_enabled, without their Python objects)
+                set_fwd_grad_mode(False)
+                try:
                     outs = _RematFunction.forward(at.region, *unwrapped)
+                finally:
+                    set_fwd_grad_mode(fwd_was)
+                    set_grad_enabled(grad_was)
             else:
                 outs = apply(at.region, unwrapped)
         # An output that is an input, unwrapped, is returned as the input itself (as

@@ -74,6 +74,8 @@ __all__ = [
     "reparametrize_module",
     "parametrization_cache",
     "set_fwd_grad_enabled",
+    "fwd_grad_enabled",
+    "set_fwd_grad_mode",
     "sequence_nr",
     "set_grad_enabled",
     "skip_code",
@@ -202,6 +204,9 @@ def forward_ad_level() -> int:
 
 #: Turn forward-mode AD on or off for the body (a custom Function's forward runs with it off).
 set_fwd_grad_enabled = _fwAD._set_fwd_grad_enabled
+#: The same switch without its context object: read it, and set it (restore it yourself).
+fwd_grad_enabled: Callable[[], bool] = torch._C._is_fwd_grad_enabled
+set_fwd_grad_mode: Callable[[bool], None] = torch._C._set_fwd_grad_enabled
 
 
 #: ``forward_ad.unpack_dual``, typed: ``(primal, tangent)`` of ``t`` at the innermost dual level.
