@@ -698,17 +698,14 @@ class Substitute(OnThreadStack, TorchFunctionMode):
         out = func(*(args if swapped is None else swapped), **(kwargs or {}))
         # Every tensor made here is the run's own, whatever it becomes later: a leaf
         # made inside and then set to require grad (as HF T5 does) is not foreign.
+        # (One loop for a tensor and a tuple alike: on torch 2.11, Dynamo tracing this handler
+        # guards id(out) taken directly on the output's source, a fresh tensor, and fails.)
         made = None if compiling else self.made
-        if isinstance(out, torch.Tensor):
-            inside.add(id(out))
-            if made is not None and out.requires_grad:
-                made.append(weakref.ref(out))
-        elif isinstance(out, (tuple, list)):
-            for o in out:
-                if isinstance(o, torch.Tensor):
-                    inside.add(id(o))
-                    if made is not None and o.requires_grad:
-                        made.append(weakref.ref(o))
+        for o in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(o, torch.Tensor):
+                inside.add(id(o))
+                if made is not None and o.requires_grad:
+                    made.append(weakref.ref(o))
         return out
 
 
