@@ -1,0 +1,387 @@
+"""funckpt on more HuggingFace architectures than test_real_models.py covers.
+
+Mistral, Qwen2/3, Phi, Gemma/Gemma2, Falcon, GPT-NeoX, OPT, DistilBERT, RoBERTa,
+BART, mBART, Whisper and CLIP, each from a tiny random float64 config (nothing is
+downloaded), compared with the same model run without checkpointing:
+
+- HF's gradient checkpointing routed to ``funckpt.checkpoint`` (``use_reentrant``
+  True and False), train mode with dropout seeded alike, and eval mode;
+- ``funckpt.remat(layer)`` in each layer list, under ``.backward()`` and
+  ``torch.func.grad`` of ``functional_call``; ``vmap(grad)`` per-example gradients;
+- a frozen base with a few trainable matrices.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import os
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+transformers = pytest.importorskip("transformers")
+
+import optree  # noqa: E402
+import torch  # noqa: E402
+import torch.func as tf  # noqa: E402
+import torch.nn as nn  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch.testing import assert_close  # noqa: E402
+
+import funckpt  # noqa: E402
+
+transformers.logging.set_verbosity_error()
+C = transformers
+
+D = torch.float64
+V = 64
+B, S, T = 2, 8, 6
+H = 16
+
+pytestmark = [
+    pytest.mark.filterwarnings("ignore::FutureWarning:transformers.*"),
+    pytest.mark.filterwarnings("ignore:There is a performance drop:UserWarning"),
+    pytest.mark.filterwarnings("ignore::UserWarning:transformers.*"),
+]
+
+
+def ids(*shape):
+    return torch.randint(1, V, shape)
+
+
+common_dec = dict(vocab_size=V, hidden_size=H, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+                  max_position_embeddings=16, bos_token_id=0, eos_token_id=0, pad_token_id=0, use_cache=False)
+def _build_raw(name, p):
+    if name == "mistral":
+        m = C.MistralForCausalLM(C.MistralConfig(**common_dec, num_key_value_heads=1, attention_dropout=p, sliding_window=4))
+    elif name == "qwen2":
+        m = C.Qwen2ForCausalLM(C.Qwen2Config(**common_dec, num_key_value_heads=1, attention_dropout=p))
+    elif name == "qwen3":
+        m = C.Qwen3ForCausalLM(C.Qwen3Config(**common_dec, num_key_value_heads=1, head_dim=8, attention_dropout=p))
+    elif name == "phi":
+        m = C.PhiForCausalLM(C.PhiConfig(**common_dec, resid_pdrop=p, embd_pdrop=p, attention_dropout=p, partial_rotary_factor=0.5))
+    elif name == "gemma":
+        m = C.GemmaForCausalLM(C.GemmaConfig(**common_dec, num_key_value_heads=1, head_dim=8, attention_dropout=p))
+    elif name == "gemma2":
+        m = C.Gemma2ForCausalLM(C.Gemma2Config(**common_dec, num_key_value_heads=1, head_dim=8, attention_dropout=p, sliding_window=4))
+    elif name == "falcon":
+        m = C.FalconForCausalLM(C.FalconConfig(vocab_size=V, hidden_size=H, num_hidden_layers=2, num_attention_heads=2,
+            hidden_dropout=p, attention_dropout=p, bos_token_id=0, eos_token_id=0, use_cache=False, new_decoder_architecture=False, multi_query=True, alibi=False))
+    elif name == "gpt_neox":
+        m = C.GPTNeoXForCausalLM(C.GPTNeoXConfig(vocab_size=V, hidden_size=H, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+            max_position_embeddings=16, hidden_dropout=p, attention_dropout=p, bos_token_id=0, eos_token_id=0, use_cache=False))
+    elif name == "opt":
+        m = C.OPTForCausalLM(C.OPTConfig(vocab_size=V, hidden_size=H, ffn_dim=32, num_hidden_layers=2, num_attention_heads=2,
+            max_position_embeddings=16, word_embed_proj_dim=H, dropout=p, attention_dropout=p, activation_dropout=p, layerdrop=0.0,
+            bos_token_id=0, eos_token_id=0, pad_token_id=0, use_cache=False))
+    elif name == "distilbert":
+        m = C.DistilBertForSequenceClassification(C.DistilBertConfig(vocab_size=V, dim=H, hidden_dim=32, n_layers=2, n_heads=2,
+            max_position_embeddings=16, dropout=p, attention_dropout=p, seq_classif_dropout=p, num_labels=3, pad_token_id=0))
+    elif name == "roberta":
+        m = C.RobertaForSequenceClassification(C.RobertaConfig(vocab_size=V, hidden_size=H, intermediate_size=32, num_hidden_layers=2,
+            num_attention_heads=2, max_position_embeddings=20, hidden_dropout_prob=p, attention_probs_dropout_prob=p, num_labels=3, pad_token_id=0))
+    elif name == "bart":
+        m = C.BartForConditionalGeneration(C.BartConfig(vocab_size=V, d_model=H, encoder_ffn_dim=32, decoder_ffn_dim=32, encoder_layers=2, decoder_layers=2,
+            encoder_attention_heads=2, decoder_attention_heads=2, max_position_embeddings=16, dropout=p, attention_dropout=p, activation_dropout=p,
+            encoder_layerdrop=0.0, decoder_layerdrop=0.0, pad_token_id=0, bos_token_id=0, eos_token_id=1, decoder_start_token_id=0, use_cache=False))
+    elif name == "mbart":
+        m = C.MBartForConditionalGeneration(C.MBartConfig(vocab_size=V, d_model=H, encoder_ffn_dim=32, decoder_ffn_dim=32, encoder_layers=2, decoder_layers=2,
+            encoder_attention_heads=2, decoder_attention_heads=2, max_position_embeddings=16, dropout=p, attention_dropout=p, activation_dropout=p,
+            encoder_layerdrop=0.0, decoder_layerdrop=0.0, pad_token_id=0, bos_token_id=0, eos_token_id=1, decoder_start_token_id=0, use_cache=False))
+    elif name == "whisper":
+        m = C.WhisperForConditionalGeneration(C.WhisperConfig(vocab_size=V, num_mel_bins=4, d_model=H, encoder_ffn_dim=32, decoder_ffn_dim=32,
+            encoder_layers=2, decoder_layers=2, encoder_attention_heads=2, decoder_attention_heads=2, max_source_positions=4, max_target_positions=16,
+            dropout=p, attention_dropout=p, activation_dropout=p, encoder_layerdrop=0.0, decoder_layerdrop=0.0,
+            pad_token_id=0, bos_token_id=0, eos_token_id=1, decoder_start_token_id=0, use_cache=False))
+    elif name == "clip":
+        m = C.CLIPModel(C.CLIPConfig(text_config=dict(vocab_size=V, hidden_size=H, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+            max_position_embeddings=16, attention_dropout=p, pad_token_id=0, bos_token_id=0, eos_token_id=1),
+            vision_config=dict(hidden_size=H, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2, image_size=8, patch_size=4, attention_dropout=p),
+            projection_dim=8))
+    elif name == "t5":
+        m = C.T5ForConditionalGeneration(C.T5Config(vocab_size=V, d_model=H, d_kv=8, d_ff=32, num_layers=2, num_decoder_layers=2, num_heads=2,
+            relative_attention_num_buckets=8, relative_attention_max_distance=16, dropout_rate=p, decoder_start_token_id=0, pad_token_id=0, eos_token_id=1, use_cache=False))
+    return m.to(D)
+
+
+_CLASSES = {
+    "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "phi": "PhiForCausalLM",
+    "gemma": "GemmaForCausalLM", "gemma2": "Gemma2ForCausalLM", "falcon": "FalconForCausalLM",
+    "gpt_neox": "GPTNeoXForCausalLM", "opt": "OPTForCausalLM", "distilbert": "DistilBertForSequenceClassification",
+    "roberta": "RobertaForSequenceClassification", "bart": "BartForConditionalGeneration",
+    "mbart": "MBartForConditionalGeneration", "whisper": "WhisperForConditionalGeneration", "clip": "CLIPModel",
+    "t5": "T5ForConditionalGeneration",
+}
+
+
+def build(name, p):
+    if not hasattr(transformers, _CLASSES[name]):
+        pytest.skip(f"transformers {transformers.__version__} has no {_CLASSES[name]}")
+    return _build_raw(name, p)
+
+
+def _clm_loss(out, inp):
+    logits = out.logits[:, :-1]
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), inp["input_ids"][:, 1:].reshape(-1))
+
+
+_LABELS = torch.tensor([0, 2])
+
+
+def _cls_loss(out, inp):
+    return F.cross_entropy(out.logits, _LABELS)
+
+
+def _s2s_loss(out, inp):
+    return F.cross_entropy(out.logits.reshape(-1, out.logits.shape[-1]), inp["labels_"].reshape(-1))
+
+
+def _clip_loss(out, inp):
+    return out.logits_per_image.square().sum() + out.text_embeds.sum()
+
+
+def _masked():
+    mask = torch.ones(B, S, dtype=torch.long)
+    mask[1, -2:] = 0
+    return dict(input_ids=ids(B, S), attention_mask=mask)
+
+
+def _s2s():
+    return dict(input_ids=ids(B, S), decoder_input_ids=ids(B, T), labels_=ids(B, T))
+
+
+def _lm():
+    return dict(input_ids=ids(B, S))
+
+
+SPECS = {  # inputs, loss, layer lists
+    "mistral": (_lm, _clm_loss, lambda m: [m.model.layers]),
+    "qwen2": (_lm, _clm_loss, lambda m: [m.model.layers]),
+    "qwen3": (_lm, _clm_loss, lambda m: [m.model.layers]),
+    "phi": (_lm, _clm_loss, lambda m: [m.model.layers]),
+    "gemma": (_lm, _clm_loss, lambda m: [m.model.layers]),
+    "gemma2": (_lm, _clm_loss, lambda m: [m.model.layers]),
+    "falcon": (_lm, _clm_loss, lambda m: [m.transformer.h]),
+    "gpt_neox": (_lm, _clm_loss, lambda m: [m.gpt_neox.layers]),
+    "opt": (_lm, _clm_loss, lambda m: [m.model.decoder.layers]),
+    "distilbert": (_masked, _cls_loss, lambda m: [m.distilbert.transformer.layer]),
+    "roberta": (_masked, _cls_loss, lambda m: [m.roberta.encoder.layer]),
+    "bart": (_s2s, _s2s_loss, lambda m: [m.model.encoder.layers, m.model.decoder.layers]),
+    "mbart": (_s2s, _s2s_loss, lambda m: [m.model.encoder.layers, m.model.decoder.layers]),
+    "whisper": (
+        lambda: dict(input_features=torch.randn(B, 4, 8, dtype=D), decoder_input_ids=ids(B, T), labels_=ids(B, T)),
+        _s2s_loss,
+        lambda m: [m.model.encoder.layers, m.model.decoder.layers],
+    ),
+    "clip": (
+        lambda: dict(input_ids=ids(B, S), pixel_values=torch.randn(B, 3, 8, 8, dtype=D)),
+        _clip_loss,
+        lambda m: [m.text_model.encoder.layers, m.vision_model.encoder.layers],
+    ),
+}
+MODELS = list(SPECS)
+
+
+def _kw(inp):
+    return {k: v for k, v in inp.items() if not k.endswith("_")}
+
+
+def _grads(model):
+    return {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+
+
+def _backward(spec, model, inp, seed):
+    torch.manual_seed(seed)
+    spec[1](model(**_kw(inp)), inp).backward()
+    grads = _grads(model)
+    assert grads and all(g is not None for g in grads.values()), "a trainable parameter got no gradient"
+    return grads
+
+
+def _func_grad(spec, model, inp, params, seed):
+    torch.manual_seed(seed)
+    return tf.grad(lambda p: spec[1](tf.functional_call(model, p, (), _kw(inp)), inp))(params)
+
+
+def _hf_checkpointing(model, use_reentrant):
+    model.gradient_checkpointing_enable({"use_reentrant": use_reentrant})
+    calls = []
+
+    def routed(function, *args, **kwargs):
+        calls.append(function)
+        return funckpt.checkpoint(function, *args, **kwargs)
+
+    modules = [m for m in model.modules() if hasattr(m, "_gradient_checkpointing_func")]
+    assert modules, "HF set no checkpointing function"
+    for m in modules:
+        m._gradient_checkpointing_func = functools.partial(routed, use_reentrant=use_reentrant)
+    return calls
+
+
+def _remat_layers(spec, model):
+    for layers in spec[2](model):
+        for i in range(len(layers)):
+            layers[i] = funckpt.remat(layers[i])
+    return model
+
+
+def _setup(name, dropout=0.1):
+    spec = SPECS[name]
+    torch.manual_seed(0)
+    plain = build(name, dropout).train()
+    torch.manual_seed(1)
+    return spec, plain, copy.deepcopy(plain), spec[0]()
+
+
+@pytest.mark.parametrize("mode", ["train", "eval"])
+@pytest.mark.parametrize("use_reentrant", [False, True])
+@pytest.mark.parametrize("name", MODELS)
+def test_hf_checkpointing_backward(name, use_reentrant, mode):
+    spec, reference, model, inp = _setup(name)
+    calls = _hf_checkpointing(model, use_reentrant)
+    getattr(reference, mode)()
+    getattr(model, mode)()
+    expected = _backward(spec, reference, inp, 123)
+    got = _backward(spec, model, inp, 123)
+    assert len(calls) == (sum(len(layers) for layers in spec[2](model)) if mode == "train" else 0)
+    assert_close(got, expected)
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_hf_checkpointing_torch_func_grad(name):
+    spec, reference, model, inp = _setup(name)
+    calls = _hf_checkpointing(model, False)
+    model.disable_input_require_grads()
+    params = {n: p.detach() for n, p in reference.named_parameters()}
+    assert_close(_func_grad(spec, model, inp, params, 9), _func_grad(spec, reference, inp, params, 9))
+    assert calls
+
+
+@pytest.mark.parametrize("mode", ["train", "eval"])
+@pytest.mark.parametrize("name", MODELS)
+def test_remat_layers_backward_and_torch_func_grad(name, mode):
+    spec, reference, model, inp = _setup(name)
+    _remat_layers(spec, model)
+    getattr(reference, mode)()
+    getattr(model, mode)()
+    assert [n for n, _ in model.named_parameters()] == [n for n, _ in reference.named_parameters()]
+    assert_close(_backward(spec, model, inp, 5), _backward(spec, reference, inp, 5))
+    params = {n: p.detach() for n, p in reference.named_parameters()}
+    assert_close(_func_grad(spec, model, inp, params, 9), _func_grad(spec, reference, inp, params, 9))
+
+
+def _trainable(name):
+    return name.endswith((
+        "q_proj.weight", "v_proj.weight", "query.weight", "q_lin.weight", "dense_4h_to_h.weight", "fc2.weight",
+        "mlp.fc1.weight", "mlp.dense_h_to_4h.weight",
+    ))
+
+
+@pytest.mark.parametrize("how", ["hf-reentrant", "hf", "remat"])
+@pytest.mark.parametrize("name", MODELS)
+def test_frozen_base(name, how):
+    spec, reference, model, inp = _setup(name)
+    for m in (reference, model):
+        for n, p in m.named_parameters():
+            p.requires_grad_(_trainable(n))
+    assert 0 < sum(p.requires_grad for p in model.parameters()) < len(list(model.parameters()))
+    if how == "remat":
+        _remat_layers(spec, model)
+    else:
+        _hf_checkpointing(model, how == "hf-reentrant")
+    expected = _backward(spec, reference, inp, 3)
+    got = _backward(spec, model, inp, 3)
+    assert got.keys() == expected.keys()
+    assert_close(got, expected)
+    assert all(p.grad is None for p in model.parameters() if not p.requires_grad)
+    if how != "hf-reentrant":  # torch.func: the frozen weights are taken from the module
+        if how == "hf":
+            model.disable_input_require_grads()
+        trainable = {n: p.detach() for n, p in reference.named_parameters() if p.requires_grad}
+        assert_close(_func_grad(spec, model, inp, trainable, 9), _func_grad(spec, reference, inp, trainable, 9))
+
+
+@pytest.mark.parametrize("randomness", ["error", "different"])
+@pytest.mark.parametrize("how", ["hf", "remat"])
+@pytest.mark.parametrize("name", ["opt", "bart", "whisper"])
+def test_vmap_grad_per_example(name, how, randomness):
+    train = randomness != "error"
+    spec, reference, model, inp = _setup(name, 0.1 if train else 0.0)
+    if not train:
+        reference.eval()
+        model.eval()
+    if how == "remat":
+        _remat_layers(spec, model)
+    else:
+        _hf_checkpointing(model, False)
+        model.disable_input_require_grads()
+    params = {n: p.detach() for n, p in reference.named_parameters()}
+    keys = [k for k in _kw(inp) if k != "attention_mask"]
+
+    def per_example(m):
+        def loss(p, *xs):
+            return tf.functional_call(m, p, (), {k: x[None] for k, x in zip(keys, xs)}).logits.square().mean()
+
+        torch.manual_seed(4)
+        in_dims = (None,) + (0,) * len(keys)
+        return tf.vmap(tf.grad(loss), in_dims=in_dims, randomness=randomness)(params, *(inp[k] for k in keys))
+
+    assert_close(per_example(model), per_example(reference))
+
+
+# ---------------------------------------------------------------------------
+# Dropout on a non-contiguous tensor inside a remat'd call, under torch.func.grad
+# ---------------------------------------------------------------------------
+
+
+class _PermutedDropout(nn.Module):
+    # Whisper's encoder: conv features permuted to (batch, time, channels), plus the
+    # positions, then dropout on that non-contiguous sum.
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(2, 16, 4, dtype=D))
+        self.pos = nn.Parameter(torch.randn(4, 16, dtype=D))
+
+    def forward(self, x):
+        return F.dropout((x * self.w).permute(0, 2, 1) + self.pos, 0.5, training=True)
+
+
+def test_dropout_on_a_permuted_tensor_torch_func_grad():
+    """Under torch.func.grad, dropout's mask on a non-contiguous tensor differs from
+    the one drawn outside the transform (torch.func's wrapper tensors are laid out
+    contiguously, so the Bernoulli draws land on other elements). The un-remat'd
+    module under grad draws the transform's mask; remat must draw the same, as it
+    does under .backward()."""
+    torch.manual_seed(0)
+    module = _PermutedDropout()
+    wrapped = funckpt.remat(module)
+    x = torch.randn(2, 16, 4, dtype=D)
+    params = {n: p.detach() for n, p in module.named_parameters()}
+
+    def grads(m):
+        torch.manual_seed(0)
+        return tf.grad(lambda p: tf.functional_call(m, p, (x,)).square().sum())(params)
+
+    assert_close(grads(wrapped), grads(module))
+
+
+def test_whisper_remat_whole_encoder_torch_func_grad_with_dropout():
+    # the same as a user meets it: the whole Whisper encoder remat'd (its
+    # BaseModelOutput registered as a pytree node, as funckpt's error asks)
+    from transformers.modeling_outputs import BaseModelOutput
+
+    spec, reference, model, inp = _setup("whisper")
+    model.model.encoder = funckpt.remat(model.model.encoder)
+    optree.register_pytree_node(
+        BaseModelOutput,
+        lambda o: (tuple(o.values()), tuple(o.keys()), tuple(o.keys())),
+        lambda keys, values: BaseModelOutput(**dict(zip(keys, values))),
+        namespace="funckpt",
+    )
+    try:
+        assert_close(_backward(spec, model, inp, 5), _backward(spec, reference, inp, 5))
+        params = {n: p.detach() for n, p in reference.named_parameters()}
+        assert_close(_func_grad(spec, model, inp, params, 9), _func_grad(spec, reference, inp, params, 9))
+    finally:
+        optree.unregister_pytree_node(BaseModelOutput, namespace="funckpt")
