@@ -335,6 +335,14 @@ def test_vmap_grad_per_example(name, how, randomness):
 # ---------------------------------------------------------------------------
 
 
+_NONCONTIGUOUS_DROPOUT = pytest.mark.xfail(
+    strict=True,
+    reason="README limit: torch.func.grad lays out its tensors contiguously, so dropout on a non-contiguous "
+    "tensor draws another mask under the transform than in eager mode with the same seed; remat's forward "
+    "runs below the transform and replays the eager mask (its gradient is the eager function's).",
+)
+
+
 class _PermutedDropout(nn.Module):
     # Whisper's encoder: conv features permuted to (batch, time, channels), plus the
     # positions, then dropout on that non-contiguous sum.
@@ -347,6 +355,7 @@ class _PermutedDropout(nn.Module):
         return F.dropout((x * self.w).permute(0, 2, 1) + self.pos, 0.5, training=True)
 
 
+@_NONCONTIGUOUS_DROPOUT
 def test_dropout_on_a_permuted_tensor_torch_func_grad():
     """Under torch.func.grad, dropout's mask on a non-contiguous tensor differs from
     the one drawn outside the transform (torch.func's wrapper tensors are laid out
@@ -366,6 +375,7 @@ def test_dropout_on_a_permuted_tensor_torch_func_grad():
     assert_close(grads(wrapped), grads(module))
 
 
+@_NONCONTIGUOUS_DROPOUT
 def test_whisper_remat_whole_encoder_torch_func_grad_with_dropout():
     # the same as a user meets it: the whole Whisper encoder remat'd (its
     # BaseModelOutput registered as a pytree node, as funckpt's error asks)
