@@ -207,7 +207,6 @@ _RTOL = {
 }
 _RTOL_OTHER_FLOAT = 1e-1  # 8-bit floating-point types
 _CPU_RTOL = {torch.float32: _RTOL[torch.float32], torch.float64: _RTOL[torch.float64]}
-_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 
 
 class Digest:
@@ -261,7 +260,7 @@ def _digestible(t: torch.Tensor) -> bool:
 
 def _read_at_once(t: torch.Tensor) -> bool:
     """A plain float32 or float64 tensor on the CPU, with values: the common case, digested by :func:`_on_cpu`."""
-    return type(t) in _PLAIN_TENSORS and t.dtype in _CPU_RTOL and t.is_cpu and t.layout == torch.strided and t.numel() > 0
+    return t.dtype in _CPU_RTOL and t.is_cpu and _digestible(t)
 
 
 def _on_cpu(t: torch.Tensor) -> Digest:

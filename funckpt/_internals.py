@@ -71,7 +71,6 @@ __all__ = [
     "make_dual",
     "maybe_get_level",
     "peek_interpreter_stack",
-    "reparametrize_module",
     "parametrization_cache",
     "set_fwd_grad_enabled",
     "fwd_grad_enabled",
@@ -316,10 +315,6 @@ def legacy_vmap_increment() -> None:
 
 
 # ------------------------------------------------------------ modules
-#: Swap a module's tensors for others for the body, as torch.func.functional_call does
-#: (torch >= 2.0; the ``stack_weights`` argument since 2.1).
-from torch.nn.utils.stateless import _reparametrize_module as reparametrize_module  # noqa: E402, F401
-
 import torch.nn.utils.parametrize as _parametrize  # noqa: E402
 
 
@@ -378,8 +373,6 @@ def compiler_disable(reason: str) -> Callable[[_F], _F]:
         return cast(_F, eager_unless_compiling)
 
     return decorate
-
-
 
 
 #: ``StorageWeakRef(storage)``, typed: a weak, hashable handle on a storage (equal for the same storage).

@@ -127,8 +127,4 @@ class replay:
     def __exit__(self, *exc: Any) -> None:
         saved, self.saved = self.saved, None
         assert saved is not None
-        _CPU.set_state(saved.cpu)
-        for d, s in saved.devices.items():
-            _set_state(d, s)
-        for g, s in saved.explicit:
-            g.set_state(s)
+        restore(saved)
