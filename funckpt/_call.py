@@ -183,17 +183,19 @@ def _in_place_error(name: str) -> CheckpointError:
     )
 
 
-def _substituted(tensors: list[torch.Tensor], substitute: Any) -> list[torch.Tensor]:
+def _substituted(tensors: list[torch.Tensor], substitute: Substitute | None) -> list[torch.Tensor]:
     """``fn``'s output tensors, with a captured tensor it returns untouched replaced as its uses are.
 
     The substitution mode swaps captured tensors only where an operator receives them;
     one returned as it is (``lambda: y`` with ``y`` a closure cell) would otherwise
     leave the region as the caller's own tensor, outside the region's graph.
     """
-    mapping = substitute.mapping if substitute is not None else None
-    if not mapping:
+    if substitute is None or not substitute.mapping:
         return tensors
-    return [mapping.get(id(t), t) for t in tensors]
+    swapped = [substitute.mapping.get(id(t), t) for t in tensors]
+    if any(s is not t for s, t in zip(swapped, tensors)):
+        substitute.hit = True
+    return swapped
 
 
 def _container_snapshot(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, list[Any]] | None:
@@ -344,7 +346,13 @@ class _Running:
             else:
                 for context in region._replays():
                     self._enter(context)
-            substitute = Substitute(mapping, flat, forward, region.name, first_node) if forward or mapping else None
+            # A recomputation substitutes only where the forward run showed it must (see
+            # UserRegion._substitutes_again): modules' own tensors are in their places already.
+            substitute = (
+                Substitute(mapping, flat, forward, region.name, first_node)
+                if forward or (mapping and region.substitutes_again)
+                else None
+            )
             if substitute is not None:
                 self._enter(substitute)
             for mode in self.modes:
@@ -420,6 +428,8 @@ class UserRegion(Region):
         self.autocast: Sequence[_autocast.AutocastState] = _autocast.OFF
         self.generators = [] if argspec.dynamic.plain else [leaf for leaf in argspec.dynamic.leaves if isinstance(leaf, torch.Generator)]
         self.generators += captured.generators
+        # Does a recomputation need the substitution mode (set by the forward run)?
+        self.substitutes_again = True
 
     def _user_context(self, forward: bool) -> Any:
         """``context_fn``'s first context for the forward run, its second for a recomputation.
@@ -815,7 +825,30 @@ class UserRegion(Region):
         if self._compares_values():
             self.out_digest = digest(tensors)
         self.forward_trace = run.trace.lines if run.trace is not None else None
+        self.substitutes_again = self._substitutes_again(substitute)
         return tuple(tensors)
+
+    #: A region whose recomputation reaches its captured tensors as the forward run did
+    #: (a loop's reversal runs its steps through other paths: it always substitutes).
+    recomputes_like_forward = True
+
+    def _substitutes_again(self, substitute: Substitute) -> bool:
+        """Must a recomputation run under the substitution mode, or do the modules' places suffice?
+
+        The mode costs a Python call per operator. A recomputation needs it only where
+        ``fn`` reaches a captured tensor itself rather than through the module place that
+        reparametrization fills (a closure, a global, a hook's closure, a list the module
+        keeps). The forward run saw every such use as a swap (``substitute.hit``), provided
+        each differentiable captured tensor had a substitute there. Where it had not, and
+        where an input is restored from a snapshot, the mode stays.
+        """
+        if substitute.hit or not self.recomputes_like_forward:
+            return True
+        mapping = substitute.mapping
+        for t, i in zip(self.captured.tensors, self.captured_index):
+            if i in self.snapshots or (self.differentiable[i] and id(t) not in mapping):
+                return True
+        return False
 
     def _capture_state(self, flat: tuple[torch.Tensor, ...]) -> None:
         """Record the state a recomputation replays: autocast, the generators, the default device."""

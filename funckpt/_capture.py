@@ -549,7 +549,7 @@ def _global_names(code: types.CodeType) -> tuple[str, ...]:
 
 class _Active(threading.local):
     def __init__(self) -> None:
-        self.maps: list[dict[int, torch.Tensor]] = []
+        self.substitutes: list[Substitute] = []  # the substitutions of the runs we are inside, innermost last
 
 
 _active = _Active()
@@ -562,8 +562,12 @@ def route_through_enclosing(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     remat nested inside another region's function would otherwise receive the
     outer region's *original* captured tensors instead of its substitutes.
     """
-    for mapping in reversed(_active.maps):
-        tensors = [mapping.get(id(t), t) for t in tensors]
+    for substitute in reversed(_active.substitutes):
+        mapping = substitute.mapping
+        routed = [mapping.get(id(t), t) for t in tensors]
+        if any(r is not t for r, t in zip(routed, tensors)):
+            substitute.hit = True
+        tensors = routed
     return tensors
 
 
@@ -607,12 +611,15 @@ class Substitute(OnThreadStack, TorchFunctionMode):
         # Weak references to the tensors the run made that require grad (the forward run under
         # plain autograd only): any still alive once the run's local graph is dropped escaped it.
         self.made: list[weakref.ref[torch.Tensor]] | None = None
+        # Did the run receive a captured tensor itself, not through a module's place (where
+        # reparametrization put its substitute already)? A recomputation needs this mode only if so.
+        self.hit = False
 
     def _thread_stack(self) -> list[Any]:
-        return _active.maps
+        return _active.substitutes
 
     def _stack_item(self) -> Any:
-        return self.mapping
+        return self
 
     def _swap(self, value: Any, used: set[int] | None) -> Any:
         """``value`` with captured tensors replaced; the inputs it passes are added to ``used``."""
@@ -620,6 +627,7 @@ class Substitute(OnThreadStack, TorchFunctionMode):
             key = id(value)
             replacement = self.mapping.get(key)
             if replacement is not None:
+                self.hit = True
                 if used is not None:
                     used.add(id(replacement))
                 return replacement
@@ -672,6 +680,7 @@ class Substitute(OnThreadStack, TorchFunctionMode):
                 key = id(a)
                 replacement = mapping.get(key) if mapping else None
                 if replacement is not None:
+                    self.hit = True
                     if used is not None:
                         used.add(id(replacement))
                     if swapped is None:

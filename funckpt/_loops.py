@@ -421,6 +421,8 @@ class _State:
 class LoopRegion(UserRegion):
     """A checkpointed loop as one region: ``(init, xs) -> (carry, ys)``, reversed step by step."""
 
+    recomputes_like_forward = False  # its reversal runs steps in other orders and contexts
+
     def __init__(self, loop: Loop, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.loop = loop

@@ -527,6 +527,131 @@ def test_scan_step_module_with_a_hook_closing_over_its_parameter():
     assert_close(_backward_grads(lambda: scan(step, X, xs)[0], params), expected)
 
 
+class _ListNet(torch.nn.Module):
+    """Reads its parameter from a plain list it keeps (not registered, not walked)."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(4, 4, dtype=D, generator=torch.Generator().manual_seed(6)))
+        self._ws = [self.w]
+
+    def forward(self, x):
+        return torch.tanh(x @ self._ws[0]) + x @ self.w
+
+
+class _ReturnsItsWeight(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(4, 4, dtype=D, generator=torch.Generator().manual_seed(7)))
+
+    def forward(self, x):
+        return torch.tanh(x @ self.w), self.w
+
+
+def _nested_hidden():
+    """An outer module whose function calls a remat'd closure over the outer's own weight."""
+    lin = torch.nn.Linear(4, 4, dtype=D)
+    w = lin.weight
+    inner = remat(lambda h: torch.sin(h @ w))
+    lin.register_forward_hook(lambda m, i, o: inner(o))
+    return lin
+
+
+_HIDDEN = {
+    "hook closure": lambda: _hooked_linear(),
+    "private list": lambda: _ListNet(),
+    "returns its weight": lambda: _ReturnsItsWeight(),
+    "nested remat over a closure": lambda: _nested_hidden(),
+    "places only": lambda: _mlp(),
+}
+
+
+def _loss_of(out):
+    outs = out if isinstance(out, tuple) else (out,)
+    return sum((o * o).sum() for o in outs)
+
+
+@pytest.mark.parametrize("route", [".backward()", "double backward", "grad", "vmap(grad)", "jvp(grad)"])
+@pytest.mark.parametrize("case", sorted(_HIDDEN))
+def test_modules_own_tensors_reached_other_ways_get_their_gradient(case, route):
+    """Whichever way a module reaches its own tensors, and under every route, the recomputation
+    gives them the gradient the plain module does (it keeps the substitution mode where the
+    forward run saw a tensor reached other than through its module place). Under torch.func
+    the gradient is the input's: functional_call would replace the attribute, not the tensor
+    a closure or list holds, with or without remat."""
+    net = _HIDDEN[case]()
+    params = list(net.parameters())
+
+    def of_x(m):
+        return lambda x: _loss_of(m(x))
+
+    if route == ".backward()":
+        got = _backward_grads(lambda: _loss_of(remat(net)(X)).reshape(1), params)
+        expected = _backward_grads(lambda: _loss_of(net(X)).reshape(1), params)
+    elif route == "double backward":
+        def gnorm(m):
+            x = X.clone().requires_grad_()
+            (g,) = torch.autograd.grad(_loss_of(m(x)), x, create_graph=True)
+            return torch.autograd.grad(g.square().sum(), params)
+
+        got, expected = gnorm(remat(net)), gnorm(net)
+    elif route == "grad":
+        got, expected = tf.grad(of_x(remat(net)))(X), tf.grad(of_x(net))(X)
+    elif route == "vmap(grad)":
+        got, expected = tf.vmap(tf.grad(of_x(remat(net))))(X), tf.vmap(tf.grad(of_x(net)))(X)
+    else:
+        t = torch.ones_like(X)
+        got = tf.jvp(tf.grad(of_x(remat(net))), (X,), (t,))
+        expected = tf.jvp(tf.grad(of_x(net)), (X,), (t,))
+    assert_close(got, expected)
+
+
+def test_functional_call_of_a_module_reaching_its_places_only_under_every_transform():
+    net = _mlp()
+    params = {k: v.detach() for k, v in net.named_parameters()}
+
+    def loss(p, x, m):
+        return _loss_of(tf.functional_call(m, p, (x,)))
+
+    assert_close(tf.grad(loss)(params, X, remat(net)), tf.grad(loss)(params, X, net))
+    xs = X.unsqueeze(1)
+    per_example = tf.vmap(tf.grad(loss), in_dims=(None, 0, None))
+    assert_close(per_example(params, xs, remat(net)), per_example(params, xs, net))
+    hess = tf.jacrev(tf.grad(loss, argnums=1), argnums=1)
+    assert_close(hess(params, X, remat(net)), hess(params, X, net))
+
+
+def _substitution_calls_in_backward(net, monkeypatch):
+    from funckpt import _capture
+
+    calls = []
+    handler = _capture.Substitute.__torch_function__
+
+    def counting(self, func, types, args=(), kwargs=None):
+        calls.append(self.forward)
+        return handler(self, func, types, args, kwargs)
+
+    monkeypatch.setattr(_capture.Substitute, "__torch_function__", counting)
+    x = X.clone().requires_grad_()
+    out = remat(net)(x)
+    forward_calls = len(calls)
+    _loss_of(out).backward()
+    return forward_calls, calls[forward_calls:]
+
+
+def test_module_reached_through_its_places_recomputes_without_the_substitution_mode(monkeypatch):
+    """The mode costs a Python call per operator; the recomputation of a module that reaches its
+    tensors only through its attributes needs none (reparametrization fills those places)."""
+    forward_calls, backward_calls = _substitution_calls_in_backward(_mlp(), monkeypatch)
+    assert forward_calls > 0  # the forward run checks every operator
+    assert backward_calls == []
+
+
+def test_module_reaching_its_weight_through_a_closure_recomputes_under_the_substitution_mode(monkeypatch):
+    _, backward_calls = _substitution_calls_in_backward(_hooked_linear(), monkeypatch)
+    assert backward_calls and not any(backward_calls)  # the recomputation's own mode
+
+
 def test_submodule_replaced_between_forward_and_backward():
     """The recomputation uses the tensors of the call under the names of the call, as
     functional_call would: the parameters the forward pass used get the gradient."""

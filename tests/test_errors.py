@@ -96,7 +96,7 @@ def _global_state():
         torch._C._len_torch_function_stack(),
         _get_current_dispatch_mode(),
         torch._C._functorch.peek_interpreter_stack(),
-        list(_capture._active.maps),
+        list(_capture._active.substitutes),
     )
 
 
