@@ -37,6 +37,7 @@ from ._capture import (
     differentiable_input,
     find_captured,
     has_tangent,
+    is_generator,
     local_graph_leaves,
     next_sequence_nr,
     reparametrized,
@@ -426,7 +427,7 @@ class UserRegion(Region):
         self.saved = None if policy is None or policy is nothing_saveable else Saved(policy, name)
         self._recompute_context: Any = None
         self.autocast: Sequence[_autocast.AutocastState] = _autocast.OFF
-        self.generators = [] if argspec.dynamic.plain else [leaf for leaf in argspec.dynamic.leaves if isinstance(leaf, torch.Generator)]
+        self.generators = [] if argspec.dynamic.plain else [leaf for leaf in argspec.dynamic.leaves if is_generator(leaf)]
         self.generators += captured.generators
         # Does a recomputation need the substitution mode (set by the forward run)?
         self.substitutes_again = True

@@ -75,6 +75,21 @@ _MAX_ITEMS = 10_000
 _MAX_CONTAINER = 1_000
 
 
+#: Types of the attributes a walk meets most (a module's flags, dicts, names): never a generator.
+_NEVER_GENERATORS = frozenset({bool, int, float, str, dict, list, tuple, set, type(None), collections.OrderedDict})
+
+
+def is_generator(obj: object) -> bool:
+    """``isinstance(obj, torch.Generator)``, answered without it for the common types.
+
+    ``torch.Generator``'s metaclass implements ``isinstance`` in Python on recent
+    torch (several times the cost of a type test); the capture walk asks it of
+    every attribute of every module on each call.
+    """
+    kind = type(obj)
+    return kind is torch.Generator or (kind not in _NEVER_GENERATORS and isinstance(obj, torch.Generator))
+
+
 @dataclass
 class Captured:
     """What :func:`find_captured` found: tensors, and the modules holding some of them."""
@@ -155,7 +170,7 @@ def find_captured(fn: Callable[..., Any] | tuple[Any, ...], modules_too: bool = 
         if isinstance(obj, torch.Tensor):
             found.setdefault(id(obj), obj)
             return True
-        if isinstance(obj, torch.Generator):
+        if is_generator(obj):
             generators.setdefault(id(obj), obj)
             return True
         return isinstance(obj, (str, bytes, int, float))
@@ -378,7 +393,7 @@ def _module_state(module: torch.nn.Module) -> _ModuleState:
         for key, value in vars(m).items():
             if isinstance(value, torch.Tensor) and not key.startswith("_"):
                 attrs.append((dot + key, m, key, value))
-            elif first and isinstance(value, torch.Generator):
+            elif first and is_generator(value):
                 generators.append(value)
     named: dict[str, torch.Tensor] = {}
     where: dict[str, tuple[torch.nn.Module, str, torch.Tensor]] = {}
