@@ -216,15 +216,20 @@ class Digest:
     ``vector_norm`` are vectorised and many times faster there than a Welford
     ``std_mean``: 15 against 200 us for 64x1024 floats) and read into ``values``
     at once (reading costs no synchronisation there, and the comparison is then
-    plain Python). On an accelerator one ``std_mean`` kernel keeps ``[std, mean]``
+    plain Python). On an accelerator one ``std_mean`` kernel keeps ``(std, mean)``
     on the device as ``stats`` (one launch, no synchronisation) until the
-    comparison reads them and turns them into the sum and norm.
+    comparison reads them, every pending digest of a device at once, and turns
+    them into the sum and norm.
     """
 
     __slots__ = ("numel", "rtol", "stats", "values")
 
     def __init__(
-        self, stats: torch.Tensor | None, numel: int, rtol: float, values: tuple[float, float] | None = None
+        self,
+        stats: tuple[torch.Tensor, torch.Tensor] | None,
+        numel: int,
+        rtol: float,
+        values: tuple[float, float] | None = None,
     ) -> None:
         self.stats, self.numel, self.rtol, self.values = stats, numel, rtol, values
 
@@ -237,15 +242,15 @@ class Digest:
         if self.values is not None:
             return self.values
         assert self.stats is not None
-        first, second = (float(n) for n in self.stats.tolist())
-        return (first, second) if self.stats.is_cpu else self.from_stats(first, second)
+        first, second = (float(n) for n in torch.stack(self.stats).tolist())
+        return (first, second) if self.stats[0].is_cpu else self.from_stats(first, second)
 
     def comparable(self, other: Digest) -> bool:
         """Taken of as many values, in the same place (both on the CPU, read or not, or both on one device)?"""
         return self.numel == other.numel and self._place() == other._place()
 
     def _place(self) -> torch.device:
-        return torch.device("cpu") if self.stats is None else self.stats.device
+        return torch.device("cpu") if self.stats is None else self.stats[0].device
 
 
 def _digestible(t: torch.Tensor) -> bool:
@@ -283,12 +288,12 @@ def _one(b: torch.Tensor) -> Digest:
     elif exact:  # integers and booleans
         v = v.to(torch.float64)
     if not b.is_cpu:
-        return Digest(torch.stack(torch.std_mean(v, correction=0)), numel, rtol)
+        return Digest(torch.std_mean(v, correction=0), numel, rtol)
     # Read now, unless a dispatch mode traces this run (linearize's make_fx): reading
     # a traced value would be a data-dependent operation. Such a digest is taken in
     # float64: it cannot be looked at to see whether float32 overflowed (below).
     if DEFER_ON_CPU or dispatch_modes_active():
-        return Digest(torch.stack(_sum_and_norm(v, torch.float64)), numel, rtol)
+        return Digest(_sum_and_norm(v, torch.float64), numel, rtol)
     acc = v.dtype if v.dtype in (torch.float64, torch.float32) else torch.float32
     total, norm = (n.item() for n in _sum_and_norm(v, acc))
     if acc is not torch.float64 and not (math.isfinite(total) and math.isfinite(norm)):
@@ -342,19 +347,23 @@ def _differing(forward: Sequence[Digest | None], recomputed: Sequence[Digest | N
     if not pairs:
         return []
     # Digests not read yet (on an accelerator, or taken while a dispatch mode traced) are read at once.
-    unread = [d.stats for _, a, b in pairs for d in (a, b) if d.values is None and d.stats is not None]
-    read: list[float] = []
-    if unread:
-        with torch.no_grad(), DisableFuncTorch():
-            read = torch.cat(unread).cpu().tolist()
-    numbers = iter(read)
+    # One read per device (a host synchronisation on an accelerator), of every statistic pending there.
+    on: dict[torch.device, list[torch.Tensor]] = {}
+    for _, a, b in pairs:
+        for d in (a, b):
+            if d.values is None and d.stats is not None:
+                on.setdefault(d.stats[0].device, []).extend(d.stats)
+    read: dict[int, float] = {}
+    with torch.no_grad(), DisableFuncTorch():
+        for stats in on.values():
+            read.update(zip(map(id, stats), torch.stack(stats).cpu().tolist()))
 
     def sum_and_norm(d: Digest) -> tuple[float, float]:
         if d.values is not None:
             return d.values
-        first, second = float(next(numbers)), float(next(numbers))
         assert d.stats is not None
-        return (first, second) if d.stats.is_cpu else d.from_stats(first, second)
+        first, second = (float(read[id(s)]) for s in d.stats)
+        return (first, second) if d.stats[0].is_cpu else d.from_stats(first, second)
 
     return [i for i, a, b in pairs if not _agree(a, sum_and_norm(a), sum_and_norm(b))]
 
@@ -396,7 +405,7 @@ def check_same_values(
         _compare(name, forward, recomputed, traces)
         return
     task = current_graph_task_id()
-    on_device = any(d is not None and d.stats is not None and d.stats.device.type != "cpu" for d in (*forward, *recomputed))
+    on_device = any(d is not None and d.stats is not None and not d.stats[0].is_cpu for d in (*forward, *recomputed))
     if task >= 0 and (on_device or DEFER_ON_CPU):
         with _deferred_lock:
             _deferred.setdefault(task, []).append((name, forward, recomputed, traces))

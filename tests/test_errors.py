@@ -293,6 +293,37 @@ def test_deferred_value_check_raises_at_the_end_of_the_backward(monkeypatch, tra
     assert _errors._deferred == {}
 
 
+@pytest.mark.parametrize("changed", [None, 0, 1, 2])
+def test_deferred_value_check_of_outputs_of_several_dtypes(monkeypatch, changed):
+    """The deferred comparison reads every pending digest of a device at once, whatever their
+    dtypes; it names the output that changed, and raises nothing where none did."""
+    from funckpt import _errors
+
+    monkeypatch.setattr(_errors, "DEFER_ON_CPU", True)
+    calls = []
+
+    def f(x):
+        calls.append(1)
+        outs = [x.sin(), x.cos().float(), (x * 3).to(torch.bfloat16)]
+        if changed is not None and len(calls) % 2 == 0:
+            outs[changed] = outs[changed] * 2
+        return tuple(outs)
+
+    def loss(g, x):
+        return sum(o.double().sum() for o in g(x))
+
+    x = X.clone().requires_grad_()
+    if changed is None:
+        loss(remat(f), x).backward()
+        x_ref = X.clone().requires_grad_()
+        loss(f, x_ref).backward()
+        assert_close(x.grad, x_ref.grad)
+    else:
+        with pytest.raises(CheckpointError, match=f"output tensor {changed} has other values"):
+            loss(remat(f), x).backward()
+    assert _errors._deferred == {}
+
+
 @pytest.mark.parametrize("defer", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_value_check_sees_a_change_in_values_whose_squares_overflow_float32(monkeypatch, dtype, defer):
