@@ -75,8 +75,9 @@ _MAX_ITEMS = 10_000
 _MAX_CONTAINER = 1_000
 
 
-#: Types of the attributes a walk meets most (a module's flags, dicts, names): never a generator.
-_NEVER_GENERATORS = frozenset({bool, int, float, str, dict, list, tuple, set, type(None), collections.OrderedDict})
+#: Types of the attributes a walk meets most (a module's flags, hook dicts, sizes, names):
+#: never a tensor or a generator.
+_PLAIN_TYPES = frozenset({bool, int, float, str, dict, list, tuple, set, type(None), collections.OrderedDict})
 
 
 def is_generator(obj: object) -> bool:
@@ -87,7 +88,7 @@ def is_generator(obj: object) -> bool:
     every attribute of every module on each call.
     """
     kind = type(obj)
-    return kind is torch.Generator or (kind not in _NEVER_GENERATORS and isinstance(obj, torch.Generator))
+    return kind is torch.Generator or (kind not in _PLAIN_TYPES and isinstance(obj, torch.Generator))
 
 
 @dataclass
@@ -391,8 +392,11 @@ def _module_state(module: torch.nn.Module) -> _ModuleState:
             training.append((m, m.training))
             edges += [(m, k, c) for k, c in m._modules.items()]
         for key, value in vars(m).items():
-            if isinstance(value, torch.Tensor) and not key.startswith("_"):
-                attrs.append((dot + key, m, key, value))
+            if type(value) in _PLAIN_TYPES:  # most of a module's attributes
+                continue
+            if isinstance(value, torch.Tensor):
+                if not key.startswith("_"):
+                    attrs.append((dot + key, m, key, value))
             elif first and is_generator(value):
                 generators.append(value)
     named: dict[str, torch.Tensor] = {}
