@@ -160,6 +160,10 @@ def find_captured(fn: Callable[..., Any] | tuple[Any, ...], modules_too: bool = 
     """
     if type(fn) is types.FunctionType and _reaches_nothing(fn):
         return _NOTHING  # what the walk below finds for such a function, without its set-up
+    if not modules_too and isinstance(fn, torch.nn.Module):
+        forward = type(fn).forward
+        if type(forward) is types.FunctionType and _reaches_nothing(forward):
+            return _NOTHING  # the walk would look at the forward's code only, and find nothing
     found: dict[int, torch.Tensor] = {}
     generators: dict[int, torch.Generator] = {}
     modules: list[tuple[torch.nn.Module, dict[str, torch.Tensor]]] = []
@@ -235,7 +239,8 @@ _NOTHING = Captured()  # shared: nothing changes a Captured once found
 
 
 def _reaches_nothing(fn: types.FunctionType) -> bool:
-    """A function with no closure, defaults or global other than modules and classes (or library code).
+    """A function with no closure, defaults or global other than modules, classes, numbers and strings
+    (or library code).
 
     The walk of :func:`find_captured` stops at once for it; this asks the same
     questions in the same order, so the answer is the same (a global rebound to a
@@ -248,7 +253,7 @@ def _reaches_nothing(fn: types.FunctionType) -> bool:
     namespace = fn.__globals__
     for name in _global_names(fn.__code__):
         value = namespace.get(name, _MISSING)
-        if value is not _MISSING and not isinstance(value, (types.ModuleType, type)):
+        if value is not _MISSING and not isinstance(value, (types.ModuleType, type, str, bytes, int, float)):
             return False
     return True
 

@@ -153,6 +153,34 @@ def test_closure_cell_rebound_between_forward_and_backward_raises():
         y.sum().backward()
 
 
+SCALE = 2.0  # a number the module below reads as a global: nothing to route
+MODULE_GLOBAL_W = torch.randn(4, 4, dtype=D, generator=torch.Generator().manual_seed(8)).requires_grad_()
+
+
+class _ReadsGlobals(torch.nn.Module):
+    def forward(self, x):
+        return torch.tanh(x @ MODULE_GLOBAL_W) * SCALE
+
+
+def test_global_of_a_modules_forward_rebound_between_forward_and_backward_raises():
+    global MODULE_GLOBAL_W
+    before = MODULE_GLOBAL_W
+    y = remat(_ReadsGlobals())(X)
+    MODULE_GLOBAL_W = torch.randn(4, 4, dtype=D, requires_grad=True)
+    try:
+        with pytest.raises(CheckpointError, match="was rebound"):
+            y.sum().backward()
+    finally:
+        MODULE_GLOBAL_W = before
+
+
+def test_global_number_of_a_modules_forward_is_no_capture():
+    net = _ReadsGlobals()
+    y = remat(net)(X)
+    expected = torch.autograd.grad(net(X).sum(), MODULE_GLOBAL_W)
+    assert_close(torch.autograd.grad(y.sum(), MODULE_GLOBAL_W), expected)
+
+
 def test_constant_captured_tensors_and_integer_inputs_get_no_gradient():
     mask = torch.tensor([True, False, True, True])
     idx = torch.tensor([2, 0, 1])
