@@ -24,6 +24,7 @@ from torch._C._dynamo.eval_frame import get_eval_frame_callback as eval_frame_ca
 from torch.multiprocessing.reductions import StorageWeakRef
 
 __all__ = [
+    "torch_pytree_node",
     "torch_function_mode_enabled",
     "has_gradient_dtype",
     "register_tensor_hook",
@@ -328,6 +329,18 @@ def parametrization_cache() -> dict[Any, torch.Tensor] | None:
 def fsdp2_training_state(module: Any) -> str:
     """FSDP2's training state of a sharded module (``FORWARD``, ``PRE_BACKWARD``, ...)."""
     return str(module._get_fsdp_state()._training_state.name)
+
+
+# ------------------------------------------------------------ pytrees
+import torch.utils._pytree as _torch_pytree  # noqa: E402
+
+
+def torch_pytree_node(kind: type) -> tuple[Callable[[Any], tuple[list[Any], Any]], Callable[[Any, Any], Any]] | None:
+    """How torch's own pytree flattens and rebuilds ``kind`` (``flatten(obj) -> (children, context)``,
+    ``unflatten(children, context)``), if a library registered it there (transformers' ``ModelOutput``
+    classes, for one); ``None`` otherwise. (``SUPPORTED_NODES``: torch >= 2.0.)"""
+    node = _torch_pytree.SUPPORTED_NODES.get(kind)
+    return None if node is None else (node.flatten_fn, node.unflatten_fn)
 
 
 # ------------------------------------------------------------ torch.compile

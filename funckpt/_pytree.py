@@ -11,6 +11,10 @@ Custom containers become pytree nodes when registered with optree, either
 globally or, following torchopt's convention, in funckpt's namespace::
 
     optree.register_pytree_node(MyType, flatten_fn, unflatten_fn, namespace="funckpt")
+
+A type registered with torch's own pytree only (transformers' ``ModelOutput``
+classes) is registered in funckpt's namespace, with torch's functions, the first
+time it appears.
 """
 
 from __future__ import annotations
@@ -23,6 +27,8 @@ from typing import Any
 
 import optree
 import torch
+
+from ._internals import torch_pytree_node
 
 NAMESPACE = "funckpt"  # optree resolves this namespace and the global registry
 
@@ -97,6 +103,8 @@ def flatten(tree: Any) -> tuple[list[torch.Tensor], TreeSlots]:
 
 def _flatten(tree: Any) -> tuple[list[torch.Tensor], TreeSlots]:
     leaves, treespec = optree.tree_flatten(tree, none_is_leaf=False, namespace=NAMESPACE)
+    while _register_torch_pytree_types(leaves):  # (their children may be such types too)
+        leaves, treespec = optree.tree_flatten(tree, none_is_leaf=False, namespace=NAMESPACE)
     tensors = []
     positions = []
     kept: list[Any] = []
@@ -108,6 +116,40 @@ def _flatten(tree: Any) -> tuple[list[torch.Tensor], TreeSlots]:
         else:
             kept.append(leaf)
     return tensors, TreeSlots(treespec, tuple(kept), tuple(positions))
+
+
+def _register_torch_pytree_types(leaves: Sequence[Any]) -> bool:
+    """Register with optree, in funckpt's namespace, each leaf type that torch's own pytree flattens.
+
+    Libraries register their containers with ``torch.utils._pytree`` (transformers does
+    for every ``ModelOutput``: ``BaseModelOutput``, ``CausalLMOutputWithPast``, ...), not
+    with optree, which would treat them as opaque leaves and the tensors inside as no
+    outputs. Registered here with torch's own functions, they flatten the same way in
+    both. A type optree already flattens never shows up as a leaf, so nothing is
+    registered twice. Returns whether any type was registered (flatten again).
+    """
+    new = False
+    tried: set[type] = set()
+    for leaf in leaves:
+        kind = type(leaf)
+        if kind in tried or kind in weakref.ProxyTypes or kind in _PLAIN_TENSORS:  # (a dead proxy raises on use)
+            continue
+        tried.add(kind)
+        node = torch_pytree_node(kind)
+        if node is None:
+            continue
+        flatten_fn, unflatten_fn = node
+
+        def unflatten(context: Any, children: Any, unflatten_fn: Any = unflatten_fn) -> Any:
+            return unflatten_fn(list(children), context)
+
+        try:
+            optree.register_pytree_node(kind, flatten_fn, unflatten, namespace=NAMESPACE)
+        except ValueError:  # registered meanwhile by another thread (then flatten again), or refused
+            if optree.tree_structure(leaf, none_is_leaf=False, namespace=NAMESPACE).is_leaf():
+                continue
+        new = True
+    return new
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,6 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 transformers = pytest.importorskip("transformers")
 
-import optree  # noqa: E402
 import torch  # noqa: E402
 import torch.func as tf  # noqa: E402
 import torch.nn as nn  # noqa: E402
@@ -375,23 +374,24 @@ def test_dropout_on_a_permuted_tensor_torch_func_grad():
     assert_close(grads(wrapped), grads(module))
 
 
+@pytest.mark.parametrize("name", ["whisper", "bart"])
+def test_remat_whole_encoder_returning_a_model_output(name):
+    """A remat'd submodule returning a transformers ModelOutput, with nothing registered: funckpt
+    flattens it as transformers registered it with torch's pytree (eval mode: no dropout)."""
+    spec, reference, model, inp = _setup(name)
+    reference.eval(), model.eval()
+    model.model.encoder = funckpt.remat(model.model.encoder)
+    assert_close(_backward(spec, model, inp, 5), _backward(spec, reference, inp, 5))
+    params = {n: p.detach() for n, p in reference.named_parameters()}
+    assert_close(_func_grad(spec, model, inp, params, 9), _func_grad(spec, reference, inp, params, 9))
+
+
 @_NONCONTIGUOUS_DROPOUT
 def test_whisper_remat_whole_encoder_torch_func_grad_with_dropout():
-    # the same as a user meets it: the whole Whisper encoder remat'd (its
-    # BaseModelOutput registered as a pytree node, as funckpt's error asks)
-    from transformers.modeling_outputs import BaseModelOutput
-
+    # the same as a user meets it: the whole Whisper encoder remat'd (it returns a
+    # BaseModelOutput, which funckpt flattens as transformers registered it with torch)
     spec, reference, model, inp = _setup("whisper")
     model.model.encoder = funckpt.remat(model.model.encoder)
-    optree.register_pytree_node(
-        BaseModelOutput,
-        lambda o: (tuple(o.values()), tuple(o.keys()), tuple(o.keys())),
-        lambda keys, values: BaseModelOutput(**dict(zip(keys, values))),
-        namespace="funckpt",
-    )
-    try:
-        assert_close(_backward(spec, model, inp, 5), _backward(spec, reference, inp, 5))
-        params = {n: p.detach() for n, p in reference.named_parameters()}
-        assert_close(_func_grad(spec, model, inp, params, 9), _func_grad(spec, reference, inp, params, 9))
-    finally:
-        optree.unregister_pytree_node(BaseModelOutput, namespace="funckpt")
+    assert_close(_backward(spec, model, inp, 5), _backward(spec, reference, inp, 5))
+    params = {n: p.detach() for n, p in reference.named_parameters()}
+    assert_close(_func_grad(spec, model, inp, params, 9), _func_grad(spec, reference, inp, params, 9))

@@ -80,6 +80,36 @@ def test_custom_optree_node_registered_in_the_funckpt_namespace():
         optree.unregister_pytree_node(Box, namespace="funckpt")
 
 
+class _TorchBox:
+    """A container registered with torch's own pytree only (as transformers registers its ModelOutputs)."""
+
+    def __init__(self, t, label):
+        self.t, self.label = t, label
+
+
+torch.utils._pytree.register_pytree_node(
+    _TorchBox, lambda b: ([b.t], b.label), lambda children, label: _TorchBox(children[0], label)
+)
+
+
+def test_container_registered_with_torchs_pytree_only_flattens_as_there():
+    def g(box, x):
+        return _TorchBox(torch.tanh(x @ box.t), box.label + "!")
+
+    out = remat(g)(_TorchBox(W, "w"), X)
+    assert isinstance(out, _TorchBox) and out.label == "w!"
+    assert_close(out.t, g(_TorchBox(W, "w"), X).t)
+    got = tf.grad(lambda w: remat(g)(_TorchBox(w, "w"), X).t.sum())(W)
+    assert_close(got, tf.grad(lambda w: g(_TorchBox(w, "w"), X).t.sum())(W))
+    w = W.clone().requires_grad_()
+    remat(g)(_TorchBox(w, "w"), X).t.square().sum().backward()
+    w_ref = W.clone().requires_grad_()
+    g(_TorchBox(w_ref, "w"), X).t.square().sum().backward()
+    assert_close(w.grad, w_ref.grad)
+    per_example = tf.vmap(lambda x: remat(g)(_TorchBox(W, "w"), x).t)(X.unsqueeze(1))
+    assert_close(per_example, tf.vmap(lambda x: g(_TorchBox(W, "w"), x).t)(X.unsqueeze(1)))
+
+
 def test_static_argnums_pass_arguments_whole():
     seen = []
 
