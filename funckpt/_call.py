@@ -334,8 +334,10 @@ class _Running:
             cache = parametrization_cache()
             if cache is not None:
                 self._enter(_OwnParametrizationCache(cache))
+            places = None
             if region.captured.modules:
-                self._enter(reparametrized(region.captured, replace))
+                places = reparametrized(region.captured, replace)
+                self._enter(places)
             if region.options.context_fn is not None:
                 self._enter(region._user_context(forward))
             if self.grad:
@@ -348,10 +350,11 @@ class _Running:
                 for context in region._replays():
                     self._enter(context)
             # A recomputation substitutes only where the forward run showed it must (see
-            # UserRegion._substitutes_again): modules' own tensors are in their places already.
+            # UserRegion._substitutes_again): modules' own tensors are in their places already,
+            # unless the places had to be looked up again (the module tree changed since).
             substitute = (
                 Substitute(mapping, flat, forward, region.name, first_node)
-                if forward or (mapping and region.substitutes_again)
+                if forward or (mapping and (region.recompute_substitutes() or (places is not None and places.by_name)))
                 else None
             )
             if substitute is not None:
@@ -429,8 +432,10 @@ class UserRegion(Region):
         self.autocast: Sequence[_autocast.AutocastState] = _autocast.OFF
         self.generators = [] if argspec.dynamic.plain else [leaf for leaf in argspec.dynamic.leaves if is_generator(leaf)]
         self.generators += captured.generators
-        # Does a recomputation need the substitution mode (set by the forward run)?
+        # Does a recomputation need the substitution mode (set by the forward run)? And the
+        # forward run's substitutes, which must not outlive it where it does not.
         self.substitutes_again = True
+        self.forward_substitutes: list[weakref.ref[torch.Tensor]] = []
 
     def _user_context(self, forward: bool) -> Any:
         """``context_fn``'s first context for the forward run, its second for a recomputation.
@@ -826,14 +831,16 @@ class UserRegion(Region):
         if self._compares_values():
             self.out_digest = digest(tensors)
         self.forward_trace = run.trace.lines if run.trace is not None else None
-        self.substitutes_again = self._substitutes_again(substitute)
+        self.substitutes_again = self._substitutes_again(substitute, grad_forward)
+        if not self.substitutes_again:
+            self.forward_substitutes = [weakref.ref(t) for t in substitute.mapping.values()]
         return tuple(tensors)
 
     #: A region whose recomputation reaches its captured tensors as the forward run did
     #: (a loop's reversal runs its steps through other paths: it always substitutes).
     recomputes_like_forward = True
 
-    def _substitutes_again(self, substitute: Substitute) -> bool:
+    def _substitutes_again(self, substitute: Substitute, grad_forward: bool) -> bool:
         """Must a recomputation run under the substitution mode, or do the modules' places suffice?
 
         The mode costs a Python call per operator. A recomputation needs it only where
@@ -841,15 +848,27 @@ class UserRegion(Region):
         reparametrization fills (a closure, a global, a hook's closure, a list the module
         keeps). The forward run saw every such use as a swap (``substitute.hit``), provided
         each differentiable captured tensor had a substitute there. Where it had not, and
-        where an input is restored from a snapshot, the mode stays.
+        where an input is restored from a snapshot, the mode stays. So it does outside a
+        forward run that records its local graph: only there are the substitutes fresh
+        tensors, whose survival :meth:`recompute_substitutes` can see.
         """
-        if substitute.hit or not self.recomputes_like_forward:
+        if substitute.hit or not grad_forward or not self.recomputes_like_forward:
             return True
         mapping = substitute.mapping
         for t, i in zip(self.captured.tensors, self.captured_index):
             if i in self.snapshots or (self.differentiable[i] and id(t) not in mapping):
                 return True
         return False
+
+    def recompute_substitutes(self) -> bool:
+        """Does this recomputation run under the substitution mode?
+
+        Where the forward run showed the places suffice, still yes if one of its
+        substitutes outlived it: the function stored it (a module caching its own
+        weight on its first call), and the recomputation would read it there. The
+        mode then refuses it, as it refuses any tensor it cannot route.
+        """
+        return self.substitutes_again or any(ref() is not None for ref in self.forward_substitutes)
 
     def _capture_state(self, flat: tuple[torch.Tensor, ...]) -> None:
         """Record the state a recomputation replays: autocast, the generators, the default device."""

@@ -478,17 +478,19 @@ class reparametrized:
     place named twice (a shared submodule) ends as it was.
     """
 
-    __slots__ = ("captured", "replace", "swapped")
+    __slots__ = ("by_name", "captured", "replace", "swapped")
 
     def __init__(self, captured: Captured, replace: dict[int, torch.Tensor]) -> None:
         self.captured, self.replace = captured, replace
         self.swapped: list[tuple[torch.nn.Module, str, Any]] = []
+        self.by_name = False  # were the places looked up again (a submodule replaced since the call)?
 
     def __enter__(self) -> None:
         replace, swapped = self.replace, self.swapped
         try:
             captured = self.captured
             unchanged = all(parent._modules.get(name) is child for parent, name, child in captured.edges)
+            self.by_name = not unchanged
             for places in captured.places if unchanged else _places_by_name(captured):
                 for owner, key, t in places:
                     swapped.append((owner, key, _swap_tensor(owner, key, replace.get(id(t), t))))

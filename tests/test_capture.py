@@ -680,6 +680,67 @@ def test_module_reaching_its_weight_through_a_closure_recomputes_under_the_subst
     assert backward_calls and not any(backward_calls)  # the recomputation's own mode
 
 
+class _CachesItsWeightOnFirstCall(torch.nn.Module):
+    """Keeps a private list of its weight, filled on its first call: inside remat, that is
+    remat's forward-run substitute, which the recomputation would then read."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(4, 4, dtype=D, generator=torch.Generator().manual_seed(9)))
+        self._ws = None
+
+    def forward(self, x):
+        if self._ws is None:
+            self._ws = [self.w]
+        return torch.tanh(x @ self._ws[0])
+
+
+@pytest.mark.parametrize("route", [".backward()", "double backward", "grad of x", "functional_call grad"])
+def test_module_storing_the_forward_runs_substitute_is_refused_not_silently_wrong(route):
+    net = _CachesItsWeightOnFirstCall()
+    with pytest.raises(CheckpointError, match="neither an argument nor reachable"):
+        if route == ".backward()":
+            remat(net)(X).square().sum().backward()
+        elif route == "double backward":
+            x = X.clone().requires_grad_()
+            (g,) = torch.autograd.grad(remat(net)(x).square().sum(), x, create_graph=True)
+            torch.autograd.grad(g.sum(), net.w)
+        elif route == "grad of x":
+            tf.grad(lambda x: remat(net)(x).square().sum())(X)
+        else:
+            params = {k: v.detach() for k, v in net.named_parameters()}
+            tf.grad(lambda p: tf.functional_call(remat(net), p, (X,)).square().sum())(params)
+
+
+def test_submodule_wrapped_between_forward_and_backward_keeps_its_gradient():
+    """A layer wrapped in place after the call (as adapter and hook tools do): the same
+    parameters sit one level deeper; the recomputation still routes them."""
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(4, 4, dtype=D)
+            self.out = torch.nn.Linear(4, 4, dtype=D)
+
+        def forward(self, x):
+            return self.out(torch.tanh(self.fc(x)))
+
+    class Wrapper(torch.nn.Module):
+        def __init__(self, base):
+            super().__init__()
+            self.base_layer = base
+
+        def forward(self, x):
+            return self.base_layer(x)
+
+    net = Net()
+    params = list(net.parameters())
+    expected = torch.autograd.grad(net(X).square().sum(), params)
+    out = remat(net)(X)
+    net.fc = Wrapper(net.fc)
+    assert_close(torch.autograd.grad(out.square().sum(), params), expected)
+
+
 def test_submodule_replaced_between_forward_and_backward():
     """The recomputation uses the tensors of the call under the names of the call, as
     functional_call would: the parameters the forward pass used get the gradient."""
