@@ -414,16 +414,20 @@ def _module_state(module: torch.nn.Module) -> _ModuleState:
 
 def _places_by_name(captured: Captured) -> list[list[tuple[torch.nn.Module, str, torch.Tensor]]]:
     """``captured.places`` with each owner looked up again by its dotted name (a submodule was
-    replaced since the call); a name that no longer leads to a module keeps the call's owner."""
+    replaced since the call). A name that no longer leads to a module holding that entry keeps
+    the call's owner: a layer wrapped in place since (an adapter around it, whose ``weight``
+    may be a read-only property forwarding to the layer) still has the call's layer inside."""
     found = []
     for (module, named), places in zip(captured.modules, captured.places):
         now = []
         for name, (owner, key, t) in zip(named, places):
             prefix = name.rpartition(".")[0]
             try:
-                owner = module.get_submodule(prefix) if prefix else module
+                there = module.get_submodule(prefix) if prefix else module
             except AttributeError:
-                pass
+                there = owner
+            if key in there._parameters or key in there._buffers or key in there.__dict__:
+                owner = there
             now.append((owner, key, t))
         found.append(now)
     return found

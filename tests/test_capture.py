@@ -712,9 +712,11 @@ def test_module_storing_the_forward_runs_substitute_is_refused_not_silently_wron
             tf.grad(lambda p: tf.functional_call(remat(net), p, (X,)).square().sum())(params)
 
 
-def test_submodule_wrapped_between_forward_and_backward_keeps_its_gradient():
+@pytest.mark.parametrize("forwarding_property", [False, True])
+def test_submodule_wrapped_between_forward_and_backward_keeps_its_gradient(forwarding_property):
     """A layer wrapped in place after the call (as adapter and hook tools do): the same
-    parameters sit one level deeper; the recomputation still routes them."""
+    parameters sit one level deeper; the recomputation still routes them. The wrapper may
+    forward ``weight`` to the layer through a read-only property (as PEFT's LoRA layers do)."""
 
     class Net(torch.nn.Module):
         def __init__(self):
@@ -733,11 +735,16 @@ def test_submodule_wrapped_between_forward_and_backward_keeps_its_gradient():
         def forward(self, x):
             return self.base_layer(x)
 
+    class ForwardingWrapper(Wrapper):
+        @property
+        def weight(self):
+            return self.base_layer.weight
+
     net = Net()
     params = list(net.parameters())
     expected = torch.autograd.grad(net(X).square().sum(), params)
     out = remat(net)(X)
-    net.fc = Wrapper(net.fc)
+    net.fc = (ForwardingWrapper if forwarding_property else Wrapper)(net.fc)
     assert_close(torch.autograd.grad(out.square().sum(), params), expected)
 
 
