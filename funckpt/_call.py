@@ -383,6 +383,12 @@ class _Running:
         return suppressed
 
 
+#: torch modules whose eval-mode fast path is off while any torch-function mode is on (the
+#: forward run's substitution mode): their recomputation runs under it too, and so takes the
+#: same path (the fast path's nested tensors give other values at padded positions).
+_FAST_PATH_MODULES = (torch.nn.MultiheadAttention, torch.nn.TransformerEncoderLayer, torch.nn.TransformerEncoder)
+
+
 class UserRegion(Region):
     """The user's function as a region, with the state one call must replay."""
 
@@ -853,6 +859,8 @@ class UserRegion(Region):
         tensors, whose survival :meth:`recompute_substitutes` can see.
         """
         if substitute.hit or not grad_forward or not self.recomputes_like_forward:
+            return True
+        if any(isinstance(m, _FAST_PATH_MODULES) for m, _ in self.captured.training):
             return True
         mapping = substitute.mapping
         for t, i in zip(self.captured.tensors, self.captured_index):

@@ -748,6 +748,38 @@ def test_submodule_wrapped_between_forward_and_backward_keeps_its_gradient(forwa
     assert_close(torch.autograd.grad(out.square().sum(), params), expected)
 
 
+def test_frozen_eval_transformer_encoder_with_a_padding_mask_raises_no_false_alarm():
+    """torch's fast path of an eval-mode TransformerEncoder is off under any torch-function mode,
+    and gives other values at padded positions. The forward run (under the substitution mode)
+    takes the regular path; so does the recomputation: no false alarm, and remat's gradient
+    is the regular path's (the plain module's, under any torch-function mode)."""
+    from torch.overrides import TorchFunctionMode
+
+    class Regular(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            layer = torch.nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True)
+            self.enc = torch.nn.TransformerEncoder(layer, 2, enable_nested_tensor=True)
+            self.enc.requires_grad_(False).eval()
+            self.head = torch.nn.Linear(8, 1)
+
+        def forward(self, x, pad):
+            return self.head(self.enc(x, src_key_padding_mask=pad))
+
+    torch.manual_seed(0)
+    model = Model()
+    x = torch.randn(2, 5, 8)
+    pad = torch.tensor([[False] * 5, [False, False, False, True, True]])
+    with Regular():
+        expected = torch.autograd.grad(model(x, pad).sum(), list(model.head.parameters()))
+    got = torch.autograd.grad(remat(model)(x, pad).sum(), list(model.head.parameters()))
+    assert_close(got, expected)
+
+
 def test_submodule_replaced_between_forward_and_backward():
     """The recomputation uses the tensors of the call under the names of the call, as
     functional_call would: the parameters the forward pass used get the gradient."""
