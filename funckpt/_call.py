@@ -275,6 +275,7 @@ class _Run:
     substitute: Substitute | None
     trace: OpTrace | None
     first_node: int
+    unsubstituted: bool  # a recomputation left to the modules' places (to be checked after it)
 
 
 class _OwnParametrizationCache:
@@ -329,7 +330,7 @@ class _Running:
         region, flat, forward = self.region, self.flat, self.forward
         args, kwargs = region.argspec.rebuild([flat[i] for i in region.arg_index])
         replace, mapping = region.replacements([flat[i] for i in region.captured_index])
-        first_node = next_sequence_nr() if forward or mapping else 0
+        first_node = next_sequence_nr()
         try:
             cache = parametrization_cache()
             if cache is not None:
@@ -352,11 +353,9 @@ class _Running:
             # A recomputation substitutes only where the forward run showed it must (see
             # UserRegion._substitutes_again): modules' own tensors are in their places already,
             # unless the places had to be looked up again (the module tree changed since).
-            substitute = (
-                Substitute(mapping, flat, forward, region.name, first_node)
-                if forward or (mapping and (region.recompute_substitutes() or (places is not None and places.by_name)))
-                else None
-            )
+            substitutes = forward or region.recomputation_substitutes(flat, mapping, places is not None and places.by_name)
+            substitute = Substitute(mapping, flat, forward, region.name, first_node) if substitutes else None
+            unsubstituted = not substitutes and region.graph_checkable(flat)
             if substitute is not None:
                 self._enter(substitute)
             for mode in self.modes:
@@ -366,7 +365,7 @@ class _Running:
             if not self.__exit__(type(e), e, e.__traceback__):
                 raise
             raise RuntimeError("funckpt: a context_fn suppressed an error raised while entering the run") from e
-        return _Run(args, kwargs, substitute, trace, first_node)
+        return _Run(args, kwargs, substitute, trace, first_node, unsubstituted)
 
     def __exit__(self, *exc: Any) -> bool:
         exits, self.exits = self.exits, []
@@ -442,6 +441,7 @@ class UserRegion(Region):
         # forward run's substitutes, which must not outlive it where it does not.
         self.substitutes_again = True
         self.forward_substitutes: list[weakref.ref[torch.Tensor]] = []
+        self.recompute_under_mode = False  # set when a recomputation without the mode left its inputs
 
     def _user_context(self, forward: bool) -> Any:
         """``context_fn``'s first context for the forward run, its second for a recomputation.
@@ -802,7 +802,8 @@ class UserRegion(Region):
         if substitute.uninitialized:
             self.values_reproducible = False
         if grad_forward:
-            foreign, reached = local_graph_leaves(tensors, flat, run.first_node, substitute.inside)
+            inside = substitute.inside
+            foreign, reached = local_graph_leaves(tensors, flat, run.first_node, lambda t: id(t) in inside)
             # Reachable but unused (other layers of a stage the function closes over):
             # neither saved with a version check nor differentiated.
             self.unchecked.update(i for i, t in enumerate(flat) if t.requires_grad and id(t) not in reached)
@@ -856,7 +857,7 @@ class UserRegion(Region):
         each differentiable captured tensor had a substitute there. Where it had not, and
         where an input is restored from a snapshot, the mode stays. So it does outside a
         forward run that records its local graph: only there are the substitutes fresh
-        tensors, whose survival :meth:`recompute_substitutes` can see.
+        tensors, whose survival :meth:`recomputation_substitutes` can see.
         """
         if substitute.hit or not grad_forward or not self.recomputes_like_forward:
             return True
@@ -868,15 +869,54 @@ class UserRegion(Region):
                 return True
         return False
 
-    def recompute_substitutes(self) -> bool:
+    def recomputation_substitutes(
+        self, flat: tuple[torch.Tensor, ...], mapping: dict[int, torch.Tensor], places_by_name: bool
+    ) -> bool:
         """Does this recomputation run under the substitution mode?
 
-        Where the forward run showed the places suffice, still yes if one of its
-        substitutes outlived it: the function stored it (a module caching its own
-        weight on its first call), and the recomputation would read it there. The
-        mode then refuses it, as it refuses any tensor it cannot route.
+        Where a run without it left its inputs (:meth:`_left_its_inputs`), yes: the mode
+        routes or refuses what it reached. Otherwise only with captured tensors to
+        substitute, and then unless the forward run showed the places suffice, none of
+        its substitutes outlived it (the function stored one: a module caching its own
+        weight on its first call would read it there; the mode refuses it, as it refuses
+        any tensor it cannot route), the places were found as at the call, and the
+        result's graph can be checked (:meth:`graph_checkable`).
         """
-        return self.substitutes_again or any(ref() is not None for ref in self.forward_substitutes)
+        if self.recompute_under_mode:
+            return True
+        if not mapping:
+            return False
+        return (
+            self.substitutes_again
+            or places_by_name
+            or not self.graph_checkable(flat)
+            or any(ref() is not None for ref in self.forward_substitutes)
+        )
+
+    def graph_checkable(self, flat: tuple[torch.Tensor, ...]) -> bool:
+        """Can a recomputation's graph be walked back to its inputs: plain autograd, recording, from fresh leaves?"""
+        return (
+            peek_interpreter_stack() is None
+            and forward_ad_level() < 0
+            and torch.is_grad_enabled()
+            and all(t.grad_fn is None for t in flat if t.requires_grad)
+        )
+
+    def _left_its_inputs(self, tensors: list[torch.Tensor], flat: tuple[torch.Tensor, ...], first_node: int) -> bool:
+        """Did a recomputation without the substitution mode reach other tensors than the region's?
+
+        Its graph must end at its inputs: a parameter or captured tensor there means the
+        function reached it another way than in the forward run (a module or attribute
+        rebound since, a branch on state, a parameter made on the first call), as does
+        graph built before the run. The recomputation then runs again under the mode,
+        which routes such a tensor or refuses it.
+        """
+        originals = self._originals
+
+        def own(t: torch.Tensor) -> bool:  # a leaf the run made itself (HF T5's position bias)
+            return not isinstance(t, torch.nn.Parameter) and id(t) not in originals
+
+        return local_graph_leaves(tensors, flat, first_node, own)[0]
 
     def _capture_state(self, flat: tuple[torch.Tensor, ...]) -> None:
         """Record the state a recomputation replays: autocast, the generators, the default device."""
@@ -916,9 +956,10 @@ class UserRegion(Region):
             contexts.append(torch.device(self.default_device))
         return contexts
 
-    def recompute(self, flat: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    def recompute(self, given: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
         """A later run (backward, jvp, double backward): the forward run again, checked against it."""
         self._check_captures_unchanged()
+        flat = given
         if self.snapshots:
             # Recompute from the values the forward run started from, on copies
             # that alias each other as the inputs did.
@@ -935,6 +976,10 @@ class UserRegion(Region):
         for i, before in hooks_before.items():
             _remove_hooks_since(flat[i], before)
         tensors, slots = flatten(out)
+        if run.unsubstituted and self._left_its_inputs(tensors, flat, run.first_node):
+            del out, tensors
+            self.recompute_under_mode = True
+            return self.recompute(given)
         tensors = _aliasing.owned_outputs(self.plan, _substituted(tensors, run.substitute))
         if self.options.determinism_check == "default":
             assert self.out_slots is not None

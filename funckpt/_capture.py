@@ -769,17 +769,21 @@ def has_tangent(t: torch.Tensor) -> bool:
 
 
 def local_graph_leaves(
-    outputs: list[torch.Tensor], leaves: tuple[torch.Tensor, ...], first_node: int, inside: set[int]
+    outputs: list[torch.Tensor],
+    leaves: tuple[torch.Tensor, ...],
+    first_node: int,
+    own: Callable[[torch.Tensor], bool],
 ) -> tuple[bool, set[int]]:
-    """Walk the forward run's local graph: does it reach anything foreign, and which of ``leaves``?
+    """Walk a run's local graph: does it reach anything foreign, and which of ``leaves``?
 
-    Foreign: an ``autograd.Function.apply`` bypasses torch-function modes, so a
-    captured tensor passed straight to one escapes substitution; its edge then
-    leads to a leaf that is not the region's, or into graph built before the
-    run. Leaves made inside the run (``inside``: a tensor created and then set
-    to require grad) are the run's own; their gradient stays local, as under
-    ``torch.utils.checkpoint``. The second result is the ids of the ``leaves``
-    the outputs depend on (the others are reachable but unused).
+    Foreign: graph built before the run (autograd numbers nodes in creation order,
+    from ``first_node`` on for the run's), or a leaf that is neither one of ``leaves``
+    nor ``own``. The forward run's own leaves are those it made (a tensor created and
+    then set to require grad: its gradient stays local, as under
+    ``torch.utils.checkpoint``); an ``autograd.Function.apply`` bypasses torch-function
+    modes, so a captured tensor passed straight to one is foreign there. The second
+    result is the ids of the ``leaves`` the outputs depend on (the others are
+    reachable but unused).
 
     The walk holds every node it visited: a node's Python object may be made
     afresh on each access, and a freed one's ``id`` reused by the next.
@@ -798,7 +802,7 @@ def local_graph_leaves(
         if variable is not None:  # AccumulateGrad
             if id(variable) in known:
                 reached.add(id(variable))
-            elif id(variable) not in inside:
+            elif not own(variable):
                 foreign = True
             continue
         if node._sequence_nr() < first_node:

@@ -1,6 +1,7 @@
 """Gradients reach tensors the function uses without receiving them, or remat raises."""
 
 import functools
+import types
 
 import pytest
 import torch
@@ -710,6 +711,51 @@ def test_module_storing_the_forward_runs_substitute_is_refused_not_silently_wron
         else:
             params = {k: v.detach() for k, v in net.named_parameters()}
             tf.grad(lambda p: tf.functional_call(remat(net), p, (X,)).square().sum())(params)
+
+
+class _AlternatesItsPath(torch.nn.Module):
+    """Reads its weight through its attribute on odd calls, through a list on even ones."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(4, 4, dtype=D, generator=torch.Generator().manual_seed(10)))
+        self.tied = [self.w]
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        return torch.tanh(x @ (self.w if self.calls % 2 else self.tied[0]))
+
+
+class _MakesAParameterOnItsFirstCall(torch.nn.Module):
+    def forward(self, x):
+        if not hasattr(self, "scale"):
+            self.scale = torch.nn.Parameter(torch.ones(4, dtype=D) * 2)
+        return torch.tanh(x) * self.scale
+
+
+def test_recomputation_reaching_a_weight_another_way_than_the_forward_run_gets_its_gradient():
+    """State that changes between the runs may change the way a module reaches its tensors; the
+    recomputation sees that its graph left its inputs and runs again under the substitution mode."""
+    net = _AlternatesItsPath()
+    expected = torch.autograd.grad(torch.tanh(X @ net.w).square().sum(), net.w)
+    assert_close(torch.autograd.grad(remat(net)(X).square().sum(), net.w), expected)
+
+
+def test_module_rebound_between_forward_and_backward_is_refused_not_silently_dropped():
+    import copy
+
+    holder = types.SimpleNamespace(layer=torch.nn.Linear(4, 4, dtype=D))
+    y = remat(lambda x: torch.tanh(holder.layer(x)))(X)
+    holder.layer = copy.deepcopy(holder.layer)  # same values, other parameters
+    with pytest.raises(CheckpointError, match="neither an argument nor reachable"):
+        y.square().sum().backward()
+
+
+def test_parameter_made_on_the_first_call_inside_remat_is_refused_not_silently_dropped():
+    x = X.clone().requires_grad_()
+    with pytest.raises(CheckpointError, match="neither an argument nor reachable"):
+        remat(_MakesAParameterOnItsFirstCall())(x).square().sum().backward()
 
 
 @pytest.mark.parametrize("forwarding_property", [False, True])
