@@ -51,7 +51,7 @@ from ._internals import (
     peek_interpreter_stack,
 )
 from ._options import RematOptions, callable_name
-from ._pytree import NAMESPACE, TreeSlots, flatten
+from ._pytree import NAMESPACE, TreeSlots, flatten, leaves_of
 
 __all__ = ["fori_loop", "scan", "while_loop"]
 
@@ -190,7 +190,7 @@ def _check_checkpoints(where: str, checkpoints: Any) -> None:
 def _length(where: str, xs: Any, length: Any) -> int:
     if length is not None and (not isinstance(length, int) or isinstance(length, bool) or length < 0):
         raise ValueError(f"{where}: length must be None or an int >= 0, got {length!r}")
-    leaves = optree.tree_leaves(xs, namespace=NAMESPACE)
+    leaves = leaves_of(xs)
     sizes = set()
     for leaf in leaves:
         if not isinstance(leaf, torch.Tensor) or leaf.dim() == 0:
@@ -238,6 +238,7 @@ def _tensor_leaves(y: Any) -> Any:
     """``y`` with its number leaves as tensors, as they are stacked."""
     if y is None:
         return None
+    leaves_of(y)  # (registers the containers only torch's pytree knows, for the map below)
     return optree.tree_map(lambda v: v if isinstance(v, torch.Tensor) else torch.as_tensor(v), y, namespace=NAMESPACE)
 
 

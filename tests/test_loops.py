@@ -492,3 +492,33 @@ def test_forward_mode_through_a_step_with_eval_batchnorm(checkpoints):
     scanned = lambda h: funckpt.scan(step, h, xs, checkpoints=checkpoints)[0]  # noqa: E731
     assert_close(tf.jvp(scanned, (h0,), (h0,)), tf.jvp(python_loop, (h0,), (h0,)))
     assert_close(tf.jacfwd(scanned)(h0), tf.jacfwd(python_loop)(h0))
+
+
+class _TorchOnlyBox:
+    """A container registered with torch's own pytree only (as transformers registers its ModelOutputs)."""
+
+    def __init__(self, h):
+        self.h = h
+
+
+torch.utils._pytree.register_pytree_node(_TorchOnlyBox, lambda b: ([b.h], None), lambda children, _: _TorchOnlyBox(children[0]))
+
+
+@pytest.mark.parametrize("checkpoints", [None, 2])
+def test_scan_over_and_into_containers_registered_with_torchs_pytree_only(checkpoints):
+    w, _, xs, init = make()
+    w = w.clone().requires_grad_()
+
+    def step(c, x):
+        h = torch.tanh(c @ w + x.h)
+        return h, _TorchOnlyBox(h * 2)
+
+    carry, ys = funckpt.scan(step, init, _TorchOnlyBox(xs), checkpoints=checkpoints)
+    assert isinstance(ys, _TorchOnlyBox)
+    got = torch.autograd.grad(carry.sum() + ys.h.square().sum(), w)
+
+    c, total = init, 0
+    for x in xs:
+        c, y = step(c, _TorchOnlyBox(x))
+        total = total + y.h.square().sum()
+    assert_close(got, torch.autograd.grad(c.sum() + total, w))
