@@ -801,9 +801,16 @@ class UserRegion(Region):
         assert substitute is not None
         if substitute.uninitialized:
             self.values_reproducible = False
+        makes_leaves = False  # does fn make tensors that require grad without a graph (a leaf of its own)?
         if grad_forward:
             inside = substitute.inside
-            foreign, reached = local_graph_leaves(tensors, flat, run.first_node, lambda t: id(t) in inside)
+
+            def own(t: torch.Tensor) -> bool:
+                nonlocal makes_leaves
+                makes_leaves = makes_leaves or id(t) in inside
+                return id(t) in inside
+
+            foreign, reached = local_graph_leaves(tensors, flat, run.first_node, own)
             # Reachable but unused (other layers of a stage the function closes over):
             # neither saved with a version check nor differentiated.
             self.unchecked.update(i for i, t in enumerate(flat) if t.requires_grad and id(t) not in reached)
@@ -838,7 +845,7 @@ class UserRegion(Region):
         if self._compares_values():
             self.out_digest = digest(tensors)
         self.forward_trace = run.trace.lines if run.trace is not None else None
-        self.substitutes_again = self._substitutes_again(substitute, grad_forward)
+        self.substitutes_again = makes_leaves or self._substitutes_again(substitute, grad_forward)
         if not self.substitutes_again:
             self.forward_substitutes = [weakref.ref(t) for t in substitute.mapping.values()]
         return tuple(tensors)
@@ -857,7 +864,9 @@ class UserRegion(Region):
         each differentiable captured tensor had a substitute there. Where it had not, and
         where an input is restored from a snapshot, the mode stays. So it does outside a
         forward run that records its local graph: only there are the substitutes fresh
-        tensors, whose survival :meth:`recomputation_substitutes` can see.
+        tensors, whose survival :meth:`recomputation_substitutes` can see. (Nor where fn
+        makes leaves of its own, HF T5's position bias: the graph check after a
+        recomputation without the mode takes any leaf but its inputs for one it reached.)
         """
         if substitute.hit or not grad_forward or not self.recomputes_like_forward:
             return True
@@ -886,6 +895,8 @@ class UserRegion(Region):
             return True
         if not mapping:
             return False
+        if self.options.context_fn is not None:  # (its recomputation context is for one run only)
+            return True
         return (
             self.substitutes_again
             or places_by_name
@@ -905,18 +916,13 @@ class UserRegion(Region):
     def _left_its_inputs(self, tensors: list[torch.Tensor], flat: tuple[torch.Tensor, ...], first_node: int) -> bool:
         """Did a recomputation without the substitution mode reach other tensors than the region's?
 
-        Its graph must end at its inputs: a parameter or captured tensor there means the
-        function reached it another way than in the forward run (a module or attribute
-        rebound since, a branch on state, a parameter made on the first call), as does
-        graph built before the run. The recomputation then runs again under the mode,
-        which routes such a tensor or refuses it.
+        Its graph must end at its inputs (the forward run showed fn makes no leaf of its
+        own): any other leaf, or graph built before the run, means the function reached a
+        tensor another way than in the forward run (a module or attribute rebound since,
+        a branch on state, a parameter made on the first call). The recomputation then
+        runs again under the mode, which routes such a tensor or refuses it.
         """
-        originals = self._originals
-
-        def own(t: torch.Tensor) -> bool:  # a leaf the run made itself (HF T5's position bias)
-            return not isinstance(t, torch.nn.Parameter) and id(t) not in originals
-
-        return local_graph_leaves(tensors, flat, first_node, own)[0]
+        return local_graph_leaves(tensors, flat, first_node, lambda t: False)[0]
 
     def _capture_state(self, flat: tuple[torch.Tensor, ...]) -> None:
         """Record the state a recomputation replays: autocast, the generators, the default device."""
@@ -969,17 +975,25 @@ class UserRegion(Region):
         if self.saved is not None and not forward_mode_active():
             modes.append(self.saved.replayer(getattr(self.options.policy, "allow_cache_entry_mutation", False)))
         hooks_before = {i: _hook_keys(flat[i]) for i in self.moved_hooks}
-        with self._running(flat, forward=False, grad=False, modes=modes) as run:
-            out = self._call_fn(run.args, run.kwargs, False, False)
+        unsubstituted = failed = False
+        try:
+            with self._running(flat, forward=False, grad=False, modes=modes) as run:
+                unsubstituted = run.unsubstituted
+                out = self._call_fn(run.args, run.kwargs, False, False)
+        except Exception as e:
+            # Without the mode, a tensor reached another way than in the forward run (a module
+            # rebound to one of another shape) fails inside fn: under it, the mode names it.
+            if not unsubstituted or isinstance(e, torch.OutOfMemoryError):
+                raise
+            failed = True
         # Hooks fn registers on its inputs were moved to the caller's tensors by the forward
         # run; registered again here, they would apply a second time to this part.
         for i, before in hooks_before.items():
             _remove_hooks_since(flat[i], before)
-        tensors, slots = flatten(out)
-        if run.unsubstituted and self._left_its_inputs(tensors, flat, run.first_node):
-            del out, tensors
+        if failed or (unsubstituted and self._left_its_inputs(flatten(out)[0], flat, run.first_node)):
             self.recompute_under_mode = True
             return self.recompute(given)
+        tensors, slots = flatten(out)
         tensors = _aliasing.owned_outputs(self.plan, _substituted(tensors, run.substitute))
         if self.options.determinism_check == "default":
             assert self.out_slots is not None

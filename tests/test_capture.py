@@ -752,6 +752,70 @@ def test_module_rebound_between_forward_and_backward_is_refused_not_silently_dro
         y.square().sum().backward()
 
 
+class _PlainWeight(torch.nn.Module):
+    def __init__(self, w):
+        super().__init__()
+        self.w = w  # a plain tensor attribute, not a Parameter
+
+    def forward(self, x):
+        return x @ self.w
+
+
+@pytest.mark.parametrize("kind", ["same shape, plain tensor", "another shape"])
+def test_module_with_a_plain_weight_rebound_between_forward_and_backward_is_refused(kind):
+    base = torch.randn(4, 4, dtype=D, requires_grad=True)
+    holder = types.SimpleNamespace(layer=_PlainWeight(base))
+    y = remat(lambda x: torch.tanh(holder.layer(x)))(X)
+    shape = (4, 4) if kind == "same shape, plain tensor" else (5, 4)
+    holder.layer = _PlainWeight(torch.randn(*shape, dtype=D, requires_grad=True))
+    with pytest.raises(CheckpointError, match="neither an argument nor reachable"):
+        y.square().sum().backward()
+
+
+def test_recomputation_run_again_under_the_mode_with_torchs_selective_checkpointing():
+    """A recomputation that runs again (its first run reached a weight another way) with torch's
+    selective-checkpoint contexts as context_fn: their recomputation context serves one run."""
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    def policy(ctx, op, *args, **kwargs):
+        return CheckpointPolicy.MUST_SAVE if op == torch.ops.aten.mm.default else CheckpointPolicy.PREFER_RECOMPUTE
+
+    net = _AlternatesItsPath()
+    expected = torch.autograd.grad(torch.tanh(X @ net.w).square().sum(), net.w)
+    f = remat(net, context_fn=functools.partial(create_selective_checkpoint_contexts, policy))
+    assert_close(torch.autograd.grad(f(X).square().sum(), net.w), expected)
+
+
+def test_function_making_a_leaf_of_its_own_recomputes_once():
+    """A leaf made inside the function and set to require grad (HF T5's position bias under
+    checkpointing) is the run's own: no false alarm, the right gradient, one recomputation."""
+    from funckpt import _call
+
+    lin = torch.nn.Linear(4, 4, dtype=D)
+
+    def f(x):
+        bias = torch.zeros(4, dtype=D)
+        bias.requires_grad = True
+        return torch.tanh(lin(x) + bias)
+
+    runs = []
+    recompute = _call.UserRegion.recompute
+
+    def counted(self, given):
+        runs.append(1)
+        return recompute(self, given)
+
+    params = list(lin.parameters())
+    expected = torch.autograd.grad(f(X).square().sum(), params)
+    _call.UserRegion.recompute = counted
+    try:
+        got = torch.autograd.grad(remat(f)(X).square().sum(), params)
+    finally:
+        _call.UserRegion.recompute = recompute
+    assert_close(got, expected)
+    assert len(runs) == 1
+
+
 def test_parameter_made_on_the_first_call_inside_remat_is_refused_not_silently_dropped():
     x = X.clone().requires_grad_()
     with pytest.raises(CheckpointError, match="neither an argument nor reachable"):
