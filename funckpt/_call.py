@@ -353,9 +353,12 @@ class _Running:
             # A recomputation substitutes only where the forward run showed it must (see
             # UserRegion._substitutes_again): modules' own tensors are in their places already,
             # unless the places had to be looked up again (the module tree changed since).
-            substitutes = forward or region.recomputation_substitutes(flat, mapping, places is not None and places.by_name)
+            checkable = not forward and region.graph_checkable(flat)
+            substitutes = forward or region.recomputation_substitutes(
+                mapping, places is not None and places.by_name, checkable
+            )
             substitute = Substitute(mapping, flat, forward, region.name, first_node) if substitutes else None
-            unsubstituted = not substitutes and region.graph_checkable(flat)
+            unsubstituted = not substitutes and checkable
             if substitute is not None:
                 self._enter(substitute)
             for mode in self.modes:
@@ -807,8 +810,10 @@ class UserRegion(Region):
 
             def own(t: torch.Tensor) -> bool:
                 nonlocal makes_leaves
-                makes_leaves = makes_leaves or id(t) in inside
-                return id(t) in inside
+                if id(t) not in inside:
+                    return False
+                makes_leaves = True
+                return True
 
             foreign, reached = local_graph_leaves(tensors, flat, run.first_node, own)
             # Reachable but unused (other layers of a stage the function closes over):
@@ -878,9 +883,7 @@ class UserRegion(Region):
                 return True
         return False
 
-    def recomputation_substitutes(
-        self, flat: tuple[torch.Tensor, ...], mapping: dict[int, torch.Tensor], places_by_name: bool
-    ) -> bool:
+    def recomputation_substitutes(self, mapping: dict[int, torch.Tensor], places_by_name: bool, checkable: bool) -> bool:
         """Does this recomputation run under the substitution mode?
 
         Where a run without it left its inputs (:meth:`_left_its_inputs`), yes: the mode
@@ -889,7 +892,7 @@ class UserRegion(Region):
         its substitutes outlived it (the function stored one: a module caching its own
         weight on its first call would read it there; the mode refuses it, as it refuses
         any tensor it cannot route), the places were found as at the call, and the
-        result's graph can be checked (:meth:`graph_checkable`).
+        result's graph can be checked (``checkable``: :meth:`graph_checkable`).
         """
         if self.recompute_under_mode:
             return True
@@ -900,7 +903,7 @@ class UserRegion(Region):
         return (
             self.substitutes_again
             or places_by_name
-            or not self.graph_checkable(flat)
+            or not checkable
             or any(ref() is not None for ref in self.forward_substitutes)
         )
 
@@ -990,10 +993,11 @@ class UserRegion(Region):
         # run; registered again here, they would apply a second time to this part.
         for i, before in hooks_before.items():
             _remove_hooks_since(flat[i], before)
-        if failed or (unsubstituted and self._left_its_inputs(flatten(out)[0], flat, run.first_node)):
+        if not failed:
+            tensors, slots = flatten(out)
+        if failed or (unsubstituted and self._left_its_inputs(tensors, flat, run.first_node)):
             self.recompute_under_mode = True
             return self.recompute(given)
-        tensors, slots = flatten(out)
         tensors = _aliasing.owned_outputs(self.plan, _substituted(tensors, run.substitute))
         if self.options.determinism_check == "default":
             assert self.out_slots is not None

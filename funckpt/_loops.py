@@ -51,7 +51,7 @@ from ._internals import (
     peek_interpreter_stack,
 )
 from ._options import RematOptions, callable_name
-from ._pytree import NAMESPACE, TreeSlots, flatten, leaves_of
+from ._pytree import NAMESPACE, TreeSlots, flatten, tree_flatten
 
 __all__ = ["fori_loop", "scan", "while_loop"]
 
@@ -190,7 +190,7 @@ def _check_checkpoints(where: str, checkpoints: Any) -> None:
 def _length(where: str, xs: Any, length: Any) -> int:
     if length is not None and (not isinstance(length, int) or isinstance(length, bool) or length < 0):
         raise ValueError(f"{where}: length must be None or an int >= 0, got {length!r}")
-    leaves = leaves_of(xs)
+    leaves, _ = tree_flatten(xs)
     sizes = set()
     for leaf in leaves:
         if not isinstance(leaf, torch.Tensor) or leaf.dim() == 0:
@@ -238,8 +238,8 @@ def _tensor_leaves(y: Any) -> Any:
     """``y`` with its number leaves as tensors, as they are stacked."""
     if y is None:
         return None
-    leaves_of(y)  # (registers the containers only torch's pytree knows, for the map below)
-    return optree.tree_map(lambda v: v if isinstance(v, torch.Tensor) else torch.as_tensor(v), y, namespace=NAMESPACE)
+    leaves, treespec = tree_flatten(y)
+    return optree.tree_unflatten(treespec, [v if isinstance(v, torch.Tensor) else torch.as_tensor(v) for v in leaves])
 
 
 def _distinct(out: Any) -> Any:

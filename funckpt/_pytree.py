@@ -101,19 +101,17 @@ def flatten(tree: Any) -> tuple[list[torch.Tensor], TreeSlots]:
     return _flatten(tree)
 
 
-def leaves_of(tree: Any) -> list[Any]:
-    """Every leaf of ``tree`` in funckpt's namespace, containers only torch's pytree knows
-    registered first (as :func:`flatten` does): what optree's ``tree_leaves`` gives then."""
-    leaves = optree.tree_leaves(tree, none_is_leaf=False, namespace=NAMESPACE)
-    while _register_torch_pytree_types(leaves):
-        leaves = optree.tree_leaves(tree, none_is_leaf=False, namespace=NAMESPACE)
-    return leaves
-
-
-def _flatten(tree: Any) -> tuple[list[torch.Tensor], TreeSlots]:
+def tree_flatten(tree: Any) -> tuple[list[Any], optree.PyTreeSpec]:
+    """optree's ``tree_flatten`` in funckpt's namespace, each container only torch's pytree
+    knows registered first (:func:`_register_torch_pytree_types`)."""
     leaves, treespec = optree.tree_flatten(tree, none_is_leaf=False, namespace=NAMESPACE)
     while _register_torch_pytree_types(leaves):  # (their children may be such types too)
         leaves, treespec = optree.tree_flatten(tree, none_is_leaf=False, namespace=NAMESPACE)
+    return leaves, treespec
+
+
+def _flatten(tree: Any) -> tuple[list[torch.Tensor], TreeSlots]:
+    leaves, treespec = tree_flatten(tree)
     tensors = []
     positions = []
     kept: list[Any] = []
