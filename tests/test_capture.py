@@ -822,20 +822,23 @@ def test_parameter_made_on_the_first_call_inside_remat_is_refused_not_silently_d
         remat(_MakesAParameterOnItsFirstCall())(x).square().sum().backward()
 
 
+class _FcOut(torch.nn.Module):
+    """Two layers whose ``fc`` the tests below replace or wrap between forward and backward."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 4, dtype=D)
+        self.out = torch.nn.Linear(4, 4, dtype=D)
+
+    def forward(self, x):
+        return self.out(torch.tanh(self.fc(x)))
+
+
 @pytest.mark.parametrize("forwarding_property", [False, True])
 def test_submodule_wrapped_between_forward_and_backward_keeps_its_gradient(forwarding_property):
     """A layer wrapped in place after the call (as adapter and hook tools do): the same
     parameters sit one level deeper; the recomputation still routes them. The wrapper may
     forward ``weight`` to the layer through a read-only property (as PEFT's LoRA layers do)."""
-
-    class Net(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.fc = torch.nn.Linear(4, 4, dtype=D)
-            self.out = torch.nn.Linear(4, 4, dtype=D)
-
-        def forward(self, x):
-            return self.out(torch.tanh(self.fc(x)))
 
     class Wrapper(torch.nn.Module):
         def __init__(self, base):
@@ -850,7 +853,7 @@ def test_submodule_wrapped_between_forward_and_backward_keeps_its_gradient(forwa
         def weight(self):
             return self.base_layer.weight
 
-    net = Net()
+    net = _FcOut()
     params = list(net.parameters())
     expected = torch.autograd.grad(net(X).square().sum(), params)
     out = remat(net)(X)
@@ -895,16 +898,7 @@ def test_submodule_replaced_between_forward_and_backward():
     functional_call would: the parameters the forward pass used get the gradient."""
     import copy
 
-    class Net(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.fc = torch.nn.Linear(4, 4, dtype=D)
-            self.out = torch.nn.Linear(4, 4, dtype=D)
-
-        def forward(self, x):
-            return self.out(torch.tanh(self.fc(x)))
-
-    net = Net()
+    net = _FcOut()
     params = list(net.parameters())
     expected = torch.autograd.grad(net(X).square().sum(), params)
     out = remat(net)(X)
