@@ -217,12 +217,14 @@ class Digest:
     ``std_mean``: 15 against 200 us for 64x1024 floats) and read into ``values``
     at once (reading costs no synchronisation there, and the comparison is then
     plain Python). On an accelerator one ``std_mean`` kernel keeps ``(std, mean)``
-    on the device as ``stats`` (one launch, no synchronisation) until the
-    comparison reads them, every pending digest of a device at once, and turns
-    them into the sum and norm.
+    on the device as ``stats`` (``moments``: one launch, no synchronisation) until
+    the comparison reads them, every pending digest of a device at once, and turns
+    them into the sum and norm. Where ``stats`` hold the sum and norm themselves
+    (``moments`` false: a digest left unread on the CPU, or of a dtype ``std_mean``
+    does not read, converted piece by piece), they are read as they are.
     """
 
-    __slots__ = ("numel", "rtol", "stats", "values")
+    __slots__ = ("moments", "numel", "rtol", "stats", "values")
 
     def __init__(
         self,
@@ -230,11 +232,16 @@ class Digest:
         numel: int,
         rtol: float,
         values: tuple[float, float] | None = None,
+        *,
+        moments: bool = False,
     ) -> None:
-        self.stats, self.numel, self.rtol, self.values = stats, numel, rtol, values
+        self.stats, self.numel, self.rtol, self.values, self.moments = stats, numel, rtol, values, moments
 
-    def from_stats(self, std: float, mean: float) -> tuple[float, float]:
-        """Sum and L2 norm of the values, from their mean and (population) standard deviation."""
+    def from_stats(self, first: float, second: float) -> tuple[float, float]:
+        """Sum and L2 norm of the values, from ``stats`` as read: ``(std, mean)`` where they are moments."""
+        if not self.moments:
+            return first, second
+        std, mean = first, second
         return mean * self.numel, math.sqrt(max(std * std + mean * mean, 0.0) * self.numel)
 
     def read(self) -> tuple[float, float]:
@@ -243,7 +250,7 @@ class Digest:
             return self.values
         assert self.stats is not None
         first, second = (float(n) for n in torch.stack(self.stats).tolist())
-        return (first, second) if self.stats[0].is_cpu else self.from_stats(first, second)
+        return self.from_stats(first, second)
 
     def comparable(self, other: Digest) -> bool:
         """Taken of as many values, in the same place (both on the CPU, read or not, or both on one device)?"""
@@ -276,8 +283,16 @@ def _on_cpu(t: torch.Tensor) -> Digest:
     return Digest(None, t.numel(), _CPU_RTOL[t.dtype], (total, norm))
 
 
+#: Dtypes that ``std_mean`` reads as they are (on an accelerator); any other is converted first.
+_MOMENTS_READ = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+#: Bytes converted to the accumulation dtype at a time: the copy a conversion makes (twice a
+#: 16-bit output's size in float32, eight times a boolean's in float64) stays 1 MiB, not a
+#: multiple of the output, at the end of the forward run, where every earlier activation is alive.
+_PIECE_BYTES = 1 << 20
+
+
 def _one(b: torch.Tensor) -> Digest:
-    """The digest of one plain tensor, accumulated in at least float32."""
+    """The digest of one plain tensor, accumulated in at least float32 (integers exactly, in float64)."""
     exact = not has_gradient_dtype(b)
     rtol = 0.0 if exact else _RTOL.get(b.dtype, _RTOL_OTHER_FLOAT)
     numel = b.numel()
@@ -285,16 +300,16 @@ def _one(b: torch.Tensor) -> Digest:
     if v.is_complex():
         v = torch.view_as_real(v.resolve_conj())
         numel *= 2
-    elif exact:  # integers and booleans
-        v = v.to(torch.float64)
+    acc = torch.float64 if exact or v.dtype is torch.float64 else torch.float32
     if not b.is_cpu:
-        return Digest(torch.std_mean(v, correction=0), numel, rtol)
+        if v.dtype in _MOMENTS_READ:
+            return Digest(torch.std_mean(v, correction=0), numel, rtol, moments=True)
+        return Digest(_sum_and_norm(v, acc), numel, rtol)  # integers, booleans, 8-bit floats
     # Read now, unless a dispatch mode traces this run (linearize's make_fx): reading
     # a traced value would be a data-dependent operation. Such a digest is taken in
     # float64: it cannot be looked at to see whether float32 overflowed (below).
     if DEFER_ON_CPU or dispatch_modes_active():
         return Digest(_sum_and_norm(v, torch.float64), numel, rtol)
-    acc = v.dtype if v.dtype in (torch.float64, torch.float32) else torch.float32
     total, norm = (n.item() for n in _sum_and_norm(v, acc))
     if acc is not torch.float64 and not (math.isfinite(total) and math.isfinite(norm)):
         # The sum of squares overflows float32 for finite values beyond about 1e19 (1e16
@@ -305,7 +320,21 @@ def _one(b: torch.Tensor) -> Digest:
 
 
 def _sum_and_norm(v: torch.Tensor, acc: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    return torch.sum(v, dtype=acc), torch.linalg.vector_norm(v, dtype=acc)
+    """Sum and L2 norm of ``v``'s values in dtype ``acc``, converting :data:`_PIECE_BYTES` at a time."""
+    if v.dtype is acc:
+        return torch.sum(v), torch.linalg.vector_norm(v)
+    piece = _PIECE_BYTES // acc.itemsize
+    if v.numel() <= piece:
+        c = v.to(acc)
+        return torch.sum(c), torch.linalg.vector_norm(c)
+    longest = max(range(v.dim()), key=v.size)
+    sums, norms = [], []
+    for part in torch.split(v, max(1, v.size(longest) * piece // v.numel()), dim=longest):
+        c = part.to(acc)
+        sums.append(torch.sum(c))
+        norms.append(torch.linalg.vector_norm(c))
+        del c  # before the next piece's copy: one alive at a time
+    return torch.sum(torch.stack(sums)), torch.linalg.vector_norm(torch.stack(norms))
 
 
 def digest(tensors: Sequence[torch.Tensor]) -> list[Digest | None]:
@@ -363,7 +392,7 @@ def _differing(forward: Sequence[Digest | None], recomputed: Sequence[Digest | N
             return d.values
         assert d.stats is not None
         first, second = (float(read[id(s)]) for s in d.stats)
-        return (first, second) if d.stats[0].is_cpu else d.from_stats(first, second)
+        return d.from_stats(first, second)
 
     return [i for i, a, b in pairs if not _agree(a, sum_and_norm(a), sum_and_norm(b))]
 

@@ -353,6 +353,69 @@ def test_value_check_sees_a_change_in_values_whose_squares_overflow_float32(monk
     assert_close(x.grad, x_ref.grad)
 
 
+OTHER_DTYPES = [torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.int8, torch.bool]
+
+
+def _cast(dtype):
+    """``x`` (float) converted to ``dtype``, its sign for a boolean, making nothing else."""
+
+    def f(x):
+        return x > 0 if dtype is torch.bool else (x * 4).to(dtype) if dtype is torch.int8 else x.to(dtype)
+
+    return f
+
+
+@pytest.mark.parametrize("defer", [False, True])
+@pytest.mark.parametrize("dtype", OTHER_DTYPES)
+def test_outputs_of_other_dtypes_are_checked_and_differentiated_as_without_remat(monkeypatch, dtype, defer):
+    """16-bit, 8-bit float, integer and boolean outputs (beside a float64 one, so that the
+    call is recomputed): the digest converts them (8-bit floats have no reductions of their
+    own), the gradient is the plain function's, and a recomputation that computes other
+    values for them is refused."""
+    from funckpt import _errors
+
+    monkeypatch.setattr(_errors, "DEFER_ON_CPU", defer)
+    cast = _cast(dtype)
+
+    def f(x, sign=1):
+        return x.sin(), cast(sign * x)
+
+    def loss(fn, x):
+        a, b = fn(x)
+        return a.sum() + (b.to(D) * x).square().sum()
+
+    x = X.clone().requires_grad_()
+    loss(remat(f), x).backward()
+    x_ref = X.clone().requires_grad_()
+    loss(f, x_ref).backward()
+    assert_close(x.grad, x_ref.grad)
+    assert_close(tf.grad(lambda x: loss(remat(f), x))(X), x_ref.grad)
+
+    calls = []
+
+    def drifting(x):
+        calls.append(1)
+        return f(x, 1 if len(calls) % 2 == 1 else -1)
+
+    with pytest.raises(CheckpointError, match="output tensor 1 has other values"):
+        loss(remat(drifting), X.clone().requires_grad_()).backward()
+    assert _errors._deferred == {}
+
+
+@pytest.mark.parametrize("dtype", OTHER_DTYPES)
+def test_the_digest_of_a_large_output_of_another_dtype_costs_no_copy_of_it(dtype):
+    """Converting an output for its digest (a 16-bit one to float32, a boolean to float64) goes
+    piece by piece: the forward pass of a remat'd cast peaks near where the plain cast does (a
+    piece above it), not at the output plus a converted copy of it, two to eight times its size."""
+    from benchmarks._common import peak_bytes
+
+    x = torch.randn(1 << 23, requires_grad=True)
+    f = _cast(dtype)
+    plain = peak_bytes(lambda: f(x))
+    rematted = peak_bytes(lambda: remat(f)(x))
+    assert rematted - plain <= plain / 4, (rematted, plain)
+
+
 def test_an_input_modified_before_the_backward_is_named():
     """The error names the parameter the update hit (a frozen weight an optimizer or an adapter merge changed)."""
     import funckpt
