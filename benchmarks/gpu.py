@@ -11,8 +11,14 @@ Two stacks of pre-norm blocks (LayerNorm, qkv Linear, causal
 
 Every variant runs in the same process, interleaved round by round; figures
 are medians. Peak is ``torch.cuda.max_memory_allocated()`` during the step minus
-what was allocated before it (so it includes the gradients). funckpt runs with
-its default options (the determinism check on).
+what was allocated before it, with the parameters' ``.grad`` freed before each
+step (outside the measurement), so every variant's peak includes the gradients it
+makes. (Freed inside a ``.backward()`` step, as the first version of this table
+did, the previous step's gradients count in "before" and are replaced during the
+step: those peaks then leave the gradients out, where ``torch.func.grad``'s, which
+returns them, keep them in. On the speed issue's stack that is 288 MiB, exactly the
+gap between ``torch.func.grad`` + remat's 673 MiB and ``.backward()`` + remat's 385.)
+funckpt runs with its default options (the determinism check on).
 """
 
 from __future__ import annotations
@@ -82,6 +88,11 @@ def _sac_policy(ctx: object, op: object, *args: object, **kwargs: object) -> Che
 
 
 def variants(config: Config, device: torch.device) -> dict[str, Callable[[], None]]:
+    return variants_and_setup(config, device)[0]
+
+
+def variants_and_setup(config: Config, device: torch.device) -> tuple[dict[str, Callable[[], None]], Callable[[], None]]:
+    """The steps, and what to run before each measured one: free the parameters' gradients."""
     torch.manual_seed(0)
     blocks = nn.ModuleList(Block(config.d, config.heads) for _ in range(config.blocks)).to(device, config.dtype)
     x = torch.randn(config.b, config.t, config.d, device=device, dtype=config.dtype)
@@ -95,7 +106,6 @@ def variants(config: Config, device: torch.device) -> dict[str, Callable[[], Non
 
     def backward(call: Callable[[int, torch.Tensor], torch.Tensor]) -> Callable[[], None]:
         def step() -> None:
-            blocks.zero_grad(set_to_none=True)
             h = x
             for i in range(config.blocks):
                 h = call(i, h)
@@ -113,6 +123,9 @@ def variants(config: Config, device: torch.device) -> dict[str, Callable[[], Non
 
         return lambda: tf.grad(f)(params) and None
 
+    def clear() -> None:
+        blocks.zero_grad(set_to_none=True)
+
     return {
         ".backward(), no checkpointing": backward(lambda i, h: blocks[i](h)),
         ".backward() + torch.utils.checkpoint": backward(lambda i, h: checkpoint(blocks[i], h, use_reentrant=False)),
@@ -123,7 +136,7 @@ def variants(config: Config, device: torch.device) -> dict[str, Callable[[], Non
         ".backward() + remat(dots_saveable)": backward(lambda i, h: dots_blocks[i](h)),
         "torch.func.grad, no checkpointing": func_grad(blocks),
         "torch.func.grad + remat": func_grad(remat_blocks),
-    }
+    }, clear
 
 
 def _sync(device: torch.device) -> None:
@@ -133,7 +146,8 @@ def _sync(device: torch.device) -> None:
 
 def measure(config: Config, device: torch.device, rounds: int) -> dict[str, tuple[float, float]]:
     """Median step seconds and peak MiB per variant."""
-    return measure_steps(variants(config, device), device, rounds)
+    steps, clear = variants_and_setup(config, device)
+    return measure_steps(steps, device, rounds, setup=clear)
 
 
 def measure_steps(
