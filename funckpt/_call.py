@@ -74,7 +74,14 @@ from ._internals import (
 from ._options import RematOptions, callable_name, check_static_argnums
 from ._pytree import ArgSpec, TreeSlots, flatten, flatten_args
 from ._residuals import notify
-from ._saving import Saved, WriteWatch, clone_together, held_by_recording_regions
+from ._saving import (
+    Saved,
+    WriteWatch,
+    clone_together,
+    detach_kept_since,
+    held_by_recording_regions,
+    recording_marks,
+)
 from .policies import nothing_saveable
 
 __all__ = ["UserRegion", "call", "finish", "nothing_to_differentiate", "prepare"]
@@ -659,7 +666,9 @@ class UserRegion(Region):
                 "the container through static_argnums if it holds no tensor remat must route."
             )
 
-    def _refuse_escaped_tensors(self, substitute: Substitute, inputs: tuple[torch.Tensor, ...]) -> None:
+    def _refuse_escaped_tensors(
+        self, substitute: Substitute, inputs: tuple[torch.Tensor, ...], marks: list[tuple[Saved, int]]
+    ) -> None:
         """Raise if a tensor the forward run computed outlives its local graph other than as an output.
 
         A forward hook that appends a submodule's output to a list (HF's
@@ -667,8 +676,11 @@ class UserRegion(Region):
         attribute: such a tensor's graph ends inside the run, at remat's own
         copies of the inputs, so a gradient through it would be silently missing.
         Checked once the run's graph is dropped: what is still alive then is held
-        from outside.
+        from outside. An enclosing region whose policy keeps values holds some of this
+        run's tensors (``marks``: where its trace stood when this run began), with this
+        run's graph attached: that is let go of first, as that region would at its end.
         """
+        detach_kept_since(marks)
         made = substitute.made or []
         substitute.made = None
         # An operator may return its input itself (x.to(x.dtype), eval-mode dropout): not made here.
@@ -785,6 +797,7 @@ class UserRegion(Region):
             modes.append(self.saved.recorder(self._write_watch(flat, plain_autograd)))
         elif not all(self.differentiable):
             modes.append(self._write_watch(flat, plain_autograd))
+        marks = recording_marks() if grad_forward else []  # before this region's own recorder starts
         with self._running(flat, forward=True, grad=grad_forward, modes=modes) as run:
             if grad_forward and run.substitute is not None:
                 run.substitute.made = []
@@ -844,7 +857,7 @@ class UserRegion(Region):
         if grad_forward:  # drop the run's local graph
             tensors = [t.detach() if t.requires_grad else t for t in tensors]
             del out
-            self._refuse_escaped_tensors(substitute, flat)
+            self._refuse_escaped_tensors(substitute, flat, marks)
         self.out_slots = slots
         self.out_meta = [tensor_meta(t) for t in tensors]
         if self._compares_values():

@@ -340,6 +340,32 @@ class Saved:
         return Replayer(self, allow_mutation, self.fetch())
 
 
+def recording_marks() -> list[tuple[Saved, int]]:
+    """Where the trace of each region recording now stands (see ``detach_kept_since``)."""
+    return [(saved, len(saved.trace)) for saved in active.stack]
+
+
+def detach_kept_since(marks: list[tuple[Saved, int]]) -> None:
+    """Detach the values the enclosing recording regions kept since ``marks``, during a nested run.
+
+    A region nested in one whose policy keeps values: the outer recorder keeps the very
+    tensors the inner run's operators made, and where that run records a local graph
+    (plain autograd) they carry it, with every activation it saved (a matmul's input, the
+    view behind it). Once the inner run ends nothing may hold on to that graph: its
+    activations would look like tensors that escaped the inner call, and would stay alive
+    until the outer run ends. The outer detaches its kept values then anyway
+    (``finish_forward``); doing so earlier for these changes nothing else: a detached
+    tensor shares the storage and the version counter the checks use, and none of them
+    is an output of the outer call (the inner's outputs reach it through the inner's
+    autograd Function, as other tensors). Called above autograd, outside
+    ``__torch_dispatch__``: ``detach`` is not numbered in the outer trace (``_UNNUMBERED``).
+    """
+    for saved, start in marks:
+        for position, out in list(saved.kept.items()):
+            if position >= start:
+                saved.kept[position] = _detached(out)
+
+
 def held_by_recording_regions() -> set[int]:
     """Ids of the tensors the policies of the regions recording now keep (until their forward run ends).
 

@@ -214,6 +214,75 @@ def test_nested_remat_with_budgets():
     assert_close(tf.vmap(tf.grad(f), in_dims=(None, None, 0))(W1, W2, xs), tf.vmap(tf.grad(ref), in_dims=(None, None, 0))(W1, W2, xs))
 
 
+class _NormDot(nn.Module):
+    # a matmul whose input is made inside (saved by the matmul's backward, with its view)
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(5, 5, dtype=D, generator=torch.Generator().manual_seed(3)) / 2)
+
+    def forward(self, x):
+        return torch.tanh(F.layer_norm(x, x.shape[-1:])) @ self.w + x
+
+
+class _Stage(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([_NormDot(), _NormDot()])
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return x
+
+
+@pytest.mark.parametrize("inner_policy", [None, policies.dots_saveable])
+@pytest.mark.parametrize(
+    "outer_policy",
+    [policies.dots_saveable, policies.everything_saveable, policies.memory_budget(0.5), policies.offload_dot_with_no_batch_dims()],
+    ids=["dots", "everything", "budget", "offload"],
+)
+def test_remat_blocks_inside_a_remat_stage_that_keeps_values(outer_policy, inner_policy):
+    """Swin's layout: remat'd blocks inside a remat'd stage whose policy keeps values. The
+    stage's recorder keeps the blocks' matmul outputs, which carry the block's local graph
+    (the layer norm's output the matmul saved); that is not a tensor escaping the block."""
+    reference = _Stage()
+    stage = _Stage()
+    stage.load_state_dict(reference.state_dict())
+    for i in range(len(stage.blocks)):
+        stage.blocks[i] = remat(stage.blocks[i], policy=inner_policy)
+    wrapped = remat(stage, policy=outer_policy)
+    x = X.clone().requires_grad_()
+    x_ref = X.clone().requires_grad_()
+    wrapped(x).sin().sum().backward()
+    reference(x_ref).sin().sum().backward()
+    assert_close(x.grad, x_ref.grad)
+    assert_close({n: p.grad for n, p in stage.named_parameters()}, {n: p.grad for n, p in reference.named_parameters()})
+    params = {n: p.detach() for n, p in reference.named_parameters()}
+
+    def grads(m):
+        return tf.grad(lambda p, x: tf.functional_call(m, p, (x,)).sin().sum(), argnums=(0, 1))(params, X)
+
+    assert_close(grads(wrapped), grads(reference))
+
+
+class _Caching(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(W1[:, :5].clone())
+
+    def forward(self, x):
+        h = torch.tanh(x) @ self.w
+        self.last = h  # kept by the stage's policy too, and escaping the block
+        return h.sin()
+
+
+def test_a_tensor_escaping_a_remat_block_inside_a_stage_that_keeps_values_still_raises():
+    inner = remat(_Caching())
+    outer = remat(lambda x: inner(x).cos(), policy=policies.dots_saveable)
+    with pytest.raises(funckpt.CheckpointError, match="outlived the call"):
+        outer(X.clone().requires_grad_())
+
+
 def test_nested_offload_inside_budget(backend):
     inner = remat(block, policy=policies.offload_dot_with_no_batch_dims())
     outer = remat(lambda w1, w2, x: inner(w1, w2, x).cos(), policy=policies.memory_budget(0.6))
