@@ -1,7 +1,8 @@
 """funckpt on more HuggingFace architectures than test_real_models.py covers.
 
-Mistral, Qwen2/3, Phi, Gemma/Gemma2, Falcon, GPT-NeoX, OPT, DistilBERT, RoBERTa,
-BART, mBART, Whisper and CLIP, each from a tiny random float64 config (nothing is
+Mistral, Qwen2/3, Phi, Gemma/Gemma2, Falcon, GPT-NeoX, OPT, Mixtral (a mixture of
+experts where some experts get no token), DistilBERT, RoBERTa, DeBERTa-v2, BART,
+mBART, Whisper and CLIP, each from a tiny random float64 config (nothing is
 downloaded), compared with the same model run without checkpointing:
 
 - HF's gradient checkpointing routed to ``funckpt.checkpoint`` (``use_reentrant``
@@ -98,6 +99,15 @@ def _build_raw(name, p):
             max_position_embeddings=16, attention_dropout=p, pad_token_id=0, bos_token_id=0, eos_token_id=1),
             vision_config=dict(hidden_size=H, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2, image_size=8, patch_size=4, attention_dropout=p),
             projection_dim=8))
+    elif name == "mixtral":  # eight experts, one per token: some experts get no token at all
+        config = C.MixtralConfig(**common_dec, num_key_value_heads=1, attention_dropout=p,
+            num_local_experts=8, num_experts_per_tok=1, router_jitter_noise=0.0)
+        config._experts_implementation = "eager"  # the grouped-mm kernels take no float64
+        m = C.MixtralForCausalLM(config)
+    elif name == "deberta_v2":
+        m = C.DebertaV2ForSequenceClassification(C.DebertaV2Config(vocab_size=V, hidden_size=H, intermediate_size=32,
+            num_hidden_layers=2, num_attention_heads=2, max_position_embeddings=16, relative_attention=True, position_buckets=4,
+            pos_att_type=["p2c", "c2p"], hidden_dropout_prob=p, attention_probs_dropout_prob=p, num_labels=3, pad_token_id=0))
     elif name == "t5":
         m = C.T5ForConditionalGeneration(C.T5Config(vocab_size=V, d_model=H, d_kv=8, d_ff=32, num_layers=2, num_decoder_layers=2, num_heads=2,
             relative_attention_num_buckets=8, relative_attention_max_distance=16, dropout_rate=p, decoder_start_token_id=0, pad_token_id=0, eos_token_id=1, use_cache=False))
@@ -110,7 +120,8 @@ _CLASSES = {
     "gpt_neox": "GPTNeoXForCausalLM", "opt": "OPTForCausalLM", "distilbert": "DistilBertForSequenceClassification",
     "roberta": "RobertaForSequenceClassification", "bart": "BartForConditionalGeneration",
     "mbart": "MBartForConditionalGeneration", "whisper": "WhisperForConditionalGeneration", "clip": "CLIPModel",
-    "t5": "T5ForConditionalGeneration",
+    "t5": "T5ForConditionalGeneration", "mixtral": "MixtralForCausalLM",
+    "deberta_v2": "DebertaV2ForSequenceClassification",
 }
 
 
@@ -164,6 +175,8 @@ SPECS = {  # inputs, loss, layer lists
     "falcon": (_lm, _clm_loss, lambda m: [m.transformer.h]),
     "gpt_neox": (_lm, _clm_loss, lambda m: [m.gpt_neox.layers]),
     "opt": (_lm, _clm_loss, lambda m: [m.model.decoder.layers]),
+    "mixtral": (_lm, _clm_loss, lambda m: [m.model.layers]),
+    "deberta_v2": (_masked, _cls_loss, lambda m: [m.deberta.encoder.layer]),
     "distilbert": (_masked, _cls_loss, lambda m: [m.distilbert.transformer.layer]),
     "roberta": (_masked, _cls_loss, lambda m: [m.roberta.encoder.layer]),
     "bart": (_s2s, _s2s_loss, lambda m: [m.model.encoder.layers, m.model.decoder.layers]),
@@ -272,7 +285,7 @@ def test_remat_layers_backward_and_torch_func_grad(name, mode):
 
 def _trainable(name):
     return name.endswith((
-        "q_proj.weight", "v_proj.weight", "query.weight", "q_lin.weight", "dense_4h_to_h.weight", "fc2.weight",
+        "q_proj.weight", "v_proj.weight", "query.weight", "query_proj.weight", "q_lin.weight", "dense_4h_to_h.weight", "fc2.weight",
         "mlp.fc1.weight", "mlp.dense_h_to_4h.weight",
     ))
 
