@@ -344,7 +344,7 @@ class _Running:
                 self._enter(_OwnParametrizationCache(cache))
             places = None
             if region.captured.modules:
-                places = reparametrized(region.captured, replace)
+                places = reparametrized(region.captured, replace, keep_rebound=forward)
                 self._enter(places)
             if region.options.context_fn is not None:
                 self._enter(region._user_context(forward))

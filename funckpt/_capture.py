@@ -480,13 +480,20 @@ class reparametrized:
     found once by :func:`find_captured` rather than looked up by dotted name on
     every run. Leaving puts back what each place held, in reverse order, so a
     place named twice (a shared submodule) ends as it was.
+
+    A place the function rebound while it ran (``self.count = self.count + 1``,
+    ConViT's ``self.rel_indices = ...`` on a registered buffer) holds the function's
+    new value instead: with ``keep_rebound`` (the forward run) that value stays, as it
+    would without remat (a value with a graph then outlives the call, and is refused as
+    any escaped tensor is); otherwise (a recomputation, or a run that raised) it is
+    dropped, so the state is updated once per forward pass.
     """
 
-    __slots__ = ("by_name", "captured", "replace", "swapped")
+    __slots__ = ("by_name", "captured", "keep_rebound", "replace", "swapped")
 
-    def __init__(self, captured: Captured, replace: dict[int, torch.Tensor]) -> None:
-        self.captured, self.replace = captured, replace
-        self.swapped: list[tuple[torch.nn.Module, str, Any]] = []
+    def __init__(self, captured: Captured, replace: dict[int, torch.Tensor], keep_rebound: bool = False) -> None:
+        self.captured, self.replace, self.keep_rebound = captured, replace, keep_rebound
+        self.swapped: list[tuple[torch.nn.Module, str, Any, Any]] = []
         self.by_name = False  # were the places looked up again (a submodule replaced since the call)?
 
     def __enter__(self) -> None:
@@ -497,18 +504,30 @@ class reparametrized:
             self.by_name = not unchanged
             for places in captured.places if unchanged else _places_by_name(captured):
                 for owner, key, t in places:
-                    swapped.append((owner, key, _swap_tensor(owner, key, replace.get(id(t), t))))
+                    placed = replace.get(id(t), t)
+                    swapped.append((owner, key, _swap_tensor(owner, key, placed), placed))
         except BaseException:
             self.__exit__()
             raise
 
     def __exit__(self, *exc: Any) -> None:
         swapped, self.swapped = self.swapped, []
-        for owner, key, before in reversed(swapped):
+        keep = self.keep_rebound and exc[:1] in ((), (None,))
+        for owner, key, before, placed in reversed(swapped):
+            if keep and _held(owner, key) is not placed:
+                continue  # rebound by the function: its value stays, as without remat
             _swap_tensor(owner, key, before)
 
 
 _ABSENT = object()
+
+
+def _held(owner: torch.nn.Module, key: str) -> Any:
+    """What ``owner``'s parameter, buffer or attribute ``key`` holds (``_ABSENT`` where nothing)."""
+    for entries in (owner._parameters, owner._buffers):
+        if key in entries:
+            return entries[key]
+    return owner.__dict__.get(key, _ABSENT)
 
 
 def _swap_tensor(owner: torch.nn.Module, key: str, value: Any) -> Any:

@@ -904,3 +904,79 @@ def test_submodule_replaced_between_forward_and_backward():
     out = remat(net)(X)
     net.fc = copy.deepcopy(net.fc)  # same values, new tensors
     assert_close(torch.autograd.grad(out.square().sum(), params), expected)
+
+
+class _RebindsItsBuffers(torch.nn.Module):
+    """Rebinds registered buffers in its forward instead of writing them in place: a step
+    counter, an EMA of its activations, and an index table built lazily for the input's size
+    over a placeholder buffer (timm's ConViT ``rel_indices``); the output reads all three."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4, dtype=D)
+        self.register_buffer("count", torch.zeros((), dtype=D))
+        self.register_buffer("ema", torch.zeros(4, dtype=D))
+        self.register_buffer("table", torch.zeros(1, dtype=D))
+
+    def forward(self, x):
+        if self.table.shape[0] != x.shape[0]:
+            self.table = torch.arange(x.shape[0], dtype=D)
+        y = self.lin(x)
+        self.count = self.count + 1
+        self.ema = 0.9 * self.ema + 0.1 * y.detach().mean(0)
+        return torch.tanh(y) * self.count + self.table[:, None] + self.ema
+
+
+@pytest.mark.parametrize("route", ["remat", "checkpoint", "remat(Sequential)"])
+def test_buffers_rebound_in_the_forward_are_kept_once_not_dropped(route):
+    """The forward run's new buffers stay in the module, as without remat; the recomputation's
+    are dropped (the state steps once per forward pass); the gradients are the plain module's."""
+    import copy
+
+    from funckpt import checkpoint
+
+    torch.manual_seed(0)
+    reference = torch.nn.Sequential(_RebindsItsBuffers(), _RebindsItsBuffers())
+    net = copy.deepcopy(reference)
+    if route == "remat":
+        model = torch.nn.Sequential(*[remat(layer) for layer in net])
+    elif route == "checkpoint":
+        model = lambda x: checkpoint(net, x, use_reentrant=False)  # noqa: E731
+    else:
+        model = remat(net)
+    for _ in range(2):  # the second step starts from the first one's buffers
+        for m in (reference, model):
+            m(X).square().sum().backward()
+        assert_close(dict(net.named_buffers()), dict(reference.named_buffers()))
+        assert_close(dict((k, p.grad) for k, p in net.named_parameters()), dict((k, p.grad) for k, p in reference.named_parameters()))
+    assert net[0].count.item() == 2
+
+
+def test_buffers_rebound_under_torch_func_grad_of_functional_call():
+    import copy
+
+    torch.manual_seed(0)
+    reference = _RebindsItsBuffers()
+    net = copy.deepcopy(reference)
+
+    def grads(model):
+        params = {k: v.detach() for k, v in model.named_parameters()}
+        return tf.grad(lambda p: tf.functional_call(model, p, (X,)).square().sum())(params)
+
+    assert_close(grads(remat(net)), grads(reference))
+    assert_close(dict(net.named_buffers()), dict(reference.named_buffers()))
+
+
+def test_buffer_rebound_to_a_tensor_with_a_graph_is_refused_not_silently_dropped():
+    class Caches(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4, dtype=D)
+            self.register_buffer("last", torch.zeros(4, 4, dtype=D))
+
+        def forward(self, x):
+            self.last = self.lin(x)  # read by the caller after the call: would have no gradient
+            return torch.tanh(self.last)
+
+    with pytest.raises(CheckpointError, match="outlived the call"):
+        remat(Caches())(X).sum().backward()
