@@ -45,10 +45,27 @@ class Remat(torch.nn.Module):
         self._buffers = module._buffers
         self._modules = module._modules
         self._non_persistent_buffers_set = module._non_persistent_buffers_set
+        # Its state-dict hooks too (spectral_norm's version metadata, user hooks): one set,
+        # whichever of the two they are registered on.
+        self._state_dict_hooks = module._state_dict_hooks
+        self._state_dict_pre_hooks = module._state_dict_pre_hooks
+        self._load_state_dict_pre_hooks = module._load_state_dict_pre_hooks
+        self._load_state_dict_post_hooks = module._load_state_dict_post_hooks
         self.training = module.training
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return call(self.wrapped, self._remat_options, args, kwargs)
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        """The wrapped module's own ``state_dict``: its entries under the same keys, and also its
+        version metadata, its extra state (``get_extra_state``), its hooks and its class's
+        ``_save_to_state_dict``, none of which the wrapper's own would give."""
+        return self.wrapped.state_dict(*args, **kwargs)
+
+    def _load_from_state_dict(self, *args: Any, **kwargs: Any) -> None:
+        """Loaded as the wrapped module loads itself (its class's override, its pre-hooks, its
+        extra state, by its version); the submodules, shared, are loaded after it as usual."""
+        self.wrapped._load_from_state_dict(*args, **kwargs)
 
     def __getattr__(self, name: str) -> Any:
         """The wrapped module's other attributes read through (``layer.attention_type``, ...).

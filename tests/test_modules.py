@@ -231,3 +231,62 @@ def test_mode_switched_between_forward_and_backward_recomputes_in_the_forward_mo
             assert all(m.training is (not start_training) for m in net.modules())
             results.append([h.grad, *(p.grad for p in net.parameters())])
         assert_close(results[0], results[1])
+
+
+class _WithExtraState(torch.nn.Module):
+    """A module with extra state (a step counter) and its own load-time conversion: it drops
+    a legacy key that older checkpoints have (as timm's frozen BatchNorm drops
+    ``num_batches_tracked``)."""
+
+    _version = 3
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4, dtype=D)
+        self.step = 0
+
+    def get_extra_state(self):
+        return {"step": self.step}
+
+    def set_extra_state(self, state):
+        self.step = state["step"]
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        state_dict.pop(prefix + "legacy", None)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+    def forward(self, x):
+        return self.lin(x)
+
+
+def _extra_state_model(rematted):
+    torch.manual_seed(0)
+    inner = _WithExtraState()
+    sn = torch.nn.utils.spectral_norm(torch.nn.Linear(4, 4, dtype=D))
+    bn = torch.nn.BatchNorm1d(4, dtype=D)
+    hooked = torch.nn.Linear(4, 4, dtype=D)
+    hooked.register_state_dict_post_hook(lambda m, sd, prefix, meta: sd.__setitem__(prefix + "tag", torch.ones(1)))
+    layers = [inner, sn, bn, hooked]
+    return torch.nn.Sequential(*[remat(m) if rematted else m for m in layers])
+
+
+def test_state_dict_is_the_wrapped_modules_own_with_extra_state_metadata_and_hooks():
+    """remat(m) saves and loads as m does: extra state, version metadata (BatchNorm's, spectral
+    norm's), state-dict hooks, and the class's own _load_from_state_dict."""
+    reference, model = _extra_state_model(False), _extra_state_model(True)
+    reference[0].step = 7
+    saved = reference.state_dict()
+    assert list(model.state_dict()) == list(saved)
+    assert model.state_dict()._metadata == saved._metadata
+    legacy = dict(saved, **{"0.legacy": torch.zeros(1)})
+    legacy.pop("3.tag")
+    assert not model.load_state_dict(legacy, strict=True).missing_keys
+    assert model[0].step == 7
+    assert_close(model.state_dict(), saved)
+    # and back: what the remat'd model saves loads into the plain one
+    model[0].wrapped.step = 9  # (an attribute set on the wrapper itself stays on the wrapper)
+    fresh = _extra_state_model(False)
+    state = model.state_dict()
+    state.pop("3.tag")
+    fresh.load_state_dict(state)
+    assert fresh[0].step == 9
