@@ -484,9 +484,10 @@ class reparametrized:
     A place the function rebound while it ran (``self.count = self.count + 1``,
     ConViT's ``self.rel_indices = ...`` on a registered buffer) holds the function's
     new value instead: with ``keep_rebound`` (the forward run) that value stays, as it
-    would without remat (a value with a graph then outlives the call, and is refused as
-    any escaped tensor is); otherwise (a recomputation, or a run that raised) it is
-    dropped, so the state is updated once per forward pass.
+    would without remat; otherwise (a recomputation, or a run that raised) it is dropped,
+    so the state is updated once per forward pass. A rebound value with a graph (the
+    weight the old-style ``nn.utils.spectral_norm`` pre-hook computes at each call) is
+    dropped as before: kept, it would outlive the call's local graph (README, limits).
     """
 
     __slots__ = ("by_name", "captured", "keep_rebound", "replace", "swapped")
@@ -514,8 +515,10 @@ class reparametrized:
         swapped, self.swapped = self.swapped, []
         keep = self.keep_rebound and exc[:1] in ((), (None,))
         for owner, key, before, placed in reversed(swapped):
-            if keep and _held(owner, key) is not placed:
-                continue  # rebound by the function: its value stays, as without remat
+            if keep:
+                held = _held(owner, key)
+                if held is not placed and not (isinstance(held, torch.Tensor) and held.requires_grad):
+                    continue  # rebound by the function: its value stays, as without remat
             _swap_tensor(owner, key, before)
 
 
