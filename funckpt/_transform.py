@@ -140,6 +140,12 @@ def _decorate(fn: Callable[..., Any], *, options: RematOptions) -> Any:
             f"remat: fn is the class {fn.__name__}, not a module: remat an instance, "
             f"for example remat({fn.__name__}(...))"
         )
+    if isinstance(fn, torch.nn.Module) and type(fn).forward is torch.nn.Module.forward:
+        # A container (ModuleList, ModuleDict): the wrapper would be neither callable nor iterable.
+        raise TypeError(
+            f"remat: fn is a {type(fn).__name__}, which has no forward to checkpoint: remat its "
+            f"modules instead, for example [remat(m) for m in modules]"
+        )
     if options.segments is not None and not isinstance(fn, torch.nn.Sequential):
         raise ValueError(
             f"remat: segments applies to an nn.Sequential only, got segments={options.segments} "

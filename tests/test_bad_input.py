@@ -117,6 +117,7 @@ def _random_op_under_vmap_randomness_error() -> None:
 ROWS: dict[str, Row] = {
     # --- arguments of remat, at decoration
     "fn not callable": Row(lambda: remat(3), TypeError, r"fn must be callable"),
+    "fn a ModuleList": Row(lambda: remat(nn.ModuleList([nn.ReLU()])), TypeError, r"no forward to checkpoint"),
     "fn a module class, not a module": Row(lambda: remat(nn.Linear), TypeError, r"remat an instance.*remat\(Linear\(...\)\)"),
     "policy a string": Row(lambda: remat(sin, policy="dots_saveable"), TypeError, r"policy must be a callable"),
     "policy the policies module": Row(lambda: remat(sin, policy=policies), TypeError, r"policy must be a callable"),
