@@ -81,6 +81,30 @@ class Remat(torch.nn.Module):
                 raise
             return getattr(wrapped, name)
 
+    def __setattr__(self, name: str, value: Any) -> None:
+        """The wrapped module's other attributes are written through, as they are read through.
+
+        Code that configures a model by setting its modules' attributes (diffusers'
+        ``enable_freeu`` on each up block, ``m.fused_attn = False``, a scale or a flag)
+        would otherwise set them on the wrapper, where reads see them but the wrapped
+        module's forward does not: the call would silently run unconfigured. The wrapper's
+        own state (``training``, its hooks, the registries it shares, what ``nn.Module``
+        or ``Remat`` defines) stays on the wrapper.
+        """
+        wrapped = self.__dict__.get("wrapped")
+        if wrapped is None or name in self.__dict__ or hasattr(type(self), name):
+            super().__setattr__(name, value)
+        else:
+            setattr(wrapped, name, value)
+
+    def __delattr__(self, name: str) -> None:
+        wrapped = self.__dict__.get("wrapped")
+        shared = (self._parameters, self._buffers, self._modules)
+        if wrapped is None or name in self.__dict__ or any(name in d for d in shared):
+            super().__delattr__(name)
+        else:
+            delattr(wrapped, name)
+
     def train(self, mode: bool = True) -> Remat:
         super().train(mode)
         self.wrapped.training = mode

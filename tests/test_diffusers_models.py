@@ -577,3 +577,21 @@ def test_sampler_loop_gradients(loop, routed):
     x = x0.clone().requires_grad_()
     checkpointed(p, x).backward()
     assert_close(({k: v.grad for k, v in p.items()}, x.grad), expected[0])
+
+
+def test_enable_freeu_after_remat_blocks():
+    """enable_freeu() sets s1, s2, b1, b2 as attributes of each up block: with the blocks remat'd
+    it must configure the blocks that run, not their wrappers (it changes the output)."""
+    reference = build("unet_cond", train=False)
+    model = remat_blocks(reference)
+    x, kw = inputs("unet_cond")
+    with torch.no_grad():
+        plain = forward(reference, "unet_cond", x, kw)
+        for m in (reference, model):
+            m.enable_freeu(s1=0.9, s2=0.2, b1=1.2, b2=1.4)
+        expected = forward(reference, "unet_cond", x, kw)
+        assert not torch.allclose(expected, plain)
+        assert_close(forward(model, "unet_cond", x, kw), expected)
+        for m in (reference, model):
+            m.disable_freeu()
+        assert_close(forward(model, "unet_cond", x, kw), plain)

@@ -284,9 +284,46 @@ def test_state_dict_is_the_wrapped_modules_own_with_extra_state_metadata_and_hoo
     assert model[0].step == 7
     assert_close(model.state_dict(), saved)
     # and back: what the remat'd model saves loads into the plain one
-    model[0].wrapped.step = 9  # (an attribute set on the wrapper itself stays on the wrapper)
+    model[0].step = 9  # set through the wrapper
     fresh = _extra_state_model(False)
     state = model.state_dict()
     state.pop("3.tag")
     fresh.load_state_dict(state)
     assert fresh[0].step == 9
+
+
+class _Scaled(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4, dtype=D)
+        self.scale = 1.0
+
+    def forward(self, x):
+        out = torch.tanh(self.lin(x)) * self.scale
+        return out + self.shift if hasattr(self, "shift") else out
+
+
+def test_attributes_set_and_deleted_through_the_wrapper_reach_the_wrapped_module():
+    """Configuring a remat'd module by its attributes (diffusers' enable_freeu sets s1, s2, b1, b2
+    on each up block) configures the module that runs: the wrapper reads through and writes
+    through alike, never silently running the unconfigured module."""
+    import copy
+
+    torch.manual_seed(0)
+    reference = _Scaled()
+    model = remat(copy.deepcopy(reference))
+    x = torch.randn(3, 4, dtype=D)
+    for m in (reference, model):
+        m.scale = 0.5  # an existing attribute
+        m.shift = 2.0  # a new one
+    assert model.scale == model.wrapped.scale == 0.5 and model.wrapped.shift == 2.0
+    assert_close(model(x), reference(x))
+    for m in (reference, model):
+        del m.shift
+    assert not hasattr(model, "shift") and not hasattr(model.wrapped, "shift")
+    assert_close(model(x), reference(x))
+    # the wrapper's own state stays its own
+    model.register_forward_hook(lambda *a: None)
+    assert model._forward_hooks and not model.wrapped._forward_hooks
+    model.eval()
+    assert not model.training and not model.wrapped.training
