@@ -693,8 +693,9 @@ class UserRegion(Region):
             held = held_by_recording_regions()
             alive = [t for t in alive if id(t) not in held]
         if alive:
+            # The last one made: the others alive are most likely what its graph saved.
             raise CheckpointError(
-                f"remat({self.name}): a tensor of shape {tuple(alive[0].shape)} that the function computed "
+                f"remat({self.name}): a tensor of shape {tuple(alive[-1].shape)} that the function computed "
                 "outlived the call other than as its return value (kept by a forward hook, a list or dict "
                 "it appends to, a global, or a module attribute such as a cache a module fills on its first "
                 "call; HF's output_attentions and output_hidden_states do this). remat records no graph for "

@@ -2278,6 +2278,24 @@ def test_a_forward_hook_that_keeps_a_submodule_output_raises_instead_of_losing_i
         remat(block)(randn(3, 4, seed=1).requires_grad_())
 
 
+def test_the_escape_error_names_the_tensor_kept_not_what_its_graph_keeps_alive():
+    """A module storing a state computed from an activation keeps that activation alive too
+    (its graph saved it): the error names the state's shape, the one the user wrote."""
+
+    class Stateful(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4, dtype=D)
+
+        def forward(self, x):
+            h = torch.tanh(self.lin(x))
+            self.state = (h * h).sum(1)
+            return h
+
+    with pytest.raises(CheckpointError, match=r"a tensor of shape \(2, 4\) that the function computed outlived"):
+        remat(Stateful())(randn(2, 3, 4, seed=1).requires_grad_())
+
+
 def test_a_tensor_stored_in_a_global_raises():
     store = {}
 
