@@ -94,6 +94,11 @@ class Remat(torch.nn.Module):
         wrapped = self.__dict__.get("wrapped")
         if wrapped is None or name in self.__dict__ or hasattr(type(self), name):
             super().__setattr__(name, value)
+            if name == "training" and wrapped is not None:
+                # Both flags, as train() sets them: ``for m in model.modules(): m.training = False``
+                # reaches the wrapper (the wrapped module is not among them), whose forward runs
+                # the wrapped module: left in the other mode, it would silently run so.
+                wrapped.training = value
         else:
             setattr(wrapped, name, value)
 
@@ -106,8 +111,7 @@ class Remat(torch.nn.Module):
             delattr(wrapped, name)
 
     def train(self, mode: bool = True) -> Remat:
-        super().train(mode)
-        self.wrapped.training = mode
+        super().train(mode)  # sets self.training, and so the wrapped module's (__setattr__)
         return self
 
     def extra_repr(self) -> str:

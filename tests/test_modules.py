@@ -327,3 +327,27 @@ def test_attributes_set_and_deleted_through_the_wrapper_reach_the_wrapped_module
     assert model._forward_hooks and not model.wrapped._forward_hooks
     model.eval()
     assert not model.training and not model.wrapped.training
+
+
+def test_training_flag_set_directly_reaches_the_wrapped_module():
+    """``for m in model.modules(): m.training = False`` (code that switches modes without
+    ``eval()``) reaches the wrapper, not the module it wraps (which is not among the
+    modules): the wrapped BatchNorm then runs in that mode too, as the plain model does."""
+    import copy
+
+    torch.manual_seed(0)
+    reference = torch.nn.Sequential(torch.nn.Linear(4, 4, dtype=D), torch.nn.BatchNorm1d(4, dtype=D))
+    model = torch.nn.Sequential(*[remat(m) for m in copy.deepcopy(reference)])
+    x = torch.randn(8, 4, dtype=D)
+    for training in (False, True):
+        for net in (reference, model):
+            for m in net.modules():
+                m.training = training
+        assert all(m.wrapped.training is training for m in model)
+        x_ref, x_remat = x.clone().requires_grad_(), x.clone().requires_grad_()
+        out_ref, out = reference(x_ref), model(x_remat)
+        assert_close(out, out_ref)
+        out_ref.square().sum().backward()
+        out.square().sum().backward()
+        assert_close(x_remat.grad, x_ref.grad)
+        assert_close(dict(model.named_buffers()), dict(reference.named_buffers()))
