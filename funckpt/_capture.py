@@ -485,9 +485,10 @@ class reparametrized:
     ConViT's ``self.rel_indices = ...`` on a registered buffer) holds the function's
     new value instead: with ``keep_rebound`` (the forward run) that value stays, as it
     would without remat; otherwise (a recomputation, or a run that raised) it is dropped,
-    so the state is updated once per forward pass. A rebound value with a graph (the
-    weight the old-style ``nn.utils.spectral_norm`` pre-hook computes at each call) is
-    dropped as before: kept, it would outlive the call's local graph (README, limits).
+    so the state is updated once per forward pass. A rebound value with a graph would
+    outlive the call's local graph: it raises, except the weight that the old-style
+    ``nn.utils.spectral_norm`` and ``weight_norm`` pre-hooks compute at every call, kept
+    detached (the next call computes it again before reading it).
     """
 
     __slots__ = ("by_name", "captured", "keep_rebound", "replace", "swapped")
@@ -514,15 +515,48 @@ class reparametrized:
     def __exit__(self, *exc: Any) -> None:
         swapped, self.swapped = self.swapped, []
         keep = self.keep_rebound and exc[:1] in ((), (None,))
+        with_graph: list[tuple[torch.nn.Module, str, torch.Tensor]] = []
         for owner, key, before, placed in reversed(swapped):
             if keep:
                 held = _held(owner, key)
-                if held is not placed and not (isinstance(held, torch.Tensor) and held.requires_grad):
-                    continue  # rebound by the function: its value stays, as without remat
+                if held is not placed:
+                    if not (isinstance(held, torch.Tensor) and held.requires_grad):
+                        continue  # rebound by the function: its value stays, as without remat
+                    if _recomputed_at_every_call(owner, key):
+                        # Its value, without the run's local graph: a later call (which computes it
+                        # again) then does not route the stale weight, and its graph, through remat.
+                        _swap_tensor(owner, key, held.detach())
+                        continue
+                    with_graph.append((owner, key, held))
             _swap_tensor(owner, key, before)
+        if with_graph:
+            owner, key, held = with_graph[-1]  # the first one rebound, in module order
+            raise CheckpointError(
+                f"remat: the function rebound {type(owner).__name__}.{key} to a tensor of shape "
+                f"{tuple(held.shape)} computed with a graph (it requires grad), such as an "
+                "exponential average of activations that are not detached. remat records no graph "
+                "for it in the caller's autograd: kept, a later use of it would get a silently "
+                "missing gradient; dropped, the module's state (and every later call's values) "
+                "would differ from the model's without remat. Detach it (or compute it under "
+                "torch.no_grad()) if it is state, or return it from the function if it is to be "
+                "differentiated."
+            )
 
 
 _ABSENT = object()
+
+
+def _recomputed_at_every_call(owner: torch.nn.Module, key: str) -> bool:
+    """Is ``owner.key`` set by one of its forward pre-hooks at every call, before the forward reads
+    it (the old-style ``nn.utils.spectral_norm`` and ``weight_norm`` compute ``weight`` so)? Then
+    the forward run's value is kept detached: the next call computes it again before any use."""
+    from torch.nn.utils.spectral_norm import SpectralNorm
+    from torch.nn.utils.weight_norm import WeightNorm
+
+    return any(
+        isinstance(hook, (SpectralNorm, WeightNorm)) and hook.name == key
+        for hook in owner._forward_pre_hooks.values()
+    )
 
 
 def _held(owner: torch.nn.Module, key: str) -> Any:

@@ -982,3 +982,69 @@ def test_old_style_spectral_norm_whose_pre_hook_rebinds_the_weight_with_a_graph(
             m(X).square().sum().backward()
         assert_close(dict(net.named_buffers()), dict(reference.named_buffers()))
         assert_close(net.weight_orig.grad, reference.weight_orig.grad)
+
+
+class _AveragesWithItsGraph(torch.nn.Module):
+    """Rebinds a buffer to an average of its activations that are not detached: the buffer then
+    carries the call's graph, and the next call's output (and gradient) goes through it."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4, dtype=D)
+        self.register_buffer("ema", torch.zeros(4, dtype=D))
+
+    def forward(self, x):
+        y = self.lin(x)
+        out = torch.tanh(y) * self.ema.sum() + y
+        self.ema = 0.9 * self.ema + 0.1 * y.mean(0)
+        return out
+
+
+@pytest.mark.parametrize("route", ["backward", "grad", "grad_of_functional_call"])
+def test_a_buffer_rebound_to_a_tensor_with_a_graph_raises_not_a_silently_stale_state(route):
+    """Without remat the second call reads the first one's average (and differentiates through
+    it); remat can keep no graph for it, and dropping it silently gave other values."""
+    import copy
+
+    from funckpt import CheckpointError
+
+    torch.manual_seed(0)
+    reference = _AveragesWithItsGraph()
+    net = copy.deepcopy(reference)
+
+    def run(model):
+        twice = lambda x: (model(x) + model(x)).square().sum()  # noqa: E731
+        if route == "backward":
+            x = X.clone().requires_grad_()
+            twice(x).backward()
+            return x.grad
+        if route == "grad":
+            return tf.grad(twice)(X)
+        params = {k: v.detach() for k, v in model.named_parameters()}
+        return tf.grad(lambda p: (tf.functional_call(model, p, (X,)) * 2).square().sum())(params)
+
+    run(reference)  # a valid program without remat
+    with pytest.raises(CheckpointError, match="rebound _AveragesWithItsGraph.ema"):
+        run(remat(net))
+    assert_close(net.ema, torch.zeros(4, dtype=D))  # left as it was
+
+
+def test_old_style_weight_norm_whose_pre_hook_rebinds_the_weight_with_a_graph():
+    """As spectral_norm's: weight_norm's pre-hook computes ``weight`` at every call (not deep-copyable)."""
+    import copy
+
+    plain = torch.nn.Linear(4, 4, dtype=D)
+    reference = torch.nn.utils.weight_norm(copy.deepcopy(plain))
+    net = torch.nn.utils.weight_norm(plain)
+    for _ in range(2):
+        for m in (reference, remat(net)):
+            m(X).square().sum().backward()
+        assert_close(net.weight_g.grad, reference.weight_g.grad)
+        assert_close(net.weight_v.grad, reference.weight_v.grad)
+        assert_close(net.weight.detach(), reference.weight.detach())  # the call's weight, as without remat
+    params = {k: v.detach() for k, v in reference.named_parameters()}
+
+    def grads(m):
+        return tf.grad(lambda p: tf.functional_call(m, p, (X,)).square().sum())(params)
+
+    assert_close(grads(remat(net)), grads(reference))
