@@ -344,7 +344,8 @@ class _Running:
                 self._enter(_OwnParametrizationCache(cache))
             places = None
             if region.captured.modules:
-                places = reparametrized(region.captured, replace, keep_rebound=forward)
+                loop = None if region.recomputes_like_forward else region.name
+                places = reparametrized(region.captured, replace, keep_rebound=forward, loop=loop)
                 self._enter(places)
             if region.options.context_fn is not None:
                 self._enter(region._user_context(forward))

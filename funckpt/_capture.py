@@ -491,10 +491,14 @@ class reparametrized:
     detached (the next call computes it again before reading it).
     """
 
-    __slots__ = ("by_name", "captured", "keep_rebound", "replace", "swapped")
+    __slots__ = ("by_name", "captured", "keep_rebound", "loop", "replace", "swapped")
 
-    def __init__(self, captured: Captured, replace: dict[int, torch.Tensor], keep_rebound: bool = False) -> None:
-        self.captured, self.replace, self.keep_rebound = captured, replace, keep_rebound
+    def __init__(
+        self, captured: Captured, replace: dict[int, torch.Tensor], keep_rebound: bool = False, loop: str | None = None
+    ) -> None:
+        # ``loop``: the name of a checkpointed loop whose forward sweep this is. Its steps run again
+        # from kept carries, in the schedule's order, and cannot replay state a step rebinds: refused.
+        self.captured, self.replace, self.keep_rebound, self.loop = captured, replace, keep_rebound, loop
         self.swapped: list[tuple[torch.nn.Module, str, Any, Any]] = []
         self.by_name = False  # were the places looked up again (a submodule replaced since the call)?
 
@@ -516,19 +520,33 @@ class reparametrized:
         swapped, self.swapped = self.swapped, []
         keep = self.keep_rebound and exc[:1] in ((), (None,))
         with_graph: list[tuple[torch.nn.Module, str, torch.Tensor]] = []
+        in_loop: list[tuple[torch.nn.Module, str]] = []
         for owner, key, before, placed in reversed(swapped):
             if keep:
                 held = _held(owner, key)
                 if held is not placed:
-                    if not (isinstance(held, torch.Tensor) and held.requires_grad):
-                        continue  # rebound by the function: its value stays, as without remat
-                    if _recomputed_at_every_call(owner, key):
+                    if _recomputed_at_every_call(owner, key) and isinstance(held, torch.Tensor):
                         # Its value, without the run's local graph: a later call (which computes it
                         # again) then does not route the stale weight, and its graph, through remat.
                         _swap_tensor(owner, key, held.detach())
                         continue
-                    with_graph.append((owner, key, held))
+                    if self.loop is not None:
+                        in_loop.append((owner, key))
+                    elif not (isinstance(held, torch.Tensor) and held.requires_grad):
+                        continue  # rebound by the function: its value stays, as without remat
+                    else:
+                        with_graph.append((owner, key, held))
             _swap_tensor(owner, key, before)
+        if in_loop:
+            owner, key = in_loop[-1]
+            raise CheckpointError(
+                f"scan({self.loop}): a step rebound {type(owner).__name__}.{key} (module state such as "
+                "self.count = self.count + 1 or an out-of-place running average). A checkpointed loop "
+                "runs steps again from its kept carries, in the schedule's order, and cannot replay "
+                "such updates. Carry the state in the loop's carry, or write the loop in Python with "
+                "funckpt.remat on each step (for x in xs: carry, y = funckpt.remat(f)(carry, x)), "
+                "which replays them."
+            )
         if with_graph:
             owner, key, held = with_graph[-1]  # the first one rebound, in module order
             raise CheckpointError(

@@ -349,6 +349,49 @@ def test_in_place_update_of_module_state_in_a_step_raises():
             funckpt.scan(lambda c, _: (bn(c), None), c0, length=3, checkpoints=checkpoints)
 
 
+class _Counting(torch.nn.Module):
+    """A cell that rebinds its own state at each call, as without remat it may."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(3, 3, dtype=D)
+        self.register_buffer("count", torch.zeros((), dtype=D))
+
+    def forward(self, c):
+        self.count = self.count + 1
+        return torch.tanh(self.lin(c)) * self.count
+
+
+@pytest.mark.parametrize("loop", ["scan", "fori_loop"])
+def test_module_state_a_step_rebinds_raises_and_per_step_remat_replays_it(loop):
+    """A step's rebinding (self.count = self.count + 1) cannot be replayed from kept carries:
+    refused by name, before any gradient, where before it surfaced as values that differ. The
+    Python loop of remat'd steps the error suggests gives the plain loop's values, gradients
+    and state."""
+    c0 = torch.randn(4, 3, dtype=D, requires_grad=True)
+    for checkpoints in (None, 2):
+        cell = _Counting()
+        with pytest.raises(funckpt.CheckpointError, match=r"rebound _Counting.count.*funckpt.remat on each step"):
+            if loop == "scan":
+                funckpt.scan(lambda c, _: (cell(c), None), c0, length=3, checkpoints=checkpoints)
+            else:
+                funckpt.fori_loop(0, 3, lambda i, c: cell(c), c0, checkpoints=checkpoints)
+        assert cell.count.item() == 0  # the refused sweep left the state as it found it
+
+    def run(step):
+        torch.manual_seed(0)
+        cell = _Counting()
+        c = c0
+        for _ in range(3):
+            c = step(cell)(c)
+        c.square().sum().backward()
+        return c.detach(), cell.lin.weight.grad, cell.count
+
+    expected = run(lambda cell: cell)
+    got = run(funckpt.remat)
+    assert_close(got, expected)
+
+
 @pytest.mark.parametrize(
     "call,match",
     [
