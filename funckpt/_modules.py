@@ -24,6 +24,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
+from torch.nn.utils import parametrize
 
 from ._call import call
 from ._options import RematOptions
@@ -54,6 +55,7 @@ class Remat(torch.nn.Module):
         self.training = module.training
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        _share_parametrizations(self)
         return call(self.wrapped, self._remat_options, args, kwargs)
 
     def state_dict(self, *args: Any, **kwargs: Any) -> Any:
@@ -79,6 +81,8 @@ class Remat(torch.nn.Module):
             wrapped = self.__dict__.get("wrapped")
             if wrapped is None:
                 raise
+            if name in (wrapped.__dict__.get("_funckpt_shared_parametrizations") or {}).get("names", ()):
+                _share_parametrizations(self)  # removed from the wrapper since? not read through then
             return getattr(wrapped, name)
 
     def __setattr__(self, name: str, value: Any) -> None:
@@ -116,6 +120,46 @@ class Remat(torch.nn.Module):
 
     def extra_repr(self) -> str:
         return f"wrapped={type(self.wrapped).__name__}"
+
+
+def _own_properties(cls: type, names: Any) -> list[str]:
+    return [n for n in names if isinstance(cls.__dict__.get(n), property)]
+
+
+def _share_parametrizations(wrapper: Remat) -> None:
+    """Parametrizations registered on the wrapper (``parametrizations.orthogonal(remat(layer))``)
+    reach the wrapped module, whose forward reads the tensor.
+
+    ``register_parametrization`` moves ``weight`` out of the parameter dictionary, which the two
+    share, into ``parametrizations`` (also shared), and gives the *wrapper's* class a ``weight``
+    property: the wrapped module's forward would read ``self.weight`` and find nothing. So the
+    wrapped module's class gets the same property, reading the same shared parametrization, as
+    if it had been parametrized itself (before remat, which works); a parametrization removed
+    from the wrapper since (``remove_parametrizations``) is removed from it too.
+    """
+    wrapped = wrapper.wrapped
+    cls = type(wrapper)
+    state = wrapped.__dict__.get("_funckpt_shared_parametrizations")
+    if (cls is Remat or cls is RematSequential) and not state:
+        return  # never parametrized through this wrapper: the usual case
+    plist = wrapper._modules.get("parametrizations")
+    names = list(plist.keys()) if isinstance(plist, torch.nn.ModuleDict) else []
+    on_wrapper = set(_own_properties(cls, names))
+    if state is None:
+        state = wrapped.__dict__["_funckpt_shared_parametrizations"] = {"names": set(), "new_class": False}
+    for name in sorted(state["names"] - on_wrapper):  # removed from the wrapper since
+        delattr(type(wrapped), name)
+        state["names"].discard(name)
+    if state["new_class"] and not state["names"]:
+        wrapped.__class__ = type(wrapped).__bases__[0]
+        state["new_class"] = False
+    missing = [n for n in sorted(on_wrapper) if not isinstance(type(wrapped).__dict__.get(n), property)]
+    if missing and not _own_properties(type(wrapped), names):  # not parametrized itself: its own class
+        parametrize._inject_new_class(wrapped)
+        state["new_class"] = True
+    for name in missing:
+        parametrize._inject_property(wrapped, name)
+        state["names"].add(name)
 
 
 def default_segments(length: int) -> int:
@@ -191,6 +235,7 @@ class RematSequential(Remat):
         return min(n, self.requested_segments or default_segments(n)) if n else 0
 
     def forward(self, x: Any) -> Any:
+        _share_parametrizations(self)
         if _has_hooks(self.wrapped):
             # Segments would call the layers, not the Sequential: its own hooks would not run.
             # One region around the Sequential's own call keeps them.

@@ -351,3 +351,46 @@ def test_training_flag_set_directly_reaches_the_wrapped_module():
         out.square().sum().backward()
         assert_close(x_remat.grad, x_ref.grad)
         assert_close(dict(model.named_buffers()), dict(reference.named_buffers()))
+
+
+@pytest.mark.parametrize("kind", ["weight_norm", "spectral_norm", "orthogonal"])
+def test_parametrization_registered_on_the_wrapper_reaches_the_wrapped_module(kind):
+    """``parametrizations.orthogonal(remat(layer))``: the parametrization is registered on the wrapper,
+    whose class gets the ``weight`` property; the wrapped layer's forward reads ``self.weight`` and must
+    see it too. Trained for a few steps, then the parametrization removed through the wrapper, against
+    the same network parametrized without remat."""
+    from torch.nn.utils import parametrizations, parametrize
+
+    def net():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(4, 6, dtype=D), nn.Tanh(), nn.Linear(6, 6, dtype=D), nn.Tanh(), nn.Linear(6, 2, dtype=D))
+
+    reference, model = net(), net()
+    model[2] = remat(model[2])
+    for m in (reference, model):
+        torch.manual_seed(1)  # spectral_norm draws its power-iteration vectors
+        getattr(parametrizations, kind)(m[2])
+    assert list(model.state_dict()) == list(reference.state_dict())
+
+    def steps(n):
+        for m in (reference, model):
+            opt = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
+            torch.manual_seed(2)
+            for _ in range(n):
+                m(torch.randn(5, 4, dtype=D)).square().sum().backward()
+                opt.step()
+                opt.zero_grad()
+        assert_close(model.state_dict(), reference.state_dict())
+
+    steps(3)
+    x = torch.randn(5, 4, dtype=D)
+    params = {k: v.detach() for k, v in reference.named_parameters()}
+    loss = lambda m: (lambda p: tf.functional_call(m, p, (x,)).square().sum())  # noqa: E731
+    assert_close(tf.grad(loss(model))(params), tf.grad(loss(reference))(params))
+    with parametrize.cached():
+        assert_close(model(x), reference(x))
+    for m in (reference, model):
+        parametrize.remove_parametrizations(m[2], "weight")
+    assert not parametrize.is_parametrized(model[2].wrapped)
+    assert type(model[2].wrapped) is nn.Linear
+    steps(2)
