@@ -55,6 +55,7 @@ class Remat(torch.nn.Module):
         self.training = module.training
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        _resync(self)
         _share_parametrizations(self)
         return call(self.wrapped, self._remat_options, args, kwargs)
 
@@ -67,7 +68,16 @@ class Remat(torch.nn.Module):
     def _load_from_state_dict(self, *args: Any, **kwargs: Any) -> None:
         """Loaded as the wrapped module loads itself (its class's override, its pre-hooks, its
         extra state, by its version); the submodules, shared, are loaded after it as usual."""
+        _resync(self)  # the submodules loaded next are found in the wrapper's ``_modules``
         self.wrapped._load_from_state_dict(*args, **kwargs)
+
+    def named_modules(self, *args: Any, **kwargs: Any) -> Any:
+        _resync(self)  # parameters(), named_parameters(), buffers(), modules() go through here
+        return super().named_modules(*args, **kwargs)
+
+    def named_children(self) -> Any:
+        _resync(self)  # children(), and so train(), eval(), to(), apply()
+        return super().named_children()
 
     def __getattr__(self, name: str) -> Any:
         """The wrapped module's other attributes read through (``layer.attention_type``, ...).
@@ -75,6 +85,7 @@ class Remat(torch.nn.Module):
         Models read their layers' plain attributes (HF ModernBERT, Swin); a
         remat'd layer must answer as the layer does.
         """
+        _resync(self)  # a submodule by name (``functional_call``'s ``"1.weight"``) is looked up here
         try:
             return super().__getattr__(name)
         except AttributeError:
@@ -120,6 +131,28 @@ class Remat(torch.nn.Module):
 
     def extra_repr(self) -> str:
         return f"wrapped={type(self.wrapped).__name__}"
+
+
+_SHARED = ("_parameters", "_buffers", "_modules", "_non_persistent_buffers_set")
+
+
+def _resync(wrapper: Remat) -> None:
+    """Share the wrapped module's dictionaries again if it has replaced one since.
+
+    ``nn.Sequential.__delitem__`` and ``pop`` (also reached through the wrapper, ``remat(seq).pop(0)``)
+    renumber the layers into a *new* ``_modules`` dictionary: the wrapper's would go on naming the
+    removed layer and the old numbers, so its ``named_parameters``, ``functional_call`` by name and
+    ``load_state_dict`` (of the wrapper's own ``state_dict``, which is the wrapped module's) would
+    disagree with the module it runs.
+    """
+    d = wrapper.__dict__
+    w = d.get("wrapped")
+    if w is None:
+        return
+    wd = w.__dict__
+    for name in _SHARED:
+        if d.get(name) is not wd.get(name) and name in wd:
+            d[name] = wd[name]
 
 
 def _own_properties(cls: type, names: Any) -> list[str]:
@@ -235,6 +268,7 @@ class RematSequential(Remat):
         return min(n, self.requested_segments or default_segments(n)) if n else 0
 
     def forward(self, x: Any) -> Any:
+        _resync(self)
         _share_parametrizations(self)
         if _has_hooks(self.wrapped):
             # Segments would call the layers, not the Sequential: its own hooks would not run.
@@ -253,6 +287,15 @@ class RematSequential(Remat):
 
     def __getitem__(self, index: int | slice) -> Any:
         return self.wrapped[index]
+
+    # Written like it too: m[i] = layer, del m[i] (pop, reached through, renumbers the same way).
+    def __setitem__(self, index: int, module: torch.nn.Module) -> None:
+        self.wrapped[index] = module
+        _resync(self)
+
+    def __delitem__(self, index: int | slice) -> None:
+        del self.wrapped[index]
+        _resync(self)
 
     def extra_repr(self) -> str:
         return f"wrapped=Sequential, segments={self.num_segments}"

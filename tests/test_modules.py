@@ -394,3 +394,46 @@ def test_parametrization_registered_on_the_wrapper_reaches_the_wrapped_module(ki
     assert not parametrize.is_parametrized(model[2].wrapped)
     assert type(model[2].wrapped) is nn.Linear
     steps(2)
+
+
+def test_layers_replaced_deleted_and_popped_through_a_remat_d_sequential():
+    """``m[i] = layer``, ``del m[i]`` and ``m.pop(i)`` on a remat'd ``nn.Sequential``, between training
+    steps, as on the Sequential itself. ``del``/``pop`` renumber the layers into a new dictionary: the
+    wrapper's names (``named_parameters``, ``functional_call`` by name, ``load_state_dict`` of its
+    own ``state_dict``) must follow, not name the removed layer."""
+
+    def net():
+        torch.manual_seed(0)
+        return nn.Sequential(*(m for _ in range(3) for m in (nn.Linear(4, 4, dtype=D), nn.Tanh())), nn.Linear(4, 2, dtype=D))
+
+    reference, model = net(), remat(net(), segments=2)
+    x = torch.randn(5, 4, dtype=D)
+
+    def step():
+        names = [n for n, _ in reference.named_parameters()]
+        assert [n for n, _ in model.named_parameters()] == names
+        assert list(model.state_dict()) == list(reference.state_dict())
+        for m in (reference, model):
+            opt = torch.optim.SGD(m.parameters(), lr=0.1)
+            m(x).square().sum().backward()
+            opt.step()
+            opt.zero_grad()
+        assert_close(model.state_dict(), reference.state_dict())
+        params = {k: v.detach() for k, v in reference.named_parameters()}
+        loss = lambda m: (lambda p: tf.functional_call(m, p, (x,)).square().sum())  # noqa: E731
+        assert_close(tf.grad(loss(model))(params), tf.grad(loss(reference))(params))
+        model.load_state_dict(reference.state_dict())
+
+    step()
+    for m in (reference, model):
+        m.pop(0)
+    step()
+    for m in (reference, model):
+        torch.manual_seed(1)
+        m[1] = nn.Linear(4, 4, dtype=D)
+        del m[0]
+    step()
+    for m in (reference, model):
+        del m[-3:-1]
+        m.append(nn.Tanh())
+    step()
