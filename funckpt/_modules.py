@@ -53,6 +53,13 @@ class Remat(torch.nn.Module):
         self._load_state_dict_pre_hooks = module._load_state_dict_pre_hooks
         self._load_state_dict_post_hooks = module._load_state_dict_post_hooks
         self.training = module.training
+        if parametrize.is_parametrized(module):
+            # ``parametrizations`` is shared, so torch takes the wrapper for one that is parametrized
+            # already and would add a parametrization registered on it (``register_parametrization(
+            # wrapper, "bias", ...)``) as a property of ``Remat`` itself, for every wrapper: give
+            # this one a class of its own to take it.
+            cls = type(self)
+            self.__class__ = type(cls.__name__, (cls,), {"__module__": cls.__module__, "__qualname__": cls.__qualname__})
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         _resync(self)
@@ -173,9 +180,9 @@ def _share_parametrizations(wrapper: Remat) -> None:
     wrapped = wrapper.wrapped
     cls = type(wrapper)
     state = wrapped.__dict__.get("_funckpt_shared_parametrizations")
-    if (cls is Remat or cls is RematSequential) and not state:
-        return  # never parametrized through this wrapper: the usual case
     plist = wrapper._modules.get("parametrizations")
+    if plist is None and not state:
+        return  # nothing parametrized: the usual case
     names = list(plist.keys()) if isinstance(plist, torch.nn.ModuleDict) else []
     on_wrapper = set(_own_properties(cls, names))
     if state is None:

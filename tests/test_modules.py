@@ -437,3 +437,45 @@ def test_layers_replaced_deleted_and_popped_through_a_remat_d_sequential():
         del m[-3:-1]
         m.append(nn.Tanh())
     step()
+
+
+def test_a_second_parametrization_registered_on_the_wrapper_of_a_parametrized_module():
+    """The wrapped layer is parametrized before remat (``weight``), another tensor (``bias``) through
+    the wrapper afterwards: it reaches the layer, trains as without remat, and does not become a
+    property of every other wrapper."""
+    from torch.nn.utils import parametrizations, parametrize
+
+    from funckpt._modules import Remat
+
+    class Positive(nn.Module):
+        def forward(self, b):
+            return b.exp()
+
+        def right_inverse(self, b):
+            return b.log()
+
+    def net():
+        torch.manual_seed(0)
+        m = nn.Sequential(nn.Linear(4, 6, dtype=D), nn.Tanh(), nn.Linear(6, 2, dtype=D))
+        with torch.no_grad():
+            m[0].bias.abs_()
+        parametrizations.orthogonal(m[0])
+        return m
+
+    reference, model = net(), net()
+    model[0] = remat(model[0])
+    for m in (reference, model):
+        parametrize.register_parametrization(m[0], "bias", Positive())
+    assert "bias" not in vars(Remat)
+    assert list(model.state_dict()) == list(reference.state_dict())
+    for m in (reference, model):
+        opt = torch.optim.Adam(m.parameters(), lr=0.05)
+        torch.manual_seed(2)
+        for _ in range(3):
+            m(torch.randn(5, 4, dtype=D)).square().sum().backward()
+            opt.step()
+            opt.zero_grad()
+    assert_close(model.state_dict(), reference.state_dict())
+    other = remat(nn.Linear(2, 2, dtype=D))
+    other.bias = nn.Parameter(torch.zeros(2, dtype=D))
+    assert_close(other(torch.ones(1, 2, dtype=D)), torch.ones(1, 2, dtype=D) @ other.weight.T)
