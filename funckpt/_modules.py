@@ -53,13 +53,19 @@ class Remat(torch.nn.Module):
         self._load_state_dict_pre_hooks = module._load_state_dict_pre_hooks
         self._load_state_dict_post_hooks = module._load_state_dict_post_hooks
         self.training = module.training
-        if parametrize.is_parametrized(module):
-            # ``parametrizations`` is shared, so torch takes the wrapper for one that is parametrized
-            # already and would add a parametrization registered on it (``register_parametrization(
-            # wrapper, "bias", ...)``) as a property of ``Remat`` itself, for every wrapper: give
-            # this one a class of its own to take it.
-            cls = type(self)
-            self.__class__ = type(cls.__name__, (cls,), {"__module__": cls.__module__, "__qualname__": cls.__qualname__})
+        _own_class_if_parametrized(self)
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        """Pickled (``torch.save(model)``) as its plain class, not the one of its own it may have."""
+        reduced = super().__reduce_ex__(protocol)
+        cls = type(self)
+        if cls.__dict__.get("_funckpt_own_class") and isinstance(reduced, tuple) and len(reduced) > 1:
+            return (_new_instance, (cls.__bases__[0],), *reduced[2:])
+        return reduced
+
+    def __setstate__(self, state: Any) -> None:
+        super().__setstate__(state)
+        _own_class_if_parametrized(self)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         _resync(self)
@@ -138,6 +144,25 @@ class Remat(torch.nn.Module):
 
     def extra_repr(self) -> str:
         return f"wrapped={type(self.wrapped).__name__}"
+
+
+def _new_instance(cls: type) -> Any:
+    return cls.__new__(cls)
+
+
+def _own_class_if_parametrized(wrapper: Remat) -> None:
+    """``parametrizations`` is shared, so torch takes the wrapper of a parametrized module for one
+    that is parametrized already and would add a parametrization registered on it
+    (``register_parametrization(wrapper, "bias", ...)``) as a property of ``Remat`` itself, for every
+    wrapper: such a wrapper gets a class of its own to take it."""
+    wrapped = wrapper.__dict__.get("wrapped")
+    cls = type(wrapper)
+    if wrapped is None or cls.__dict__.get("_funckpt_own_class") or not parametrize.is_parametrized(wrapped):
+        return
+    if cls is not Remat and cls is not RematSequential:
+        return  # parametrized through the wrapper already, or a subclass: torch's class, or the user's
+    namespace = {"__module__": cls.__module__, "__qualname__": cls.__qualname__, "_funckpt_own_class": True}
+    wrapper.__class__ = type(cls.__name__, (cls,), namespace)
 
 
 _SHARED = ("_parameters", "_buffers", "_modules", "_non_persistent_buffers_set")

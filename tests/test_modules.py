@@ -479,3 +479,27 @@ def test_a_second_parametrization_registered_on_the_wrapper_of_a_parametrized_mo
     other = remat(nn.Linear(2, 2, dtype=D))
     other.bias = nn.Parameter(torch.zeros(2, dtype=D))
     assert_close(other(torch.ones(1, 2, dtype=D)), torch.ones(1, 2, dtype=D) @ other.weight.T)
+
+
+def test_wrapper_of_a_once_parametrized_module_still_pickles():
+    """The class of its own that a wrapper of a parametrized module gets is not what is pickled:
+    once the parametrizations are removed, ``torch.save(model)`` works as for any wrapper."""
+    import copy
+    import io
+
+    from torch.nn.utils import parametrizations, parametrize
+
+    from funckpt._modules import Remat
+
+    layer = nn.Linear(3, 3, dtype=D)
+    parametrizations.orthogonal(layer)
+    model = nn.Sequential(remat(layer), nn.Tanh())
+    parametrize.remove_parametrizations(layer, "weight")
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    assert type(loaded[0]) is Remat
+    x = torch.randn(2, 3, dtype=D)
+    assert_close(loaded(x), model(x))
+    assert_close(copy.deepcopy(model)(x), model(x))
