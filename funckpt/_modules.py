@@ -64,7 +64,7 @@ class Remat(torch.nn.Module):
         return reduced
 
     def __setstate__(self, state: Any) -> None:
-        super().__setstate__(state)
+        super().__setstate__(state)  # type: ignore[no-untyped-call]
         _own_class_if_parametrized(self)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -146,7 +146,7 @@ class Remat(torch.nn.Module):
         return f"wrapped={type(self.wrapped).__name__}"
 
 
-def _new_instance(cls: type) -> Any:
+def _new_instance(cls: type[torch.nn.Module]) -> torch.nn.Module:
     return cls.__new__(cls)
 
 
