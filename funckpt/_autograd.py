@@ -65,6 +65,7 @@ from ._internals import (
     add_batch_dim,
     apply_function,
     autograd_grad,
+    backward_names_no_inputs,
     compiler_disable,
     custom_function_call,
     forward_ad_level,
@@ -397,9 +398,14 @@ def vjp(
             pairs = [(o, c) for o, c in zip(outs, cotangents) if o.requires_grad]
             if not pairs:
                 return [None] * len(primals)
-            grads = autograd_grad(
-                [o for o, _ in pairs], [leaves[i] for i in wrt], [c for _, c in pairs], create_graph
-            )
+            try:
+                grads = autograd_grad(
+                    [o for o, _ in pairs], [leaves[i] for i in wrt], [c for _, c in pairs], create_graph
+                )
+            except RuntimeError as e:
+                if not _refused_by_reentrant_checkpoint(e):
+                    raise
+                grads = _vjp_around_reentrant_checkpoint(region, primals, cotangents, needs, wrt, create_graph, e)
         finally:
             set_grad_enabled(grad_was)
     else:
@@ -414,6 +420,43 @@ def vjp(
     for i, g in zip(wrt, grads):
         result[i] = g
     return result
+
+
+def _refused_by_reentrant_checkpoint(e: RuntimeError) -> bool:
+    """Is ``e`` the refusal of a ``torch.utils.checkpoint(..., use_reentrant=True)`` inside ``fn``?
+
+    Its backward runs only in a backward pass that names no ``inputs``
+    (``torch.autograd.grad`` always does).
+    """
+    return "use_reentrant=True" in str(e) and "incompatible with .grad()" in str(e)
+
+
+def _vjp_around_reentrant_checkpoint(
+    region: Region,
+    primals: Tensors,
+    cotangents: Tensors,
+    needs: Sequence[bool],
+    wrt: Sequence[int],
+    create_graph: bool,
+    error: RuntimeError,
+) -> tuple[torch.Tensor | None, ...]:
+    """The vjp of a region whose ``fn`` uses PyTorch's reentrant checkpoint, under ``.backward()``.
+
+    As under ``torch.utils.checkpoint(use_reentrant=False)`` around it: the caller's
+    backward pass names no inputs, so the recomputation is differentiated by a
+    backward pass that names none either, into fresh detached leaves.
+    """
+    if create_graph or not backward_names_no_inputs():
+        raise CheckpointError(
+            f"remat({region.name}): the function calls torch.utils.checkpoint(..., use_reentrant=True), "
+            "whose backward runs only in a .backward() that passes no inputs= and no create_graph "
+            "(as without remat). Use use_reentrant=False (or funckpt.checkpoint) inside the function."
+        ) from error
+    leaves = tuple(p.detach().requires_grad_(True) if need else p.detach() for p, need in zip(primals, needs))
+    outs = region.run(leaves, Phase.RECOMPUTE)
+    pairs = [(o, c) for o, c in zip(outs, cotangents) if o.requires_grad]
+    torch.autograd.backward([o for o, _ in pairs], [c for _, c in pairs])
+    return tuple(leaves[i].grad for i in wrt)
 
 
 def _own_vjp_here(

@@ -247,6 +247,19 @@ def _move_input_hooks(leaves: tuple[torch.Tensor, ...], given: tuple[torch.Tenso
     return moved
 
 
+def _move_retain_grad(leaves: tuple[torch.Tensor, ...], given: tuple[torch.Tensor, ...], substitute: Any) -> None:
+    """``x.retain_grad()`` that ``fn`` called on an input goes to the caller's tensor.
+
+    The forward run's inputs are local leaves, on which ``retain_grad`` does nothing;
+    without remat the caller's (non-leaf) tensor would get its ``.grad``.
+    """
+    retained = getattr(substitute, "retained", None)
+    if retained:
+        for leaf, t in zip(leaves, given):
+            if id(leaf) in retained and leaf is not t and t.requires_grad:
+                t.retain_grad()
+
+
 def _restored(t: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
     """``value``, keeping ``t``'s derivatives (its graph, its level, its forward-mode tangent)."""
     if t.requires_grad or is_functorch_wrapped(t) or has_tangent(t):
@@ -808,6 +821,7 @@ class UserRegion(Region):
             self._refuse_container_writes(containers, run.args, run.kwargs)
         if grad_forward:
             self.moved_hooks = _move_input_hooks(flat, given)
+            _move_retain_grad(flat, given, run.substitute)
         tensors, slots = flatten(out)
         tensors = _substituted(tensors, run.substitute)
         self._refuse_hidden_tensors(slots.leaves, plain_autograd)

@@ -682,6 +682,8 @@ _UNINITIALIZED = frozenset(
 )
 
 
+_RETAIN_GRAD = torch.Tensor.retain_grad
+
 _is_compiling = torch.compiler.is_compiling  # (Dynamo reads it as True where it traces)
 
 
@@ -718,6 +720,9 @@ class Substitute(OnThreadStack, TorchFunctionMode):
         # Did the run receive a captured tensor itself, not through a module's place (where
         # reparametrization put its substitute already)? A recomputation needs this mode only if so.
         self.hit = False
+        # Ids of the inputs the run called ``retain_grad()`` on: a local leaf in the forward
+        # run, where it does nothing; the caller's tensor is the one to retain its grad.
+        self.retained: set[int] = set()
 
     def _thread_stack(self) -> list[Any]:
         return _active.substitutes
@@ -808,6 +813,8 @@ class Substitute(OnThreadStack, TorchFunctionMode):
                     break
         if func in _UNINITIALIZED:
             self.uninitialized = True
+        elif func is _RETAIN_GRAD and args and id(args[0]) in known:
+            self.retained.add(id(args[0]))
         out = func(*(args if swapped is None else swapped), **(kwargs or {}))
         # Every tensor made here is the run's own, whatever it becomes later: a leaf
         # made inside and then set to require grad (as HF T5 does) is not foreign.

@@ -28,6 +28,7 @@ __all__ = [
     "torch_function_mode_enabled",
     "has_gradient_dtype",
     "register_tensor_hook",
+    "backward_names_no_inputs",
     "current_graph_task_id",
     "queue_engine_callback",
     "DisableFuncTorch",
@@ -278,6 +279,14 @@ def autograd_grad(
 def register_tensor_hook(t: torch.Tensor, hook: Callable[..., Any]) -> None:
     """``t.register_hook(hook)`` (untyped in torch's stubs)."""
     t.register_hook(hook)  # type: ignore[no-untyped-call]
+
+
+def backward_names_no_inputs() -> bool:
+    """Does the backward pass running now name no ``inputs`` (``.backward()``, not ``torch.autograd.grad``)?
+
+    What ``torch.utils.checkpoint(..., use_reentrant=True)`` needs to run its backward.
+    """
+    return bool(torch.autograd._is_checkpoint_valid())  # type: ignore[no-untyped-call]
 
 
 def dispatch_modes_active() -> bool:

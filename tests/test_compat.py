@@ -116,3 +116,49 @@ def test_checkpoint_sequential_under_torch_func_grad_with_functional_call():
 
     expected = tf.grad(lambda p: tf.functional_call(net, p, (X,)).square().sum())(params)
     assert_close(tf.grad(via_checkpoint)(params), expected)
+
+
+@pytest.mark.parametrize("use_reentrant", [True, False])
+def test_retain_grad_on_an_input_inside_the_function(use_reentrant):
+    # Without remat (and with torch.utils.checkpoint) the caller's non-leaf input gets its .grad.
+    def fn(a, w):
+        a.retain_grad()
+        return torch.tanh(a @ w)
+
+    results = []
+    for ckpt in (lambda fn, *a: fn(*a), upstream.checkpoint, funckpt.checkpoint):
+        w = W.clone().requires_grad_()
+        x = X.clone().requires_grad_()
+        h = x * 2
+        kw = {} if ckpt is not upstream.checkpoint and ckpt is not funckpt.checkpoint else {"use_reentrant": use_reentrant}
+        ckpt(fn, h, w, **kw).square().sum().backward()
+        assert h.grad is not None
+        results.append((h.grad, x.grad, w.grad))
+    assert_close(results[1], results[0])
+    assert_close(results[2], results[0])
+
+
+@pytest.mark.parametrize("use_reentrant", [True, False])
+def test_torch_reentrant_checkpoint_inside_the_function(use_reentrant):
+    # torch.utils.checkpoint(use_reentrant=True) inside a checkpointed function: its backward
+    # needs a backward pass without inputs=, as under torch.utils.checkpoint around it.
+    layer = torch.nn.Sequential(torch.nn.Linear(4, 4, dtype=D), torch.nn.Dropout(0.3), torch.nn.Tanh())
+    head = torch.nn.Linear(4, 4, dtype=D)
+
+    def fn(a):
+        return head(upstream.checkpoint(layer, torch.sin(a), use_reentrant=True)).exp()
+
+    results = []
+    for ckpt in (lambda fn, *a, **k: fn(*a), upstream.checkpoint, funckpt.checkpoint):
+        torch.manual_seed(0)
+        for p in (*layer.parameters(), *head.parameters()):
+            p.grad = None
+        x = X.clone().requires_grad_()
+        out = ckpt(fn, x, use_reentrant=use_reentrant)
+        out.sum().backward()
+        results.append((out, x.grad, [p.grad for p in (*layer.parameters(), *head.parameters())]))
+    assert_close(results[1], results[0])
+    assert_close(results[2], results[0])
+    # torch.autograd.grad names its inputs: refused as without remat, by a CheckpointError saying why.
+    with pytest.raises(funckpt.CheckpointError, match="use_reentrant=True"):
+        torch.autograd.grad(funckpt.checkpoint(fn, X.clone().requires_grad_()).sum(), layer[0].weight)
