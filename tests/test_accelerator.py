@@ -25,6 +25,7 @@ from torch.testing import assert_close
 
 import funckpt
 from benchmarks._common import peak_bytes
+from benchmarks.gpu import Block  # the GPU benchmark's pre-norm attention block
 from funckpt import CheckpointError, policies, remat
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
@@ -119,29 +120,9 @@ def test_value_check_on_the_device_raises_and_leaves_nothing_pending(device, tra
     assert _errors._deferred == {}
 
 
-class _Block(nn.Module):
-    """A pre-norm attention block, in the shape of the GPU benchmark's."""
-
-    def __init__(self, d: int = 32, heads: int = 4) -> None:
-        super().__init__()
-        self.heads = heads
-        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
-        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
-        self.up, self.down = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, d = x.shape
-        q, k, v = (
-            y.view(b, t, self.heads, d // self.heads).transpose(1, 2) for y in self.qkv(self.ln1(x)).split(d, -1)
-        )
-        a = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, d)
-        x = x + self.proj(a)
-        return x + self.down(F.gelu(self.up(self.ln2(x))))
-
-
 def _model_and_input(device: str, dtype: torch.dtype) -> tuple[nn.Module, torch.Tensor]:
     torch.manual_seed(0)
-    model = nn.Sequential(*(_Block() for _ in range(3))).to(device=device, dtype=dtype)
+    model = nn.Sequential(*(Block(32, 4) for _ in range(3))).to(device=device, dtype=dtype)
     x = torch.randn(2, 16, 32, device=device, dtype=dtype)
     return model, x
 
@@ -242,7 +223,7 @@ def test_peak_memory_as_low_as_torch_utils_checkpoint(device, dtype):
     most 1.02x torch.utils.checkpoint's peak with .backward(), under torch.func.grad at most 1.10x.
     (In bfloat16 too: the value check's digest converts 16-bit outputs to float32 piece by piece.)"""
     torch.manual_seed(0)
-    model = _Stack(_Block(d=64, heads=4) for _ in range(4)).to(device=device, dtype=dtype)
+    model = _Stack(Block(64, 4) for _ in range(4)).to(device=device, dtype=dtype)
     rematted = _Stack(remat(b) for b in model.blocks)
     x = torch.randn(4, 32, 64, device=device, dtype=dtype)
     params = {k: p.detach() for k, p in model.named_parameters()}
