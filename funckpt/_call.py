@@ -247,17 +247,19 @@ def _move_input_hooks(leaves: tuple[torch.Tensor, ...], given: tuple[torch.Tenso
     return moved
 
 
-def _move_retain_grad(leaves: tuple[torch.Tensor, ...], given: tuple[torch.Tensor, ...], substitute: Any) -> None:
+def _move_retain_grad(
+    leaves: tuple[torch.Tensor, ...], given: tuple[torch.Tensor, ...], substitute: Substitute | None
+) -> None:
     """``x.retain_grad()`` that ``fn`` called on an input goes to the caller's tensor.
 
     The forward run's inputs are local leaves, on which ``retain_grad`` does nothing;
     without remat the caller's (non-leaf) tensor would get its ``.grad``.
     """
-    retained = getattr(substitute, "retained", None)
-    if retained:
-        for leaf, t in zip(leaves, given):
-            if id(leaf) in retained and leaf is not t and t.requires_grad:
-                t.retain_grad()
+    if substitute is None or not substitute.retained:
+        return
+    for leaf, t in zip(leaves, given):
+        if id(leaf) in substitute.retained and leaf is not t and t.requires_grad:
+            t.retain_grad()
 
 
 def _restored(t: torch.Tensor, value: torch.Tensor) -> torch.Tensor:

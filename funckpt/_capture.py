@@ -426,7 +426,7 @@ def _places_by_name(captured: Captured) -> list[list[tuple[torch.nn.Module, str,
                 there = module.get_submodule(prefix) if prefix else module
             except AttributeError:
                 there = owner
-            if key in there._parameters or key in there._buffers or key in there.__dict__:
+            if _held(there, key) is not _ABSENT:
                 owner = there
             now.append((owner, key, t))
         found.append(now)

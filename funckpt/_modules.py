@@ -42,16 +42,7 @@ class Remat(torch.nn.Module):
         # Not registered as a child: its state is shared below, under its own names.
         object.__setattr__(self, "wrapped", module)
         object.__setattr__(self, "_remat_options", options)
-        self._parameters = module._parameters
-        self._buffers = module._buffers
-        self._modules = module._modules
-        self._non_persistent_buffers_set = module._non_persistent_buffers_set
-        # Its state-dict hooks too (spectral_norm's version metadata, user hooks): one set,
-        # whichever of the two they are registered on.
-        self._state_dict_hooks = module._state_dict_hooks
-        self._state_dict_pre_hooks = module._state_dict_pre_hooks
-        self._load_state_dict_pre_hooks = module._load_state_dict_pre_hooks
-        self._load_state_dict_post_hooks = module._load_state_dict_post_hooks
+        _resync(self)  # its registries and state-dict hooks, shared (_SHARED)
         self.training = module.training
         _own_class_if_parametrized(self)
 
@@ -165,11 +156,24 @@ def _own_class_if_parametrized(wrapper: Remat) -> None:
     wrapper.__class__ = type(cls.__name__, (cls,), namespace)
 
 
-_SHARED = ("_parameters", "_buffers", "_modules", "_non_persistent_buffers_set")
+#: What a wrapper shares with the module it wraps: its registries, and its state-dict hooks
+#: (spectral_norm's version metadata, user hooks: one set, whichever of the two they are
+#: registered on).
+_SHARED = (
+    "_parameters",
+    "_buffers",
+    "_modules",
+    "_non_persistent_buffers_set",
+    "_state_dict_hooks",
+    "_state_dict_pre_hooks",
+    "_load_state_dict_pre_hooks",
+    "_load_state_dict_post_hooks",
+)
 
 
 def _resync(wrapper: Remat) -> None:
-    """Share the wrapped module's dictionaries again if it has replaced one since.
+    """Share the wrapped module's dictionaries (:data:`_SHARED`): at the wrapper's making, and
+    again wherever the module has replaced one since.
 
     ``nn.Sequential.__delitem__`` and ``pop`` (also reached through the wrapper, ``remat(seq).pop(0)``)
     renumber the layers into a *new* ``_modules`` dictionary: the wrapper's would go on naming the
