@@ -53,7 +53,7 @@ from typing import Any, cast
 
 import torch
 
-from ._capture import has_tangent
+from ._capture import has_tangent, set_internal
 from ._errors import CheckpointError
 from ._internals import (
     has_gradient_dtype,
@@ -169,6 +169,27 @@ class Region:
         """Known after the forward run: no output it returned shares storage with an input."""
         return False
 
+    def escaped_outputs(self) -> int:
+        """Known after the forward run: how many of its outputs, the last ones, are tensors that
+        escaped it (kept by a hook, a list, an attribute) rather than returned (see
+        ``UserRegion._escaped_tensors``). Their gradients are often never asked for: the
+        backward gets ``None`` for those, not a materialized zero tensor as large as the output."""
+        return 0
+
+
+class _SomeOutputs(Region):
+    """``base`` with only the outputs at ``keep``: those a backward received a cotangent for."""
+
+    def __init__(self, base: Region, keep: Sequence[int]) -> None:
+        self.base, self.keep, self.name = base, tuple(keep), base.name
+
+    def run(self, flat: Tensors, phase: Phase) -> Tensors:
+        outs = self.base.run(flat, phase)
+        return tuple(outs[i] for i in self.keep)
+
+    def release_kept(self) -> None:
+        self.base.release_kept()
+
 
 
 
@@ -199,6 +220,14 @@ def apply(region: Region, flat: Sequence[torch.Tensor]) -> Tensors:
     ``inspect.signature(forward).bind(...)`` (about 100 us), a no-op here since
     ``forward`` takes positional arguments only, with no defaults.
     """
+    internal = set_internal(True)  # (until the region runs its function: UserRegion._call_fn)
+    try:
+        return _apply(region, flat)
+    finally:
+        set_internal(internal)
+
+
+def _apply(region: Region, flat: Sequence[torch.Tensor]) -> Tensors:
     if transforms_active():
         top = peek_interpreter_stack()
         if (
@@ -721,22 +750,29 @@ class _RematFunction(torch.autograd.Function):
         non_diff = [o for o, d in zip(output, ctx.output_differentiable) if not d]
         if non_diff:
             ctx.mark_non_differentiable(*non_diff)
+        if region.escaped_outputs():
+            ctx.set_materialize_grads(False)  # (the backward drops the outputs given None)
 
     @staticmethod
     @eager_under_compile
     def backward(ctx: Any, *cotangents: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         needs = ctx.needs_input_grad[1:]
         primals = _saved_primals(ctx)
+        region: Region = ctx.region
+        if any(c is None for c in cotangents):  # (materialize_grads off: escaped outputs)
+            keep = [i for i, c in enumerate(cotangents) if c is not None]
+            region, cotangents = _SomeOutputs(region, keep), tuple(cotangents[i] for i in keep)
+            if not keep:
+                needs = (False,) * len(needs)
         if not any(needs):
             return (None,) * (1 + len(primals))
-        region: Region = ctx.region
         interpreter = _own_live_level(ctx, TransformType.Grad, primals)
         if interpreter is None:
             primals = tuple(unwrap_if_dead(p) for p in primals)
             cotangents = tuple(unwrap_if_dead(c) for c in cotangents)
             grads = _vjp_here(region, primals, cotangents, needs)
             if not graph_task_keeps_graph():
-                region.release_kept()  # no second backward through this node: free them now
+                ctx.region.release_kept()  # no second backward through this node: free them now
                 _forget_region(ctx)
             return (None, *grads)
         level = interpreter.level()
@@ -744,7 +780,7 @@ class _RematFunction(torch.autograd.Function):
         lowered_c = tuple(unwrap_for_grad(c, level) for c in cotangents)
         with interpreter.lower():
             grads = _vjp_here(region, lowered_p, lowered_c, needs)
-        region.release_kept()  # this level's backward runs once
+        ctx.region.release_kept()  # this level's backward runs once
         if not graph_task_keeps_graph():
             _forget_region(ctx)
         wrapped = [None if g is None else wrap_for_grad(g, level) for g in grads]

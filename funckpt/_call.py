@@ -42,6 +42,7 @@ from ._capture import (
     next_sequence_nr,
     reparametrized,
     route_through_enclosing,
+    set_internal,
     tensors_inside,
     training_as_at_the_call,
 )
@@ -174,6 +175,9 @@ def prepare(
 def finish(region: UserRegion, routed: list[torch.Tensor], outs: tuple[torch.Tensor, ...]) -> Any:
     """The caller's result: the region's outputs in ``fn``'s output structure, views rebuilt."""
     assert region.out_slots is not None
+    escaped = region.escaped_outputs()
+    if escaped:  # (the caller reaches those where fn left them)
+        outs = outs[: len(outs) - escaped]
     return region.out_slots.fill(_aliasing.rebuild(region.plan, outs, routed))
 
 
@@ -360,7 +364,8 @@ class _Running:
             places = None
             if region.captured.modules:
                 loop = None if region.recomputes_like_forward else region.name
-                places = reparametrized(region.captured, replace, keep_rebound=forward, loop=loop)
+                run_starts = first_node if region.escapes_allowed else None  # (see reparametrized)
+                places = reparametrized(region.captured, replace, keep_rebound=forward, loop=loop, first_node=run_starts)
                 self._enter(places)
             if region.options.context_fn is not None:
                 self._enter(region._user_context(forward))
@@ -468,6 +473,11 @@ class UserRegion(Region):
         self.substitutes_again = True
         self.forward_substitutes: list[weakref.ref[torch.Tensor]] = []
         self.recompute_under_mode = False  # set when a recomputation without the mode left its inputs
+        # Tensors that escape the forward run (see _escaped_tensors) become outputs of the region,
+        # the last ones, where the region's Function is applied by plain autograd: they are found
+        # again in a recomputation at their position among what its operators return.
+        self.escapes_allowed = self.escapes_become_outputs and not transforms_active()
+        self.escaped_at: list[int] = []
 
     def _user_context(self, forward: bool) -> Any:
         """``context_fn``'s first context for the forward run, its second for a recomputation.
@@ -529,6 +539,7 @@ class UserRegion(Region):
         return self.fn(*args, **kwargs)
 
     def _call_fn(self, args: tuple[Any, ...], kwargs: dict[str, Any], forward: bool, grad_forward: bool) -> Any:
+        internal = set_internal(False)
         try:
             return self.run_fn(*args, **kwargs)
         except CheckpointError:
@@ -543,6 +554,8 @@ class UserRegion(Region):
             if forward:
                 raise
             raise self._recomputation_raised(e) from e
+        finally:
+            set_internal(internal)
 
     def _recomputation_raised(self, e: Exception) -> CheckpointError:
         """A CheckpointError that is also of ``e``'s type, so ``except type(e)`` still catches it."""
@@ -682,58 +695,104 @@ class UserRegion(Region):
                 "the container through static_argnums if it holds no tensor remat must route."
             )
 
-    def _refuse_escaped_tensors(
+    #: Do tensors escaping the forward run become outputs (a loop's region reverses its steps
+    #: without recomputing the loop as a whole: there they are refused)?
+    escapes_become_outputs = True
+
+    def escaped_outputs(self) -> int:
+        return len(self.escaped_at)
+
+    def _escaped_tensors(
         self, substitute: Substitute, inputs: tuple[torch.Tensor, ...], marks: list[tuple[Saved, int]]
-    ) -> None:
-        """Raise if a tensor the forward run computed outlives its local graph other than as an output.
+    ) -> list[tuple[int, torch.Tensor]]:
+        """The tensors the forward run computed that outlive its local graph other than as outputs.
 
         A forward hook that appends a submodule's output to a list (HF's
-        ``output_attentions``/``output_hidden_states``), a global, a module
-        attribute: such a tensor's graph ends inside the run, at remat's own
-        copies of the inputs, so a gradient through it would be silently missing.
-        Checked once the run's graph is dropped: what is still alive then is held
-        from outside. An enclosing region whose policy keeps values holds some of this
-        run's tensors (``marks``: where its trace stood when this run began), with this
-        run's graph attached: that is let go of first, as that region would at its end.
+        ``output_attentions``/``output_hidden_states``/``output_router_logits``), a
+        global, a module attribute (an MoE layer's auxiliary loss): such a tensor's
+        graph ends inside the run, at remat's own copies of the inputs. Checked once
+        the run's graph is dropped: what is still alive then is held from outside
+        (with what its graph saved). An enclosing region whose policy keeps values
+        holds some of this run's tensors (``marks``: where its trace stood when this
+        run began), with this run's graph attached: that is let go of first, as that
+        region would at its end.
+
+        Under plain autograd they become outputs of the region's Function too: autograd
+        then points those very tensors at its node, as ``torch.utils.checkpoint`` would
+        leave them in the caller's graph, and a recomputation finds them again by
+        their position among the tensors its operators return (``Substitute.keep``).
+        Returned with their positions. Under a torch.func transform (whose tensors the
+        Function cannot rebind) and in a checkpointed loop they raise.
         """
         detach_kept_since(marks)
         made = substitute.made or []
         substitute.made = None
         # An operator may return its input itself (x.to(x.dtype), eval-mode dropout): not made here.
         given = {id(t) for t in inputs}
-        alive = [t for t in (r() for r in made) if t is not None and t.requires_grad and id(t) not in given]
-        if alive:
+
+        def alive() -> list[tuple[int, torch.Tensor]]:
+            found = [(k, r()) for k, r in made]
+            return [(k, t) for k, t in found if t is not None and t.requires_grad and id(t) not in given]
+
+        escaped = alive()
+        if escaped and not self.escapes_allowed:
             gc.collect()  # a reference cycle waiting for the collector is not an escape
-            alive = [t for t in (r() for r in made) if t is not None and t.requires_grad and id(t) not in given]
-        if alive:
+            escaped = alive()
+        if escaped:
             held = held_by_recording_regions()
-            alive = [t for t in alive if id(t) not in held]
-        if alive:
-            # The last one made: the others alive are most likely what its graph saved.
+            escaped = [(k, t) for k, t in escaped if id(t) not in held]
+        if not escaped:
+            return []
+        # The last one made: the others alive are most likely what its graph saved.
+        shape = tuple(escaped[-1][1].shape)
+        if not self.escapes_allowed:
+            where = "in a step of a checkpointed loop" if not self.escapes_become_outputs else "under a torch.func transform"
             raise CheckpointError(
-                f"remat({self.name}): a tensor of shape {tuple(alive[-1].shape)} that the function computed "
-                "outlived the call other than as its return value (kept by a forward hook, a list or dict "
-                "it appends to, a global, or a module attribute such as a cache a module fills on its first "
-                "call; HF's output_attentions and output_hidden_states do this). remat records no graph for "
-                "it in the caller's autograd, so a gradient through it would be silently missing. Return it "
-                "from the function, detach it if it is only kept for logging, run such a module without "
-                "its cache (or under torch.no_grad() where no gradient is needed), or checkpoint HF models "
-                "with HF's own route (README)."
+                f"remat({self.name}): a tensor of shape {shape} that the function computed outlived the call "
+                f"other than as its return value {where} (kept by a forward hook, a list or dict it appends "
+                "to, a global, or a module attribute; HF's output_attentions, output_hidden_states and "
+                "output_router_logits do this). remat cannot give it a graph in the caller's "
+                f"{'loop' if not self.escapes_become_outputs else 'transform'}, so a gradient through it "
+                "would be silently missing. Return it from the function, or detach it if it is only kept "
+                "for logging."
             )
+        leaves = [t for _, t in escaped if t.grad_fn is None]
+        if leaves:
+            raise CheckpointError(
+                f"remat({self.name}): a tensor of shape {tuple(leaves[-1].shape)} that the function created "
+                "to require grad itself (a leaf: torch.zeros(..., requires_grad=True), x.detach()"
+                ".requires_grad_()) outlived the call other than as its return value (kept by a forward "
+                "hook, a list, a global or a module attribute). Its .grad would miss what flows into it "
+                "through the call, which remat differentiates in its recomputation. Create it outside "
+                "the function and pass it in, or return it."
+            )
+        views = [t for _, t in escaped if t._base is not None and id(t._base) in given]
+        if views:
+            raise CheckpointError(
+                f"remat({self.name}): a view of one of the function's inputs (shape {tuple(views[-1].shape)}) "
+                "outlived the call other than as its return value (kept by a forward hook, a list, a global "
+                "or a module attribute). remat's copy of the input it views has no graph in the caller's "
+                "autograd, so a gradient through it would be silently missing. Return it from the function, "
+                "or keep a view taken outside the call."
+            )
+        return escaped
 
-    def _refuse_stored_tensors(self) -> None:
-        """Raise if the forward run stored a tensor it computed into an argument or closure.
+    def _refuse_stored_inputs(self, flat: tuple[torch.Tensor, ...], given: tuple[torch.Tensor, ...]) -> None:
+        """Raise if the forward run stored one of its inputs into an argument or closure.
 
-        ``o.cache = h`` on an argument, ``losses.append(aux)`` on a closure list:
-        the stored tensor belongs to the run's local graph, not to the caller's,
-        so a gradient through it would be silently missing. Checked under plain
-        autograd, where such a tensor requires grad (a detached one is fine), in
-        the non-module arguments and in the closure cells, defaults and partial
-        arguments of ``fn``, breadth first and bounded, not entering modules
-        (whose internals hooks and wrappers such as FSDP fill during a call).
-        Stores into module attributes and under torch.func transforms are not
-        caught (see the README's limits).
+        ``o.cache = x`` on an argument, ``inputs.append(x)`` on a closure list: the
+        function gets remat's own copy of each input (a local leaf), so a gradient
+        through the stored tensor would reach that copy and be silently missing. (A
+        tensor the run computed and stored escapes it, and becomes an output: see
+        :meth:`_escaped_tensors`.) Checked under plain autograd in the non-module
+        arguments and in the closure cells, defaults and partial arguments of ``fn``,
+        breadth first and bounded, not entering modules (whose internals hooks and
+        wrappers such as FSDP fill during a call). Stores into module attributes and
+        under torch.func transforms are not caught (see the README's limits).
         """
+        copies = {id(t) for t, g in zip(flat, given) if t is not g}
+        if not copies:
+            return
         roots: list[Any] = [o for o in self.objects if not isinstance(o, torch.nn.Module)]
         fn = self.fn
         if isinstance(fn, functools.partial):
@@ -744,18 +803,14 @@ class UserRegion(Region):
         roots = [r for r in roots if r is not None]
         if not roots:  # nothing to look into (a plain function of its arguments)
             return
-        stored = [
-            t
-            for t in tensors_inside(roots, budget=10_000, into_modules=False)
-            if t.requires_grad and id(t) not in self.outer_ids
-        ]
+        stored = [t for t in tensors_inside(roots, budget=10_000, into_modules=False) if id(t) in copies]
         if stored:
             raise CheckpointError(
-                f"remat({self.name}): the function stored a tensor of shape {tuple(stored[0].shape)} that it "
-                "computed into an object outside the call (an argument or a closure variable). remat "
-                "records no graph for it in the caller's autograd, so a gradient through it would be "
-                "silently missing. Return it from the function instead, or detach it if it is only "
-                "kept for logging."
+                f"remat({self.name}): the function stored one of its inputs (shape {tuple(stored[0].shape)}) "
+                "into an object outside the call (an argument or a closure variable). The function gets "
+                "remat's own copy of each input, so a gradient through the stored tensor would reach that "
+                "copy and be silently missing. Return it from the function instead, or store a tensor "
+                "computed from it (x.clone())."
             )
 
     def run(self, flat: tuple[torch.Tensor, ...], phase: Phase) -> tuple[torch.Tensor, ...]:
@@ -827,8 +882,6 @@ class UserRegion(Region):
         tensors, slots = flatten(out)
         tensors = _substituted(tensors, run.substitute)
         self._refuse_hidden_tensors(slots.leaves, plain_autograd)
-        if grad_forward:
-            self._refuse_stored_tensors()
         if self.saved is not None:
             self.saved.finish_forward(tuple(tensors))
         substitute = run.substitute
@@ -875,7 +928,12 @@ class UserRegion(Region):
         if grad_forward:  # drop the run's local graph
             tensors = [t.detach() if t.requires_grad else t for t in tensors]
             del out
-            self._refuse_escaped_tensors(substitute, flat, marks)
+            escaped = self._escaped_tensors(substitute, flat, marks)
+            self._refuse_stored_inputs(flat, given)
+            if escaped:  # (as they are: autograd points them at the Function's node)
+                self.escaped_at = [k for k, _ in escaped]
+                tensors += [t for _, t in escaped]
+                del escaped
         self.out_slots = slots
         self.out_meta = [tensor_meta(t) for t in tensors]
         if self._compares_values():
@@ -925,7 +983,7 @@ class UserRegion(Region):
         any tensor it cannot route), the places were found as at the call, and the
         result's graph can be checked (``checkable``: :meth:`graph_checkable`).
         """
-        if self.recompute_under_mode:
+        if self.recompute_under_mode or self.escaped_at:
             return True
         if not mapping:
             return False
@@ -1013,6 +1071,9 @@ class UserRegion(Region):
         try:
             with self._running(flat, forward=False, grad=False, modes=modes) as run:
                 unsubstituted = run.unsubstituted
+                if self.escaped_at:
+                    assert run.substitute is not None
+                    run.substitute.keep = dict.fromkeys(self.escaped_at)
                 out = self._call_fn(run.args, run.kwargs, False, False)
         except Exception as e:
             # Without the mode, a tensor reached another way than in the forward run (a module
@@ -1030,6 +1091,8 @@ class UserRegion(Region):
             self.recompute_under_mode = True
             return self.recompute(given)
         tensors = _aliasing.owned_outputs(self.plan, _substituted(tensors, run.substitute))
+        if self.escaped_at:
+            tensors += self._escaped_again(run.substitute)
         if self.options.determinism_check == "default":
             assert self.out_slots is not None
             traces = (self.forward_trace or [], run.trace.lines) if run.trace is not None else None
@@ -1043,6 +1106,22 @@ class UserRegion(Region):
             if self._compares_values():
                 check_same_values(self.name, self.out_digest, digest(tensors), traces)
         return tuple(tensors)
+
+    def _escaped_again(self, substitute: Substitute | None) -> list[torch.Tensor]:
+        """The recomputation's tensors at the positions where tensors escaped the forward run."""
+        assert substitute is not None and substitute.keep is not None
+        kept, substitute.keep = substitute.keep, None
+        missing = [k for k in self.escaped_at if kept[k] is None]
+        if missing:
+            meta = self.out_meta[len(self.out_meta) - len(self.escaped_at) + self.escaped_at.index(missing[0])]
+            raise CheckpointError(
+                f"remat({self.name}): the recomputation during the backward pass did not compute again a "
+                f"tensor (shape {tuple(meta[0])}) that the forward pass computed and kept outside the call "
+                "(a forward hook, a list, a global or a module attribute), whose gradient is asked for: it "
+                "ran fewer operators than the forward pass. The function must compute the same thing when "
+                "called again; or return that tensor from the function instead."
+            )
+        return [t for t in (kept[k] for k in self.escaped_at) if t is not None]
 
     def _snapshot_viewed_inputs(self, flat: tuple[torch.Tensor, ...]) -> None:
         """Copy the inputs the caller gets views of: it may update them in place.

@@ -485,20 +485,30 @@ class reparametrized:
     ConViT's ``self.rel_indices = ...`` on a registered buffer) holds the function's
     new value instead: with ``keep_rebound`` (the forward run) that value stays, as it
     would without remat; otherwise (a recomputation, or a run that raised) it is dropped,
-    so the state is updated once per forward pass. A rebound value with a graph would
-    outlive the call's local graph: it raises, except the weight that the old-style
+    so the state is updated once per forward pass. A rebound value with a graph stays too
+    where the run computed it (from ``first_node`` on): it escapes the run, and is an output
+    of the call where it can be. One with a graph from elsewhere (an input's local copy,
+    a tensor from before the call) raises, except the weight that the old-style
     ``nn.utils.spectral_norm`` and ``weight_norm`` pre-hooks compute at every call, kept
     detached (the next call computes it again before reading it).
     """
 
-    __slots__ = ("by_name", "captured", "keep_rebound", "loop", "replace", "swapped")
+    __slots__ = ("by_name", "captured", "first_node", "keep_rebound", "loop", "replace", "swapped")
 
     def __init__(
-        self, captured: Captured, replace: dict[int, torch.Tensor], keep_rebound: bool = False, loop: str | None = None
+        self,
+        captured: Captured,
+        replace: dict[int, torch.Tensor],
+        keep_rebound: bool = False,
+        loop: str | None = None,
+        first_node: int | None = None,
     ) -> None:
         # ``loop``: the name of a checkpointed loop whose forward sweep this is. Its steps run again
         # from kept carries, in the schedule's order, and cannot replay state a step rebinds: refused.
+        # ``first_node``: the run's first autograd node; a rebound value whose graph starts there or
+        # later was computed by the run, and escapes it (UserRegion._escaped_tensors says what then).
         self.captured, self.replace, self.keep_rebound, self.loop = captured, replace, keep_rebound, loop
+        self.first_node = first_node
         self.swapped: list[tuple[torch.nn.Module, str, Any, Any]] = []
         self.by_name = False  # were the places looked up again (a submodule replaced since the call)?
 
@@ -534,6 +544,8 @@ class reparametrized:
                         in_loop.append((owner, key))
                     elif not (isinstance(held, torch.Tensor) and held.requires_grad):
                         continue  # rebound by the function: its value stays, as without remat
+                    elif self._computed_in_the_run(held):
+                        continue  # (an MoE layer's self.aux_loss: it escapes the run, see above)
                     else:
                         with_graph.append((owner, key, held))
             _swap_tensor(owner, key, before)
@@ -559,6 +571,11 @@ class reparametrized:
                 "torch.no_grad()) if it is state, or return it from the function if it is to be "
                 "differentiated."
             )
+
+
+    def _computed_in_the_run(self, t: torch.Tensor) -> bool:
+        node = t.grad_fn
+        return self.first_node is not None and node is not None and node._sequence_nr() >= self.first_node
 
 
 _ABSENT = object()
@@ -654,6 +671,16 @@ def _global_names(code: types.CodeType) -> tuple[str, ...]:
 class _Active(threading.local):
     def __init__(self) -> None:
         self.substitutes: list[Substitute] = []  # the substitutions of the runs we are inside, innermost last
+        # Inside funckpt's own work for a region applied in a run (a nested remat's forward run, but
+        # not its function): the enclosing runs do not count the tensors made there, so the
+        # positions of their escaped tensors (Substitute.made) are those of the user's code alone.
+        self.internal = False
+
+
+def set_internal(internal: bool) -> bool:
+    """Mark what runs next on this thread as funckpt's own work (``True``) or the user's; returns the previous mark."""
+    was, _active.internal = _active.internal, internal
+    return was
 
 
 _active = _Active()
@@ -683,6 +710,28 @@ _UNINITIALIZED = frozenset(
 
 
 _RETAIN_GRAD = torch.Tensor.retain_grad
+
+
+def _metadata_reads() -> frozenset[Any]:
+    """The torch functions that read a tensor's metadata (its shape, dtype, whether it requires
+    grad) and compute nothing: they pass no value, and so no gradient, whatever tensor they get."""
+    getters = (
+        "shape", "dtype", "device", "requires_grad", "grad_fn", "is_leaf", "ndim", "layout", "_version",
+        "is_cuda", "is_cpu", "is_meta", "is_sparse", "is_quantized", "is_nested", "is_mkldnn", "itemsize",
+        "nbytes", "retains_grad", "output_nr",
+    )  # fmt: skip
+    methods = (
+        "size", "dim", "numel", "nelement", "stride", "is_contiguous", "data_ptr", "element_size",
+        "is_floating_point", "is_complex", "get_device", "storage_offset", "is_inference",
+    )  # fmt: skip
+    found = [getattr(torch.Tensor, n).__get__ for n in getters if hasattr(torch.Tensor, n)]
+    return frozenset(found + [getattr(torch.Tensor, n) for n in methods if hasattr(torch.Tensor, n)])
+
+
+#: (A getter's ``__get__`` is a new method-wrapper at each access, equal to the others: found by a set.)
+_METADATA = _metadata_reads()
+#: Operators whose result passes no gradient back to their input: a foreign tensor may go in.
+_CUTS_GRADIENT = frozenset({torch.Tensor.detach, torch.detach})
 
 _is_compiling = torch.compiler.is_compiling  # (Dynamo reads it as True where it traces)
 
@@ -714,9 +763,14 @@ class Substitute(OnThreadStack, TorchFunctionMode):
         self.first_node = first_node
         self.uninitialized = False  # did the run allocate memory it may read before writing?
         self.used: set[int] = set()  # ids of the inputs passed to a torch function during the run
-        # Weak references to the tensors the run made that require grad (the forward run under
-        # plain autograd only): any still alive once the run's local graph is dropped escaped it.
-        self.made: list[weakref.ref[torch.Tensor]] | None = None
+        # The tensors the run made, by their position among every tensor its operators returned
+        # (the forward run under plain autograd only), weakly: any still alive and requiring
+        # grad once the run's local graph is dropped escaped it.
+        self.made: list[tuple[int, weakref.ref[torch.Tensor]]] | None = None
+        # In a recomputation, the positions of the tensors that escaped the forward run, and
+        # the tensors made there (see UserRegion._escaped_tensors): they are outputs too.
+        self.keep: dict[int, torch.Tensor | None] | None = None
+        self.count = 0  # tensors the operators returned so far (counted while made or keep is set)
         # Did the run receive a captured tensor itself, not through a module's place (where
         # reparametrization put its substitute already)? A recomputation needs this mode only if so.
         self.hit = False
@@ -762,6 +816,16 @@ class Substitute(OnThreadStack, TorchFunctionMode):
         else:
             node = t.grad_fn
             foreign = (t.requires_grad and (node is None or node._sequence_nr() < self.first_node)) or has_tangent(t)
+        if foreign and not wrapped and type(t.grad_fn).__name__ == "_RematFunctionBackward":
+            raise CheckpointError(
+                f"remat({self.name}): the function used a tensor of shape {tuple(t.shape)} that a remat'd "
+                "call computed earlier and that was kept outside that call (a cache a module fills on its "
+                "first call, such as timm LeViT's attention_bias_cache in eval mode, or a value stored on "
+                "a module); a recomputation reads it where the forward pass computed it. remat cannot "
+                "route its gradient here, and it would silently be missing. Empty such a cache before "
+                "each forward pass (or do not cache under remat), or keep the value as a parameter or "
+                "buffer of the module, which remat routes."
+            )
         if foreign:
             raise CheckpointError(
                 f"remat({self.name}): the function used a tensor of shape {tuple(t.shape)} and dtype "
@@ -780,9 +844,14 @@ class Substitute(OnThreadStack, TorchFunctionMode):
         # to swap, every tensor known or made inside) builds nothing.
         # Usage and escapes are not recorded while Dynamo inlines this handler (a compiled
         # function called inside remat): it cannot trace the mutation of these collections.
+        mapping, known, inside = self.mapping, self.known, self.inside
+        if func in _METADATA:  # (x.shape, x.requires_grad: of any tensor, foreign or not)
+            if mapping and args and id(args[0]) in mapping:
+                self.hit = True
+                args = (mapping[id(args[0])], *args[1:])
+            return func(*args, **(kwargs or {}))
         compiling = _is_compiling()
         used = None if compiling else self.used
-        mapping, known, inside = self.mapping, self.known, self.inside
         swapped: list[Any] | None = None
         for i, a in enumerate(args):  # _swap, with its tensor case inline
             if isinstance(a, torch.Tensor):
@@ -798,7 +867,7 @@ class Substitute(OnThreadStack, TorchFunctionMode):
                 elif key in known:
                     if used is not None:
                         used.add(key)
-                elif key not in inside:
+                elif key not in inside and func not in _CUTS_GRADIENT:
                     self._check(a)
             elif isinstance(a, (list, tuple)) and a:
                 b = self._swap(a, used)
@@ -820,12 +889,16 @@ class Substitute(OnThreadStack, TorchFunctionMode):
         # made inside and then set to require grad (as HF T5 does) is not foreign.
         # (One loop for a tensor and a tuple alike: on torch 2.11, Dynamo tracing this handler
         # guards id(out) taken directly on the output's source, a fresh tensor, and fails.)
-        made = None if compiling else self.made
+        made, keep = (None, None) if compiling or _active.internal else (self.made, self.keep)
         for o in out if isinstance(out, (tuple, list)) else (out,):
             if isinstance(o, torch.Tensor):
                 inside.add(id(o))
-                if made is not None and o.requires_grad:
-                    made.append(weakref.ref(o))
+                if made is not None or keep is not None:
+                    if made is not None:  # (an autograd.Function's: requires grad once it returns)
+                        made.append((self.count, weakref.ref(o)))
+                    if keep is not None and self.count in keep:
+                        keep[self.count] = o
+                    self.count += 1
         return out
 
 

@@ -450,6 +450,8 @@ class LoopRegion(UserRegion):
 
     # ---------------------------------------------------------------- the runs
 
+    escapes_become_outputs = False  # (its steps are reversed one at a time, not found in a recomputation)
+
     def _call_fn(self, args: tuple[Any, ...], kwargs: dict[str, Any], forward: bool, grad_forward: bool) -> Any:
         self._forward = forward
         return super()._call_fn(args, kwargs, forward, grad_forward)

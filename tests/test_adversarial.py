@@ -2268,44 +2268,247 @@ def test_hook_registered_on_an_input_applies_to_its_whole_gradient(leaf):
 # =============================================================================================
 
 
-def test_a_forward_hook_that_keeps_a_submodule_output_raises_instead_of_losing_its_gradient():
-    """HF's output_attentions/output_hidden_states keep outputs this way."""
+# Tensors the function computes and keeps outside the call (a forward hook's list, a module
+# attribute, a global) become outputs of the remat'd call under plain autograd: gradients flow
+# through them as without remat, as under torch.utils.checkpoint (HF's output_attentions,
+# output_hidden_states and output_router_logits, an MoE layer's auxiliary loss).
+
+
+def _grads_of(loss_fn, *leaves):
+    return torch.autograd.grad(loss_fn(), leaves)
+
+
+def test_a_forward_hook_that_keeps_a_submodule_output_passes_its_gradient():
     torch.manual_seed(0)
     block = nn.Sequential(nn.Linear(4, 4, dtype=D), nn.Tanh(), nn.Linear(4, 4, dtype=D))
     kept = []
     block[0].register_forward_hook(lambda m, i, o: kept.append(o))
-    with pytest.raises(CheckpointError, match="outlived the call other than as its return value"):
-        remat(block)(randn(3, 4, seed=1).requires_grad_())
+    x = randn(3, 4, seed=1).requires_grad_()
+
+    def loss(f):
+        kept.clear()
+        out = f(x)
+        return out.square().sum() + kept[0].sin().sum()
+
+    leaves = (x, *block.parameters())
+    assert_close(_grads_of(lambda: loss(remat(block)), *leaves), _grads_of(lambda: loss(block), *leaves))
 
 
-def test_the_escape_error_names_the_tensor_kept_not_what_its_graph_keeps_alive():
-    """A module storing a state computed from an activation keeps that activation alive too
-    (its graph saved it): the error names the state's shape, the one the user wrote."""
+class _AuxLoss(nn.Module):
+    """An MoE layer's pattern: an auxiliary loss stored on the module, summed by the training loop."""
 
-    class Stateful(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.lin = nn.Linear(4, 4, dtype=D)
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4, dtype=D)
 
-        def forward(self, x):
-            h = torch.tanh(self.lin(x))
-            self.state = (h * h).sum(1)
-            return h
-
-    with pytest.raises(CheckpointError, match=r"a tensor of shape \(2, 4\) that the function computed outlived"):
-        remat(Stateful())(randn(2, 3, 4, seed=1).requires_grad_())
+    def forward(self, x):
+        h = torch.tanh(self.lin(x))
+        self.aux = (h * h).sum(1).mean()
+        return h
 
 
-def test_a_tensor_stored_in_a_global_raises():
-    store = {}
+def test_a_module_attribute_set_in_forward_passes_its_gradient():
+    torch.manual_seed(0)
+    layers = [_AuxLoss() for _ in range(3)]
+    x = randn(2, 3, 4, seed=1).requires_grad_()
+
+    def loss(wrap):
+        h = x
+        for layer in layers:
+            h = wrap(layer)(h)
+        return h.sum() + sum(layer.aux for layer in layers)
+
+    leaves = (x, *(p for layer in layers for p in layer.parameters()))
+    assert_close(_grads_of(lambda: loss(remat), *leaves), _grads_of(lambda: loss(lambda m: m), *leaves))
+
+
+@pytest.mark.parametrize("where", ["global dict", "closure list", "argument object"])
+def test_a_tensor_stored_outside_the_call_passes_its_gradient(where):
+    store, losses = {}, []
+
+    class Box:
+        t = None
+
+    box = Box()
+
+    def fn(x, b):
+        h = x.sin()
+        if where == "global dict":
+            store["h"] = h
+        elif where == "closure list":
+            losses.append(h.exp().sum())
+        else:
+            b.t = h * 3
+        return h.exp()
+
+    x = randn(3, seed=1).requires_grad_()
+
+    def loss(f):
+        out = f(x, box).sum()
+        kept = store["h"].sum() if where == "global dict" else losses[-1] if where == "closure list" else box.t.sum()
+        return out + 2 * kept
+
+    assert_close(_grads_of(lambda: loss(remat(fn)), x), _grads_of(lambda: loss(fn), x))
+
+
+def test_a_kept_tensor_no_gradient_asks_for_leaves_the_gradient_as_without_it():
+    kept = []
+
+    def fn(x, w):
+        h = torch.tanh(x @ w)
+        kept.append(h * h)
+        return h.cos()
+
+    x, w = randn(3, 4, seed=1).requires_grad_(), randn(4, 4, seed=2).requires_grad_()
+    assert_close(_grads_of(lambda: remat(fn)(x, w).sum(), x, w), _grads_of(lambda: fn(x, w).sum(), x, w))
+    kept.clear()
+    remat(fn)(x, w)  # only the kept tensor is differentiated
+    got = torch.autograd.grad(kept[0].sum(), (x, w))
+    kept.clear()
+    fn(x, w)
+    assert_close(got, torch.autograd.grad(kept[0].sum(), (x, w)))
+
+
+def test_a_kept_tensor_lets_go_of_the_forward_runs_activations():
+    """The kept tensor is pointed at the remat'd call's node: the forward run's local graph,
+    and the activations it saved, are freed at the end of the call as when nothing is kept."""
+    import weakref
+
+    kept, intermediates = [], []
+
+    def fn(x):
+        a = x.sin()
+        b = a.exp()
+        intermediates.extend([weakref.ref(a), weakref.ref(b)])
+        kept.append(b * b)  # its graph saves b
+        return a.sum()
+
+    remat(fn)(randn(5, seed=1).requires_grad_())
+    assert [r() for r in intermediates] == [None, None]
+    assert "Remat" in type(kept[0].grad_fn).__name__
+
+
+@pytest.mark.parametrize("how", ["create_graph", "retain_graph", "forward_mode"])
+def test_a_kept_tensor_under_higher_order_and_repeated_differentiation(how):
+    kept = []
+
+    def fn(x, w):
+        a = (x @ w).sin()
+        kept.append(a * a)
+        return a.cos().sum()
+
+    x, w = randn(3, 4, seed=1).requires_grad_(), randn(4, 4, seed=2).requires_grad_()
+
+    def run(f):
+        kept.clear()
+        if how == "forward_mode":
+            with fwAD.dual_level():
+                xd = fwAD.make_dual(x.detach(), randn(3, 4, seed=3))
+                out = f(xd, w.detach())
+                return fwAD.unpack_dual(out).tangent, fwAD.unpack_dual(kept[0]).tangent
+        out = f(x, w)
+        if how == "create_graph":
+            gx, gw = torch.autograd.grad(out + kept[0].pow(2).sum(), (x, w), create_graph=True)
+            return torch.autograd.grad(gx.sin().sum() + gw.sum(), (x, w))
+        first = kept[0]  # (a recomputation runs fn again: it appends to the list too)
+        return (
+            *torch.autograd.grad(out, (x, w), retain_graph=True),
+            *torch.autograd.grad(first.sum(), (x, w), retain_graph=True),
+            *torch.autograd.grad(out + first.sum(), (x, w)),
+        )
+
+    assert_close(run(remat(fn)), run(fn))
+
+
+def test_a_kept_tensor_in_a_nested_remat():
+    kept = []
+
+    def inner(x, w):
+        a = (x @ w).sin()
+        kept.append(a * a)
+        return a.cos()
+
+    def outer(f):
+        return lambda x, w: (f(x, w) * 2).exp().sum()
+
+    x, w = randn(3, 4, seed=1).requires_grad_(), randn(4, 4, seed=2).requires_grad_()
+
+    def loss(f):
+        kept.clear()
+        out = f(x, w)
+        return out + 3 * kept[0].sum()
+
+    expected = _grads_of(lambda: loss(outer(inner)), x, w)
+    assert_close(_grads_of(lambda: loss(remat(outer(remat(inner)))), x, w), expected)
+    assert_close(_grads_of(lambda: loss(remat(outer(inner))), x, w), expected)
+
+
+def test_a_tensor_kept_outside_the_call_under_torch_func_raises():
+    kept = []
 
     def fn(x):
         h = x.sin()
-        store["h"] = h  # a dict the closure reaches, not an argument
-        return h.exp()
+        kept.append(h)
+        return h.exp().sum()
 
-    with pytest.raises(CheckpointError, match="outlived the call|stored a tensor"):
+    with pytest.raises(CheckpointError, match="outlived the call other than as its return value under a torch.func"):
+        tf.grad(remat(fn))(randn(3, seed=1))
+
+
+def test_a_view_of_an_input_kept_outside_the_call_raises():
+    kept = []
+
+    def fn(x):
+        kept.append(x[0])
+        return x.sin()
+
+    with pytest.raises(CheckpointError, match="a view of one of the function's inputs"):
+        remat(fn)(randn(3, 2, seed=1).requires_grad_())
+
+
+def test_a_leaf_created_in_the_function_and_kept_outside_raises():
+    """Without remat its .grad gets what flows into it through the call; remat differentiates
+    the call in its recomputation, where a new leaf stands in for it."""
+    kept = []
+
+    def fn(x):
+        p = torch.ones_like(x).requires_grad_()
+        kept.append(p)
+        return x.sin() * p
+
+    with pytest.raises(CheckpointError, match="created to require grad itself"):
         remat(fn)(randn(3, seed=1).requires_grad_())
+
+
+def test_a_recomputation_that_does_not_compute_the_kept_tensor_again_raises():
+    kept, calls = [], []
+
+    def fn(x):
+        calls.append(1)
+        h = x.sin()
+        out = h.cos()
+        if len(calls) == 1:  # the forward run only
+            kept.append(h.exp())
+        return out
+
+    x = randn(3, seed=1).requires_grad_()
+    out = remat(fn)(x)
+    with pytest.raises(CheckpointError, match="did not compute again a tensor"):
+        (out.sum() + kept[0].sum()).backward()
+
+
+def test_reading_the_metadata_of_a_tensor_remat_cannot_route_is_no_error():
+    """A tensor that requires grad and that remat cannot route is refused where an operator
+    uses its values; reading its shape, dtype or whether it requires grad passes no gradient."""
+    hidden = {"t": randn(2, 3, seed=2).requires_grad_()}
+    get = hidden.get
+
+    def fn(x):
+        t = get("t")  # reached through a bound method of a dict: not walked
+        return x.sin() * t.shape[0] + float(t.requires_grad) + x.new_zeros(t.shape[1:]).sum()
+
+    x = randn(3, seed=1).requires_grad_()
+    assert_close(_grads_of(lambda: remat(fn)(x).sum(), x), _grads_of(lambda: fn(x).sum(), x))
 
 
 def test_writes_into_a_dict_argument_raise_instead_of_being_lost():

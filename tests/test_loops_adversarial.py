@@ -1129,8 +1129,8 @@ def test_autocast_in_one_pass_only(checkpoints, where):
         "a step that stores a tensor it computes into a closure list (aux.append(n.sum())) and the caller "
         "differentiates through it: the plain loop's gradient includes that path, funckpt's forward sweep runs "
         "without grad so the stored tensors are constants and the gradient through them is silently missing. "
-        "remat raises here (_refuse_stored_tensors), but a LoopRegion never runs that check (its forward run "
-        "has grad_forward False) and, without grad, a stored tensor cannot be told from a detached one "
+        "remat makes it an output of the call (UserRegion._escaped_tensors), but a LoopRegion's forward sweep "
+        "records no graph and, without grad, a stored tensor cannot be told from a detached one "
         "(logging) by requires_grad: detecting it needs the step's stores seen another way"
     ),
 )

@@ -314,6 +314,42 @@ def test_frozen_base(name, how):
         assert_close(_func_grad(spec, model, inp, trainable, 9), _func_grad(spec, reference, inp, trainable, 9))
 
 
+def _recorded_loss(out):
+    """A loss through every tensor HF's output recorder collected inside the layers."""
+    loss = 0
+    for key in ("attentions", "hidden_states", "router_logits", "encoder_attentions", "decoder_attentions",
+                "cross_attentions", "encoder_hidden_states", "decoder_hidden_states"):
+        for t in getattr(out, key, None) or ():
+            if t is not None:
+                loss = loss + t.square().mean()
+    return loss + (out.aux_loss if getattr(out, "aux_loss", None) is not None else 0)
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True])
+@pytest.mark.parametrize("name", ["mixtral", "qwen2", "bart", "roberta"])
+def test_hf_checkpointing_differentiates_outputs_recorded_inside_the_layers(name, use_reentrant):
+    """output_attentions, output_hidden_states and (Mixtral) output_router_logits, whose
+    load-balancing loss is trained: HF collects them with forward hooks inside the checkpointed
+    layers. They become outputs of the checkpointed calls, and their gradients flow as without
+    checkpointing (train mode, dropout seeded alike)."""
+    spec, reference, model, inp = _setup(name)
+    calls = _hf_checkpointing(model, use_reentrant)
+    flags = dict(output_attentions=True, output_hidden_states=True)
+    if name == "mixtral":
+        flags["output_router_logits"] = True
+    results = []
+    for m in (reference, model):
+        m.set_attn_implementation("eager")  # (SDPA computes no attention weights to record)
+        torch.manual_seed(3)
+        out = m(**_kw(inp), **flags)
+        assert getattr(out, "attentions", None) or getattr(out, "encoder_attentions", None)
+        assert name != "mixtral" or out.aux_loss is not None
+        (spec[1](out, inp) + _recorded_loss(out)).backward()
+        results.append(_grads(m))
+    assert calls
+    assert_close(results[1], results[0])
+
+
 @pytest.mark.parametrize("randomness", ["error", "different"])
 @pytest.mark.parametrize("how", ["hf", "remat"])
 @pytest.mark.parametrize("name", ["opt", "bart", "whisper"])

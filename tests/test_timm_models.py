@@ -679,12 +679,13 @@ def test_levit_train_mode():
 def test_levit_eval_mode_attention_bias_cache_raises():
     """In eval mode LeViT caches its attention biases (computed from a parameter, with a graph)
     in a module attribute on the first call. Computed inside a checkpointed region, that tensor
-    outlives the region with no graph in the caller's autograd: remat refuses it (README, "Side
-    effects") instead of silently dropping the bias's gradient, under .backward() and torch.func."""
+    outlives the region; the region's recomputation then reads the cache where the forward run
+    computed the bias, and the bias's gradient cannot flow: remat refuses it (README, "Side
+    effects") instead of silently dropping it, under .backward() and torch.func."""
     torch.manual_seed(0)
     model = remat_blocks(timm.create_model("levit_128s", num_classes=3, img_size=64).to(D).eval())
     x = torch.randn(2, 3, 64, 64, dtype=D)
-    with pytest.raises(funckpt.CheckpointError, match="outlived the call"):
+    with pytest.raises(funckpt.CheckpointError, match="a remat'd call computed earlier and that was kept outside"):
         _loss(model(x)).backward()
     for m in model.modules():  # a fresh cache, as after model.train()/eval()
         if hasattr(m, "attention_bias_cache"):
