@@ -293,6 +293,41 @@ def test_deferred_value_check_raises_at_the_end_of_the_backward(monkeypatch, tra
     assert _errors._deferred == {}
 
 
+@pytest.mark.parametrize("transform", ["backward", "grad"])
+def test_a_backward_that_raises_after_deferring_a_check_leaves_nothing_pending(monkeypatch, transform):
+    """The engine drops a failed backward's callbacks: the checks it deferred go with them
+    (they held digests and traces for good, one entry per failed backward), and the next
+    backward still checks."""
+    from funckpt import _errors
+
+    monkeypatch.setattr(_errors, "DEFER_ON_CPU", True)
+
+    def fail(grad):
+        raise ValueError("hook")
+
+    def loss(x):
+        h = x * 1
+        h.register_hook(fail)  # runs after the remat'd call's backward deferred its check
+        return remat(torch.sin)(h).sum()
+
+    for _ in range(3):
+        with pytest.raises(ValueError, match="hook"):
+            if transform == "backward":
+                loss(X.clone().requires_grad_()).backward()
+            else:
+                tf.grad(loss)(X)
+    assert dict(_errors._deferred) == {}
+    calls = []
+
+    def f(x):
+        calls.append(1)
+        return x.sin() if len(calls) % 2 == 1 else x.cos()
+
+    with pytest.raises(CheckpointError, match="has other values"):
+        remat(f)(X.clone().requires_grad_()).sum().backward()
+    assert dict(_errors._deferred) == {}
+
+
 @pytest.mark.parametrize("changed", [None, 0, 1, 2])
 def test_deferred_value_check_of_outputs_of_several_dtypes(monkeypatch, changed):
     """The deferred comparison reads every pending digest of a device at once, whatever their
