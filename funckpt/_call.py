@@ -386,7 +386,12 @@ class _Running:
                 self._enter(substitute)
             for mode in self.modes:
                 self._enter(mode)
-            trace = self._enter(OpTrace()) if debug_enabled(region.options.debug) else None
+            # As torch.utils.checkpoint, ``debug`` is decided at the forward run, for both runs: the
+            # override of set_checkpoint_debug_enabled is per thread, and a backward pass may run
+            # in another (an autograd device thread) or outside the ``with`` that held the forward.
+            if forward or region.debug is None:
+                region.debug = debug_enabled(region.options.debug)
+            trace = self._enter(OpTrace()) if region.debug else None
         except BaseException as e:
             if not self.__exit__(type(e), e, e.__traceback__):
                 raise
@@ -456,6 +461,7 @@ class UserRegion(Region):
         self.out_slots: TreeSlots | None = None
         self.out_meta: list[tuple[Any, ...]] = []
         self.forward_trace: list[str] | None = None
+        self.debug: bool | None = None  # decided by the forward run (see _Running.__enter__)
         self.rng: _rng.RngState | None = None
         policy = options.policy
         self.saved = None if policy is None or policy is nothing_saveable else Saved(policy, name)

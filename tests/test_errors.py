@@ -1,5 +1,7 @@
 """The determinism check, debug traces, and state left behind by failures."""
 
+import re
+
 import pytest
 import torch
 import torch.func as tf
@@ -58,6 +60,33 @@ def test_set_checkpoint_debug_enabled_overrides_the_argument():
     with pytest.raises(TypeError, match="enabled"):
         with set_checkpoint_debug_enabled("yes"):
             pass
+
+
+@pytest.mark.parametrize("backward_in", ["another_thread", "outside_the_with"])
+def test_debug_is_decided_at_the_forward_run_as_torch_does(backward_in):
+    """The override is per thread; the backward pass may run in another one (an autograd device
+    thread on a GPU) or after the ``with``: the forward run's decision holds for both runs."""
+    import threading
+
+    x = X.clone().requires_grad_()
+    errors = []
+
+    def backward():
+        try:
+            y.sum().backward()
+        except CheckpointError as e:
+            errors.append(e)
+
+    with set_checkpoint_debug_enabled(True):
+        y = remat(shape_changing(), debug=False)(x)
+        if backward_in == "another_thread":
+            worker = threading.Thread(target=backward)
+            worker.start()
+            worker.join()
+    if backward_in == "outside_the_with":
+        backward()
+    (error,) = errors
+    assert re.search(r"(?s)operator traces.*forward.*aten\.mul.*recomputation.*aten\.sum", str(error))
 
 
 def test_determinism_check_none_skips_the_check():
