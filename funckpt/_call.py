@@ -41,6 +41,7 @@ from ._capture import (
     local_graph_leaves,
     next_sequence_nr,
     reparametrized,
+    refuse_other_threads_stand_ins,
     route_through_enclosing,
     tensors_inside,
     training_as_at_the_call,
@@ -153,6 +154,7 @@ def prepare(
     ]
     root = fn if reaches is None else reaches
     captured = find_captured((root, *objects) if objects else root)
+    refuse_other_threads_stand_ins(name, captured.tensors)
     captured_index = [slot(t) for t in captured.tensors]
     routed = route_through_enclosing(flat)
     region = (make_region or UserRegion)(
