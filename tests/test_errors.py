@@ -126,6 +126,8 @@ def _global_state():
         _get_current_dispatch_mode(),
         torch._C._functorch.peek_interpreter_stack(),
         list(_capture._active.substitutes),
+        dict(_capture._live),  # module places held by runs
+        dict(_capture._live_runs),
     )
 
 
@@ -158,6 +160,40 @@ def test_failure_inside_recomputation_leaves_no_global_state_changed(transform):
     torch.nn.functional.dropout(torch.empty_like(X) if transform != "vmap_grad" else X[0], 0.5)
     if transform != "vmap_grad":
         assert torch.equal(after[1], torch.get_rng_state())
+
+
+class _RaisesOnCall(torch.nn.Module):
+    def __init__(self, on_call: int) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4, dtype=D)
+        self.on_call, self.calls = on_call, 0
+
+    def forward(self, x):
+        self.calls += 1
+        h = self.lin(x)
+        if self.calls == self.on_call:
+            raise KeyboardInterrupt  # not an Exception: nothing may catch it on the way out
+        return h.tanh()
+
+
+@pytest.mark.parametrize("transform", ["backward", "grad"])
+@pytest.mark.parametrize("on_call", [1, 2], ids=["forward", "recomputation"])
+def test_a_module_that_raises_is_left_with_its_own_parameters_and_works_after(transform, on_call):
+    module = _RaisesOnCall(on_call)
+    params = dict(module.named_parameters())
+    step = remat(module)
+    before = _global_state()
+    with pytest.raises(KeyboardInterrupt):
+        if transform == "backward":
+            step(X).sum().backward()
+        else:
+            tf.grad(lambda p: tf.functional_call(step, p, (X,)).sum())(params)
+    after = _global_state()
+    assert before[0] == after[0] and before[2:] == after[2:]
+    assert dict(module.named_parameters()) == params and all(type(p) is torch.nn.Parameter for p in params.values())
+    module.on_call = 0
+    got = tf.grad(lambda p: tf.functional_call(step, p, (X,)).sum())(params)
+    assert_close(got, tf.grad(lambda p: tf.functional_call(module, p, (X,)).sum())(params))
 
 
 def test_recomputation_computing_something_else_with_same_shapes_raises():
