@@ -41,6 +41,7 @@ from ._capture import (
     local_graph_leaves,
     next_sequence_nr,
     reparametrized,
+    refuse_other_threads_stand_ins,
     route_through_enclosing,
     set_internal,
     tensors_inside,
@@ -154,6 +155,7 @@ def prepare(
     ]
     root = fn if reaches is None else reaches
     captured = find_captured((root, *objects) if objects else root)
+    refuse_other_threads_stand_ins(name, captured.tensors)
     captured_index = [slot(t) for t in captured.tensors]
     routed = route_through_enclosing(flat)
     region = (make_region or UserRegion)(
@@ -391,7 +393,12 @@ class _Running:
                 self._enter(substitute)
             for mode in self.modes:
                 self._enter(mode)
-            trace = self._enter(OpTrace()) if debug_enabled(region.options.debug) else None
+            # As torch.utils.checkpoint, ``debug`` is decided at the forward run, for both runs: the
+            # override of set_checkpoint_debug_enabled is per thread, and a backward pass may run
+            # in another (an autograd device thread) or outside the ``with`` that held the forward.
+            if forward or region.debug is None:
+                region.debug = debug_enabled(region.options.debug)
+            trace = self._enter(OpTrace()) if region.debug else None
         except BaseException as e:
             if not self.__exit__(type(e), e, e.__traceback__):
                 raise
@@ -461,6 +468,7 @@ class UserRegion(Region):
         self.out_slots: TreeSlots | None = None
         self.out_meta: list[tuple[Any, ...]] = []
         self.forward_trace: list[str] | None = None
+        self.debug: bool | None = None  # decided by the forward run (see _Running.__enter__)
         self.rng: _rng.RngState | None = None
         policy = options.policy
         self.saved = None if policy is None or policy is nothing_saveable else Saved(policy, name)

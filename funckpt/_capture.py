@@ -472,6 +472,44 @@ def _fsdp_hooks_would_run(module: torch.nn.Module) -> bool:
         return True
 
 
+# Every module place (``(id(owner), key)``) that a run in any thread holds now, with an entry
+# ``[placed, before, thread]`` per run in it, in the order they entered. Runs in one thread leave
+# in the reverse order and each puts back what it found. Two threads running the same module at
+# once (unsupported: each thread needs its own copy) interleave; a run that leaves a place another
+# run entered after it does not touch it and hands that run what it found instead, so the place
+# ends as it was before either, never holding a run's stand-in for good. And a call that would
+# take another thread's stand-in for a module's tensor raises (its gradient would go there).
+_live: dict[tuple[int, str], list[list[Any]]] = {}
+_live_runs: dict[int, int] = {}  # thread -> how many of its runs hold places now
+_live_lock = threading.RLock()  # (re-entrant: setting a module attribute may run user code)
+
+_SAME_MODULE_IN_TWO_THREADS = (
+    "two threads ran the same module at once. remat puts each run's stand-ins into the module's "
+    "attributes while it runs (as torch.func.functional_call does), so a module object must not "
+    "be run, or differentiated, by two threads at the same time: give each thread its own copy."
+)
+
+
+def _placed_by_other_threads() -> set[int]:
+    """The ids of the stand-ins that runs of other threads have in modules now."""
+    me = threading.get_ident()
+    if not _live_runs or _live_runs.keys() == {me}:  # the common case: no other thread is in a run
+        return set()
+    with _live_lock:
+        return {id(e[0]) for entries in _live.values() for e in entries if e[2] != me}
+
+
+def refuse_other_threads_stand_ins(name: str, tensors: list[torch.Tensor]) -> None:
+    """Raise if a call found another thread's stand-in where a module's tensor sits."""
+    others = _placed_by_other_threads()
+    for t in tensors:
+        if id(t) in others:
+            raise CheckpointError(
+                f"remat({name}): the call found another thread's stand-in for a module's tensor "
+                f"(shape {tuple(t.shape)}): {_SAME_MODULE_IN_TWO_THREADS}"
+            )
+
+
 class reparametrized:
     """Put ``replace[id(t)]`` in each module wherever ``t`` sat at the call (``captured.places``).
 
@@ -493,7 +531,7 @@ class reparametrized:
     detached (the next call computes it again before reading it).
     """
 
-    __slots__ = ("by_name", "captured", "first_node", "keep_rebound", "loop", "replace", "swapped")
+    __slots__ = ("by_name", "captured", "first_node", "keep_rebound", "loop", "replace", "swapped", "thread")
 
     def __init__(
         self,
@@ -509,7 +547,9 @@ class reparametrized:
         # later was computed by the run, and escapes it (UserRegion._escaped_tensors says what then).
         self.captured, self.replace, self.keep_rebound, self.loop = captured, replace, keep_rebound, loop
         self.first_node = first_node
-        self.swapped: list[tuple[torch.nn.Module, str, Any, Any]] = []
+        # each place set: its module, key and entry ``[placed, before]`` in ``_live``
+        self.swapped: list[tuple[torch.nn.Module, str, list[Any]]] = []
+        self.thread: int | None = None  # the thread whose run holds the places, while it does
         self.by_name = False  # were the places looked up again (a submodule replaced since the call)?
 
     def __enter__(self) -> None:
@@ -518,10 +558,17 @@ class reparametrized:
             captured = self.captured
             unchanged = all(parent._modules.get(name) is child for parent, name, child in captured.edges)
             self.by_name = not unchanged
-            for places in captured.places if unchanged else _places_by_name(captured):
-                for owner, key, t in places:
-                    placed = replace.get(id(t), t)
-                    swapped.append((owner, key, _swap_tensor(owner, key, placed), placed))
+            groups = captured.places if unchanged else _places_by_name(captured)
+            me = threading.get_ident()
+            with _live_lock:
+                _live_runs[me] = _live_runs.get(me, 0) + 1
+                self.thread = me
+                for places in groups:
+                    for owner, key, t in places:
+                        placed = replace.get(id(t), t)
+                        entry = [placed, _swap_tensor(owner, key, placed), me]
+                        _live.setdefault((id(owner), key), []).append(entry)
+                        swapped.append((owner, key, entry))
         except BaseException:
             self.__exit__()
             raise
@@ -531,24 +578,41 @@ class reparametrized:
         keep = self.keep_rebound and exc[:1] in ((), (None,))
         with_graph: list[tuple[torch.nn.Module, str, torch.Tensor]] = []
         in_loop: list[tuple[torch.nn.Module, str]] = []
-        for owner, key, before, placed in reversed(swapped):
-            if keep:
-                held = _held(owner, key)
-                if held is not placed:
-                    if _recomputed_at_every_call(owner, key) and isinstance(held, torch.Tensor):
-                        # Its value, without the run's local graph: a later call (which computes it
-                        # again) then does not route the stale weight, and its graph, through remat.
-                        _swap_tensor(owner, key, held.detach())
-                        continue
-                    if self.loop is not None:
-                        in_loop.append((owner, key))
-                    elif not (isinstance(held, torch.Tensor) and held.requires_grad):
-                        continue  # rebound by the function: its value stays, as without remat
-                    elif self._computed_in_the_run(held):
-                        continue  # (an MoE layer's self.aux_loss: it escapes the run, see above)
-                    else:
-                        with_graph.append((owner, key, held))
-            _swap_tensor(owner, key, before)
+        with _live_lock:
+            thread, self.thread = self.thread, None
+            if thread is not None:
+                if _live_runs[thread] == 1:
+                    del _live_runs[thread]
+                else:
+                    _live_runs[thread] -= 1
+            for owner, key, entry in reversed(swapped):
+                placed, before, _ = entry
+                entries = _live[id(owner), key]
+                if entries[-1] is not entry:  # another thread's run entered this place after this one
+                    at = next(i for i, e in enumerate(entries) if e is entry)
+                    entries[at + 1][1] = before
+                    del entries[at]
+                    continue
+                entries.pop()
+                if not entries:
+                    del _live[id(owner), key]
+                if keep:
+                    held = _held(owner, key)
+                    if held is not placed:
+                        if _recomputed_at_every_call(owner, key) and isinstance(held, torch.Tensor):
+                            # Its value, without the run's local graph: a later call (which computes it
+                            # again) then does not route the stale weight, and its graph, through remat.
+                            _swap_tensor(owner, key, held.detach())
+                            continue
+                        if self.loop is not None:
+                            in_loop.append((owner, key))
+                        elif not (isinstance(held, torch.Tensor) and held.requires_grad):
+                            continue  # rebound by the function: its value stays, as without remat
+                        elif self._computed_in_the_run(held):
+                            continue  # (an MoE layer's self.aux_loss: it escapes the run, see above)
+                        else:
+                            with_graph.append((owner, key, held))
+                _swap_tensor(owner, key, before)
         if in_loop:
             owner, key = in_loop[-1]
             raise CheckpointError(
@@ -816,6 +880,11 @@ class Substitute(OnThreadStack, TorchFunctionMode):
         else:
             node = t.grad_fn
             foreign = (t.requires_grad and (node is None or node._sequence_nr() < self.first_node)) or has_tangent(t)
+        if foreign and not wrapped and id(t) in _placed_by_other_threads():
+            raise CheckpointError(
+                f"remat({self.name}): the function read another thread's stand-in for a module's "
+                f"tensor (shape {tuple(t.shape)}): {_SAME_MODULE_IN_TWO_THREADS}"
+            )
         if foreign and not wrapped and type(t.grad_fn).__name__ == "_RematFunctionBackward":
             raise CheckpointError(
                 f"remat({self.name}): the function used a tensor of shape {tuple(t.shape)} that a remat'd "

@@ -35,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import math
 import threading
+import weakref
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -409,8 +410,24 @@ def _agree(a: Digest, forward: tuple[float, float], recomputed: tuple[float, flo
 
 
 _Check = tuple[str, Sequence["Digest | None"], Sequence["Digest | None"], "tuple[Sequence[str], Sequence[str]] | None"]
+
+
+class _Pending:
+    """The comparisons deferred to the end of one backward pass (one autograd graph task).
+
+    Only the engine callbacks queued for them hold it. A backward pass that raises before
+    its callbacks run drops them with its graph task, and this with them: its entry in
+    ``_deferred`` (a weak dictionary) goes too, with the digests and traces it held.
+    """
+
+    __slots__ = ("__weakref__", "checks")
+
+    def __init__(self) -> None:
+        self.checks: list[_Check] = []
+
+
 # Comparisons of digests on an accelerator, by autograd graph task, made at its end.
-_deferred: dict[int, list[_Check]] = {}
+_deferred: weakref.WeakValueDictionary[int, _Pending] = weakref.WeakValueDictionary()
 _deferred_lock = threading.Lock()
 #: Keep CPU digests as tensors and defer their comparisons, as on an accelerator
 #: (tests exercise the accelerator path with it).
@@ -437,12 +454,14 @@ def check_same_values(
     on_device = any(d is not None and d.stats is not None and not d.stats[0].is_cpu for d in (*forward, *recomputed))
     if task >= 0 and (on_device or DEFER_ON_CPU):
         with _deferred_lock:
-            _deferred.setdefault(task, []).append((name, forward, recomputed, traces))
+            pending = _deferred.get(task)
+            if pending is None:
+                pending = _deferred[task] = _Pending()
+            pending.checks.append((name, forward, recomputed, traces))
         # One callback per check: the first to run compares everything pending for this task
-        # (one host synchronisation), the others find nothing. A backward that raised before
-        # its callbacks ran leaves its entries behind; the next task with the same number
-        # still queues its own callback, so none of its checks is silently dropped.
-        queue_engine_callback(lambda: _check_deferred(task))
+        # (one host synchronisation), the others find nothing; a check deferred after that
+        # one ran (by a later callback) still has its own.
+        queue_engine_callback(lambda: _check_deferred(task, pending))
         return
     _compare(name, forward, recomputed, traces)
 
@@ -454,9 +473,11 @@ def _all_read(digests: Sequence[Digest | None]) -> bool:
     return True
 
 
-def _check_deferred(task: int) -> None:
+def _check_deferred(task: int, pending: _Pending) -> None:
     with _deferred_lock:
-        checks = _deferred.pop(task, [])
+        checks, pending.checks = pending.checks, []
+        if _deferred.get(task) is pending:
+            del _deferred[task]
     for check in checks:
         _compare(*check)
 

@@ -188,11 +188,16 @@ def _copies_back(value: Offloaded) -> tuple[Any, list[tuple[torch.Tensor, Backen
     return out, marks
 
 
-class _Chain:
-    """The calls that offloaded values, in forward order (each points at the one before)."""
+class _Chain(threading.local):
+    """The calls that offloaded values, in forward order (each points at the one before).
+
+    One chain per thread: the calls of one forward pass are made in one thread, and the
+    backward pass through them visits them in reverse. Threads running their own models
+    at once (``nn.DataParallel``'s replicas) must not prefetch each other's values, which
+    would bring them back long before their own backward needs them.
+    """
 
     def __init__(self) -> None:
-        self.lock = threading.Lock()
         self.last: weakref.ref[Any] | None = None
 
 
@@ -200,9 +205,8 @@ _chain = _Chain()
 
 
 def chain(saved: Any) -> weakref.ref[Any] | None:
-    """Append ``saved`` (a call that offloaded values) to the chain; return the call before it."""
-    with _chain.lock:
-        previous, _chain.last = _chain.last, weakref.ref(saved)
+    """Append ``saved`` (a call that offloaded values) to this thread's chain; return the call before it."""
+    previous, _chain.last = _chain.last, weakref.ref(saved)
     return previous
 
 

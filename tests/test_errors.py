@@ -1,5 +1,7 @@
 """The determinism check, debug traces, and state left behind by failures."""
 
+import re
+
 import pytest
 import torch
 import torch.func as tf
@@ -60,6 +62,33 @@ def test_set_checkpoint_debug_enabled_overrides_the_argument():
             pass
 
 
+@pytest.mark.parametrize("backward_in", ["another_thread", "outside_the_with"])
+def test_debug_is_decided_at_the_forward_run_as_torch_does(backward_in):
+    """The override is per thread; the backward pass may run in another one (an autograd device
+    thread on a GPU) or after the ``with``: the forward run's decision holds for both runs."""
+    import threading
+
+    x = X.clone().requires_grad_()
+    errors = []
+
+    def backward():
+        try:
+            y.sum().backward()
+        except CheckpointError as e:
+            errors.append(e)
+
+    with set_checkpoint_debug_enabled(True):
+        y = remat(shape_changing(), debug=False)(x)
+        if backward_in == "another_thread":
+            worker = threading.Thread(target=backward)
+            worker.start()
+            worker.join()
+    if backward_in == "outside_the_with":
+        backward()
+    (error,) = errors
+    assert re.search(r"(?s)operator traces.*forward.*aten\.mul.*recomputation.*aten\.sum", str(error))
+
+
 def test_determinism_check_none_skips_the_check():
     x = X.clone().requires_grad_()
     y = remat(shape_changing(), determinism_check="none")(x)
@@ -97,6 +126,8 @@ def _global_state():
         _get_current_dispatch_mode(),
         torch._C._functorch.peek_interpreter_stack(),
         list(_capture._active.substitutes),
+        dict(_capture._live),  # module places held by runs
+        dict(_capture._live_runs),
     )
 
 
@@ -129,6 +160,40 @@ def test_failure_inside_recomputation_leaves_no_global_state_changed(transform):
     torch.nn.functional.dropout(torch.empty_like(X) if transform != "vmap_grad" else X[0], 0.5)
     if transform != "vmap_grad":
         assert torch.equal(after[1], torch.get_rng_state())
+
+
+class _RaisesOnCall(torch.nn.Module):
+    def __init__(self, on_call: int) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4, dtype=D)
+        self.on_call, self.calls = on_call, 0
+
+    def forward(self, x):
+        self.calls += 1
+        h = self.lin(x)
+        if self.calls == self.on_call:
+            raise KeyboardInterrupt  # not an Exception: nothing may catch it on the way out
+        return h.tanh()
+
+
+@pytest.mark.parametrize("transform", ["backward", "grad"])
+@pytest.mark.parametrize("on_call", [1, 2], ids=["forward", "recomputation"])
+def test_a_module_that_raises_is_left_with_its_own_parameters_and_works_after(transform, on_call):
+    module = _RaisesOnCall(on_call)
+    params = dict(module.named_parameters())
+    step = remat(module)
+    before = _global_state()
+    with pytest.raises(KeyboardInterrupt):
+        if transform == "backward":
+            step(X).sum().backward()
+        else:
+            tf.grad(lambda p: tf.functional_call(step, p, (X,)).sum())(params)
+    after = _global_state()
+    assert before[0] == after[0] and before[2:] == after[2:]
+    assert dict(module.named_parameters()) == params and all(type(p) is torch.nn.Parameter for p in params.values())
+    module.on_call = 0
+    got = tf.grad(lambda p: tf.functional_call(step, p, (X,)).sum())(params)
+    assert_close(got, tf.grad(lambda p: tf.functional_call(module, p, (X,)).sum())(params))
 
 
 def test_recomputation_computing_something_else_with_same_shapes_raises():
@@ -291,6 +356,41 @@ def test_deferred_value_check_raises_at_the_end_of_the_backward(monkeypatch, tra
     assert _errors._deferred == {}
     run(remat(torch.sin))  # a deterministic function: no alarm
     assert _errors._deferred == {}
+
+
+@pytest.mark.parametrize("transform", ["backward", "grad"])
+def test_a_backward_that_raises_after_deferring_a_check_leaves_nothing_pending(monkeypatch, transform):
+    """The engine drops a failed backward's callbacks: the checks it deferred go with them
+    (they held digests and traces for good, one entry per failed backward), and the next
+    backward still checks."""
+    from funckpt import _errors
+
+    monkeypatch.setattr(_errors, "DEFER_ON_CPU", True)
+
+    def fail(grad):
+        raise ValueError("hook")
+
+    def loss(x):
+        h = x * 1
+        h.register_hook(fail)  # runs after the remat'd call's backward deferred its check
+        return remat(torch.sin)(h).sum()
+
+    for _ in range(3):
+        with pytest.raises(ValueError, match="hook"):
+            if transform == "backward":
+                loss(X.clone().requires_grad_()).backward()
+            else:
+                tf.grad(loss)(X)
+    assert dict(_errors._deferred) == {}
+    calls = []
+
+    def f(x):
+        calls.append(1)
+        return x.sin() if len(calls) % 2 == 1 else x.cos()
+
+    with pytest.raises(CheckpointError, match="has other values"):
+        remat(f)(X.clone().requires_grad_()).sum().backward()
+    assert dict(_errors._deferred) == {}
 
 
 @pytest.mark.parametrize("changed", [None, 0, 1, 2])

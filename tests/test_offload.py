@@ -455,3 +455,30 @@ def test_offload_under_torch_compile_gives_eager_gradients():
     compiled(a, W2, X).backward()
     stack(block)(a0, W2, X).backward()
     assert_close(a.grad, a0.grad)
+
+
+def test_fake_accelerator_prefetches_only_calls_of_the_same_thread(fake):
+    """A thread's backward prefetches the call before in its own forward pass, never a call that
+    another thread (a DataParallel replica) made meanwhile: that would bring the other thread's
+    values back long before its own backward needs them."""
+    import threading
+
+    f = remat(lambda w, h: torch.tanh(h @ w), policy=policies.offload_dot_with_no_batch_dims())
+    w = torch.randn(4, 4, dtype=D, requires_grad=True)
+    other: list = []
+
+    def other_thread():
+        other.append(f(torch.randn(4, 2, dtype=D, requires_grad=True), torch.randn(5, 4, dtype=D)))  # a (5, 2) value
+
+    h = f(w, torch.randn(2, 4, dtype=D))
+    worker = threading.Thread(target=other_thread)
+    worker.start()
+    worker.join()
+    h = f(w, h)
+    fake.log.clear()
+    h.sum().backward()
+    assert [(e[0], e[1]) for e in fake.log] == [
+        ("to_device", (2, 4)), ("ready", (2, 4)),  # the last call, on demand
+        ("to_device", (2, 4)), ("ready", (2, 4)),  # the call before it in this thread, prefetched
+    ]
+    assert other[0].grad_fn is not None  # (the other thread's call was alive all along)

@@ -9,7 +9,7 @@ import torch.func as tf
 from torch.testing import assert_close
 
 from benchmarks._common import held_bytes
-from funckpt import policies, remat
+from funckpt import CheckpointError, policies, remat
 
 D = torch.float64
 
@@ -241,3 +241,86 @@ def test_stress_transformer_stack_with_default_options_never_raises(functional, 
     (default options: the determinism check on): no alarm, and the same parameters as
     training without remat (dropout replays exactly)."""
     assert_close(_train_stack(True, steps, functional), _train_stack(False, steps, functional))
+
+
+class _Pausing(torch.nn.Module):
+    """A linear layer whose forward calls its thread's ``pause`` (if any) before or after reading its weight."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4, dtype=D)
+        self.pauses = threading.local()
+
+    def forward(self, x):
+        getattr(self.pauses, "before", lambda: None)()
+        y = torch.tanh(self.lin(x))
+        getattr(self.pauses, "after", lambda: None)()
+        return y
+
+
+def _same_module_in_two_threads(a_pauses: str, b_does: str):
+    """Thread A calls ``remat(module)`` and pauses inside its run (``a_pauses``: before or after
+    reading the weight) while thread B calls it too, or differentiates a call made before (its
+    recomputation runs the module), pausing inside its run until A has left: the runs interleave,
+    A leaving first. Events, not timing, order them. Returns each thread's result or error."""
+    module = _Pausing()
+    params = dict(module.named_parameters())
+    step = remat(module)
+    weight = module.lin.weight  # (not read while a thread runs the module: that reads its stand-in)
+    xa, xb = torch.randn(3, 4, dtype=D), torch.randn(3, 4, dtype=D)
+    b_earlier = step(xb).square().sum()
+    a_inside, b_reached, a_left = threading.Event(), threading.Event(), threading.Event()
+    outcome: dict[str, object] = {}
+
+    def wait(event):
+        assert event.wait(timeout=30)
+
+    def a():
+        module.pauses.__dict__[a_pauses] = lambda: (a_inside.set(), wait(b_reached))
+        try:
+            outcome["a"] = torch.autograd.grad(step(xa).square().sum(), weight)[0]
+        except CheckpointError as e:
+            outcome["a"] = e
+        finally:
+            a_left.set()
+
+    def b():
+        module.pauses.after = lambda: (b_reached.set(), wait(a_left))
+        try:
+            y = step(xb).square().sum() if b_does == "call" else b_earlier
+            outcome["b"] = torch.autograd.grad(y, weight)[0]
+        except CheckpointError as e:
+            outcome["b"] = e
+        finally:
+            b_reached.set()
+
+    threads = [threading.Thread(target=a), threading.Thread(target=b)]
+    threads[0].start()
+    wait(a_inside)
+    threads[1].start()
+    for t in threads:
+        t.join()
+    assert dict(module.named_parameters()) == params and all(type(p) is torch.nn.Parameter for p in params.values())
+    for name, x in zip("ab", (xa, xb)):
+        if isinstance(outcome[name], torch.Tensor):
+            assert_close(outcome[name], torch.autograd.grad(module(x).square().sum(), weight)[0])
+    return {name: type(o).__name__ if isinstance(o, torch.Tensor) else str(o) for name, o in outcome.items()}
+
+
+@pytest.mark.parametrize("a_pauses", ["before", "after"])
+@pytest.mark.parametrize("b_does", ["call", "backward"])
+def test_same_module_in_two_threads_raises_or_is_right_and_leaves_its_parameters_as_they_were(a_pauses, b_does):
+    """Not supported (each thread needs its own copy of a module), but never silently wrong. The
+    run that left first used to put back what it found, the other run's stand-ins, and the module
+    held them for good (an optimizer then updated parameters the module no longer used); a call
+    in B took A's stand-in for the weight, so its gradient went there, silently missing. Now a
+    thread that would use the other's stand-in raises saying why, the other one's gradient is
+    right, and the module ends with its own parameters."""
+    outcome = _same_module_in_two_threads(a_pauses, b_does)
+    same_module = "two threads ran the same module"
+    if b_does == "call":  # B's call finds A's stand-in in the module
+        assert outcome["a"] == "Tensor" and same_module in outcome["b"]
+    elif a_pauses == "before":  # A reads the weight while B's recomputation has its stand-in there
+        assert same_module in outcome["a"] and outcome["b"] == "Tensor"
+    else:  # each read its own stand-in: both right
+        assert outcome == {"a": "Tensor", "b": "Tensor"}
