@@ -453,6 +453,7 @@ class UserRegion(Region):
         self.planned = False  # did the forward run plan its outputs (_aliasing.plan)?
         self.default_device: torch.device | None = None
         self.snapshots: dict[int, torch.Tensor] = {}  # input index -> its value before the forward wrote it
+        self.written_without_grad: set[int] = set()  # differentiable inputs the forward run wrote under no_grad
         self.out_slots: TreeSlots | None = None
         self.out_meta: list[tuple[Any, ...]] = []
         self.forward_trace: list[str] | None = None
@@ -483,12 +484,14 @@ class UserRegion(Region):
         self._recompute_context = None
         return context if context is not None else _two_contexts(self.options.context_fn, self.name)[1]
 
-    def _write_watch(self, flat: tuple[torch.Tensor, ...], snapshots_possible: bool) -> WriteWatch:
-        """Snapshot each non-differentiable input before the forward run first writes it.
+    def _write_watch(self, flat: tuple[torch.Tensor, ...], snapshots_possible: bool, leaves: bool) -> WriteWatch:
+        """Snapshot each input before the forward run first writes it.
 
         The recomputation must start from the values the forward run started
-        from (say a buffer that is updated and then read). Writing to a
-        differentiable input raises: the caller's graph would not know of it.
+        from (say a buffer that is updated and then read). A write to a
+        differentiable input that autograd records raises: the caller's graph
+        would not know of it. ``leaves``: the differentiable inputs of this run
+        are local leaves (the forward run records its own graph).
         """
         storages: dict[int | None, int] = {}  # storage -> the first input on it
         on_same_storage: dict[int, list[int]] = {}  # that input -> every input on its storage
@@ -503,7 +506,16 @@ class UserRegion(Region):
             # Every input on that storage is snapshotted whole, not ``t``.
             written = on_same_storage[index]
             if any(self.differentiable[i] for i in written):
-                raise _in_place_error(self.name)
+                if not leaves and (torch.is_grad_enabled() or forward_mode_active()):
+                    raise _in_place_error(self.name)
+                # A write no graph records (under no_grad, or through ``.detach()`` or ``.data``:
+                # ``nn.Embedding(max_norm=...)`` renormalizes rows of its weight so), with or
+                # without remat; the gradient is that of the operators after it. Where the
+                # differentiable inputs are local leaves, every write that reaches here is one:
+                # autograd refuses a recorded write to a leaf (or a view of one) before it.
+                # Like a buffer's update, it happens once, in the forward run; the
+                # recomputation starts from a snapshot and writes that.
+                self.written_without_grad.update(i for i in written if self.differentiable[i])
             if not snapshots_possible:
                 raise CheckpointError(
                     f"remat({self.name}): the function modified one of its inputs in place under a "
@@ -606,7 +618,7 @@ class UserRegion(Region):
             self.saved.release()
 
     def note_mutated_inputs(self, indices: list[int]) -> None:
-        if any(self.differentiable[i] for i in indices):
+        if any(self.differentiable[i] and i not in self.written_without_grad for i in indices):
             raise _in_place_error(self.name)
         # Non-differentiable inputs (buffers such as BatchNorm's running statistics)
         # are updated once, by the forward run; the write watch snapshotted them
@@ -811,9 +823,9 @@ class UserRegion(Region):
         # differentiable ones are caught by their version counters after the run).
         modes: list[Any] = []
         if self.saved is not None:
-            modes.append(self.saved.recorder(self._write_watch(flat, plain_autograd)))
+            modes.append(self.saved.recorder(self._write_watch(flat, plain_autograd, grad_forward)))
         elif not all(self.differentiable):
-            modes.append(self._write_watch(flat, plain_autograd))
+            modes.append(self._write_watch(flat, plain_autograd, grad_forward))
         marks = recording_marks() if grad_forward else []  # before this region's own recorder starts
         with self._running(flat, forward=True, grad=grad_forward, modes=modes) as run:
             if grad_forward and run.substitute is not None:

@@ -77,6 +77,44 @@ def test_in_place_update_of_a_differentiable_input_raises():
         tf.grad(lambda x: remat(f)(x.clone() * 1).sum())(X)
 
 
+def test_in_place_update_recorded_by_autograd_raises_beside_a_non_differentiable_input():
+    """With an integer input beside it, the forward run's write watch sees the write first: one
+    that autograd records changes the caller's graph, which remat cannot, so it still raises."""
+    index = torch.tensor([0, 2])
+
+    def f(x, i):
+        x.mul_(2)
+        return x.sin()[i]
+
+    with pytest.raises(CheckpointError, match="modified .*differentiable inputs in place"):
+        tf.grad(lambda x: remat(f)(x * 1, index).sum())(X)
+    with pytest.raises(CheckpointError, match="modified .*differentiable inputs in place"):
+        remat(f)(X.clone().requires_grad_() * 1, index).sum().backward()
+    with pytest.raises(CheckpointError, match="differentiable inputs in place"):
+        tf.jvp(lambda x: remat(f)(x, index), (X.clone(),), (torch.ones_like(X),))
+
+
+def test_write_to_a_differentiable_input_under_no_grad_happens_once():
+    """A write no graph records (under no_grad) is part of a correct program: the caller sees it
+    done once, and the gradients are those of the operators after it, as without remat."""
+    index = torch.tensor([0, 2])
+
+    def f(x, i):
+        with torch.no_grad():
+            x.clamp_(-0.5, 0.5)
+        return x.sin()[i] * x[i]
+
+    def program(g):
+        x0 = X.clone().requires_grad_()
+        x = x0 * 1
+        g(x, index).sum().backward()
+        return x.detach(), x0.grad
+
+    assert_close(program(remat(f)), program(f))
+    loss = lambda g: lambda x: g(x * 1, index).sum()  # noqa: E731
+    assert_close(tf.grad(loss(remat(f)))(X), tf.grad(loss(f))(X))
+
+
 def test_in_place_update_of_a_buffer_happens_once():
     counter = torch.zeros(())
 

@@ -503,3 +503,56 @@ def test_wrapper_of_a_once_parametrized_module_still_pickles():
     x = torch.randn(2, 3, dtype=D)
     assert_close(loaded(x), model(x))
     assert_close(copy.deepcopy(model)(x), model(x))
+
+
+def _max_norm_layer(kind):
+    torch.manual_seed(0)
+    if kind == "Embedding":
+        return nn.Embedding(10, 3, max_norm=1.0, dtype=D)
+    return nn.EmbeddingBag(10, 3, max_norm=0.5, mode="sum", dtype=D)
+
+
+_MAX_NORM_INPUTS = {
+    "Embedding": (torch.tensor([[1, 2, 3], [4, 5, 1]]),),
+    "EmbeddingBag": (torch.tensor([1, 2, 3, 4, 5, 1]), torch.tensor([0, 2])),
+}
+
+
+@pytest.mark.parametrize("kind", ["Embedding", "EmbeddingBag"])
+@pytest.mark.parametrize("how", ["remat(layer)", "checkpoint"])
+def test_embedding_with_max_norm_renormalizes_its_weight_once_per_step(kind, how):
+    """``max_norm`` renormalizes the rows it looks up in the weight itself, through ``weight.detach()``
+    (no graph records it): a correct program, not a differentiable input written in place. As
+    without remat, the weight is renormalized by the forward pass, and the gradients are the plain
+    layer's, step after step."""
+    from funckpt import checkpoint
+
+    reference, layer = _max_norm_layer(kind), _max_norm_layer(kind)
+    run = {
+        "remat(layer)": remat(layer),
+        "checkpoint": lambda *a: checkpoint(layer, *a, use_reentrant=False),
+    }[how]
+    inputs = _MAX_NORM_INPUTS[kind]
+    for step in range(2):
+        cotangent = torch.randn(reference(*inputs).shape, dtype=D)
+        reference.weight.grad = layer.weight.grad = None
+        reference.weight.data.mul_(3)  # rows grow past max_norm again
+        layer.weight.data.mul_(3)
+        (reference(*inputs) * cotangent).sum().backward()
+        (run(*inputs) * cotangent).sum().backward()
+        assert_close(layer.weight.grad, reference.weight.grad)
+        assert_close(layer.weight, reference.weight)
+
+
+@pytest.mark.parametrize("kind", ["Embedding", "EmbeddingBag"])
+def test_embedding_with_max_norm_under_functional_call_and_grad(kind):
+    reference, layer = _max_norm_layer(kind), _max_norm_layer(kind)
+    inputs = _MAX_NORM_INPUTS[kind]
+
+    def loss(module, params):
+        return tf.functional_call(module, params, inputs).sin().sum()
+
+    expected = tf.grad(lambda p: loss(reference, p))({"weight": reference.weight.detach()})
+    got = tf.grad(lambda p: loss(remat(layer), p))({"weight": layer.weight.detach()})
+    assert_close(got, expected)
+    assert_close(layer.weight, reference.weight)
