@@ -27,6 +27,8 @@ from typing import Any
 
 import optree
 import torch
+from torch.nn.modules.lazy import LazyModuleMixin
+from torch.nn.parameter import is_lazy
 
 from . import _aliasing, _autocast, _rng
 from ._autograd import Phase, Region, apply, eager_under_compile
@@ -62,6 +64,7 @@ from ._internals import (
     forward_ad_level,
     forward_mode_active,
     is_functorch_wrapped,
+    outside_functorch,
     parametrization_cache,
     peek_interpreter_stack,
     register_tensor_hook,
@@ -110,8 +113,47 @@ def _call_eagerly(fn: Callable[..., Any], options: RematOptions, args: tuple[Any
         # then records its graph, as it would without remat).
         check_static_argnums(callable_name(fn), options, args)
         return fn(*args, **kwargs)
+    _initialize_if_lazy(fn, args, kwargs)
     region, routed = prepare(fn, options, args, kwargs)
     return finish(region, routed, apply(region, routed))
+
+
+def _initialize_if_lazy(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """A lazy module's first call (``remat(nn.LazyLinear(4))``): its parameters, shaped from
+    the arguments, before remat routes them.
+
+    Its forward pre-hook would infer them inside the call, too late: remat takes the
+    module's parameters as inputs before calling it. So the hook's own work runs here,
+    on the same arguments and before anything else of the call, as it would without remat
+    (``reset_parameters`` draws from the generator before the forward's dropout does).
+    Only where that hook is the module's first pre-hook (another before it could change
+    the arguments); lazy modules elsewhere raise in :func:`_refuse_uninitialized`.
+    """
+    if not isinstance(fn, LazyModuleMixin) or not fn.has_uninitialized_params():
+        return
+    hook = getattr(fn, "_initialize_hook", None)
+    if hook is not None and next(iter(fn._forward_pre_hooks), None) == hook.id:
+        # Outside any torch.func transform: the initialization reads the arguments' shapes
+        # only, and under one torch's in-place initializers crash (a LazyLinear's first call
+        # inside torch.func.grad without remat: a segmentation fault in kaiming_uniform_).
+        with outside_functorch():
+            fn._infer_parameters(fn, args, kwargs)
+
+
+def _refuse_uninitialized(name: str, captured: Captured, tensors: Sequence[torch.Tensor]) -> None:
+    """Raise if the call reaches a lazy module's parameters before they are initialized."""
+    lazy = [t for t in tensors if is_lazy(t)]
+    if not lazy:
+        return
+    holders = [(n.count("."), f"{type(m).__name__}'s {n!r}") for m, named in captured.modules for n, t in named.items() if t is lazy[0]]
+    owner = min(holders)[1] if holders else "a tensor"  # the lazy module itself, not a model around it
+    raise CheckpointError(
+        f"remat({name}): the function reaches {owner}, an uninitialized parameter of a lazy module. "
+        "remat takes the parameters it reaches as inputs before calling the function, so a lazy "
+        "module inside it cannot infer them on its first call. Initialize it first: call the model "
+        "once on a batch (under torch.no_grad()) before the remat'd call, or remat the lazy module "
+        "itself (remat(nn.LazyLinear(n)) initializes it on its first call)."
+    )
 
 
 def prepare(
@@ -154,6 +196,7 @@ def prepare(
     root = fn if reaches is None else reaches
     captured = find_captured((root, *objects) if objects else root)
     captured_index = [slot(t) for t in captured.tensors]
+    _refuse_uninitialized(name, captured, flat)
     routed = route_through_enclosing(flat)
     region = (make_region or UserRegion)(
         fn,

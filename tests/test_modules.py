@@ -6,7 +6,7 @@ import torch.func as tf
 import torch.nn as nn
 from torch.testing import assert_close
 
-from funckpt import remat
+from funckpt import CheckpointError, remat
 
 D = torch.float64
 
@@ -556,3 +556,53 @@ def test_embedding_with_max_norm_under_functional_call_and_grad(kind):
     got = tf.grad(lambda p: loss(remat(layer), p))({"weight": layer.weight.detach()})
     assert_close(got, expected)
     assert_close(layer.weight, reference.weight)
+
+
+_LAZY = {
+    "LazyLinear": (lambda: nn.LazyLinear(4, dtype=D), (2, 3)),
+    "LazyConv2d": (lambda: nn.LazyConv2d(3, 2, dtype=D), (1, 2, 4, 4)),
+    "LazyBatchNorm1d": (lambda: nn.LazyBatchNorm1d(dtype=D), (4, 3)),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(_LAZY))
+@pytest.mark.parametrize("how", ["remat(layer)", "checkpoint", "torch.func.grad"])
+def test_lazy_module_initializes_its_parameters_on_its_first_remat_d_call(kind, how):
+    """A lazy module's first call shapes its parameters from its input, in a pre-hook that
+    would run inside the call, after remat took the (uninitialized) parameters as inputs. The
+    first remat'd call initializes them first, as without remat: same values (the same draws
+    from the generator), same gradients, and the module becomes the plain layer."""
+    from funckpt import checkpoint
+
+    make, shape = _LAZY[kind]
+    reference, layer = make(), make()
+    x = torch.randn(shape, dtype=D)
+    loss = lambda y: (y * torch.sin(torch.arange(y.numel(), dtype=D)).reshape(y.shape)).sum()  # noqa: E731
+    x_ref = x.clone().requires_grad_()
+    torch.manual_seed(0)
+    expected = torch.autograd.grad(loss(reference(x_ref)), [x_ref, *reference.parameters()])
+    torch.manual_seed(0)
+    if how == "torch.func.grad":
+        got = tf.grad(lambda x: loss(remat(layer)(x)))(x)
+        assert_close(got, expected[0])
+    else:
+        run = remat(layer) if how == "remat(layer)" else (lambda x: checkpoint(layer, x, use_reentrant=False))
+        x_got = x.clone().requires_grad_()
+        got = torch.autograd.grad(loss(run(x_got)), [x_got, *layer.parameters()])
+        assert_close(got, expected)
+    assert type(layer) is type(reference)
+    assert_close(layer.state_dict(), reference.state_dict())
+
+
+def test_uninitialized_lazy_module_inside_a_remat_d_call_raises_saying_what_to_do():
+    """One inside (its input is an intermediate: it cannot be shaped before the call) raises a
+    CheckpointError naming it, not torch's error about an uninitialized parameter."""
+    model = nn.Sequential(nn.Linear(3, 4, dtype=D), nn.Tanh(), nn.LazyLinear(2, dtype=D))
+    x = torch.randn(2, 3, dtype=D, requires_grad=True)
+    with pytest.raises(CheckpointError, match=r"LazyLinear's 'weight'.*lazy module.*call the model once"):
+        remat(model)(x)
+    with pytest.raises(CheckpointError, match="uninitialized parameter of a lazy module"):
+        tf.grad(lambda x: remat(lambda x: model(x))(x).sum())(x)
+    with torch.no_grad():
+        model(x)  # as the error says
+    assert_close(tf.grad(lambda x: remat(model)(x).sum())(x), tf.grad(lambda x: model(x).sum())(x))
