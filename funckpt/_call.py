@@ -666,14 +666,14 @@ class UserRegion(Region):
         # Non-differentiable inputs (buffers such as BatchNorm's running statistics)
         # are updated once, by the forward run; the write watch snapshotted them
         # before the first write and recomputations start from a copy of that.
-        # One changed without a snapshot (an in-place view such as unsqueeze_, or
-        # through a storage the watch cannot see) cannot be restored.
+        # (In-place views such as unsqueeze_ and resize_ are snapshotted before they run too.)
+        # One changed without a snapshot (through a storage the watch cannot see) cannot be restored.
         missed = [i for i in indices if i not in self.snapshots]
         if missed:
             raise CheckpointError(
                 f"remat({self.name}): the function modified {len(missed)} of its inputs in place in a way "
-                "remat cannot undo for the recomputation (for example an in-place view such as "
-                "unsqueeze_). Compute out of place, or move the update outside the remat'd function."
+                "remat cannot undo for the recomputation (a change its write watch did not see). "
+                "Compute out of place, or move the update outside the remat'd function."
             )
 
     def _refuse_hidden_tensors(self, leaves: tuple[Any, ...], plain_autograd: bool) -> None:

@@ -606,3 +606,55 @@ def test_uninitialized_lazy_module_inside_a_remat_d_call_raises_saying_what_to_d
     with torch.no_grad():
         model(x)  # as the error says
     assert_close(tf.grad(lambda x: remat(model)(x).sum())(x), tf.grad(lambda x: model(x).sum())(x))
+
+
+def _qat_model():
+    import torch.ao.quantization as Q
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.quant, self.dequant = Q.QuantStub(), Q.DeQuantStub()
+            self.conv, self.bn, self.relu = nn.Conv2d(2, 3, 2), nn.BatchNorm2d(3), nn.ReLU()
+            self.fc = nn.Linear(27, 4)
+
+        def forward(self, x):
+            x = self.relu(self.bn(self.conv(self.quant(x))))
+            return self.dequant(self.fc(x.flatten(1)))
+
+    torch.manual_seed(0)
+    net = Net().train()
+    net.qconfig = Q.get_default_qat_qconfig("x86")
+    return Q.prepare_qat(Q.fuse_modules_qat(net, [["conv", "bn", "relu"]]))
+
+
+def _per_channel_fake_quantize():
+    import torch.ao.quantization as Q
+
+    observer = Q.MovingAveragePerChannelMinMaxObserver
+    return nn.Sequential(
+        nn.Linear(4, 3),
+        Q.FakeQuantize(observer=observer, quant_min=-128, quant_max=127, dtype=torch.qint8,
+                       qscheme=torch.per_channel_symmetric, ch_axis=1),
+    )
+
+
+@pytest.mark.parametrize("make", [_qat_model, _per_channel_fake_quantize], ids=["prepare_qat", "per-channel FakeQuantize"])
+def test_quantization_aware_training_steps_as_without_remat(make):
+    """FakeQuantize and its observers update their statistics and quantization parameters in
+    their forward (an observer's ``min_val`` starts empty and is resized on the first call): with
+    remat, once per step, and the gradients are the plain model's, step after step."""
+    import copy
+
+    reference = make()
+    model = copy.deepcopy(reference)
+    wrapped = remat(model)
+    shape = (2, 2, 4, 4) if make is _qat_model else (3, 4)
+    for _ in range(3):
+        x = torch.randn(shape)
+        reference.zero_grad()
+        model.zero_grad()
+        reference(x).square().sum().backward()
+        wrapped(x).square().sum().backward()
+        assert_close({n: p.grad for n, p in model.named_parameters()}, {n: p.grad for n, p in reference.named_parameters()})
+        assert_close(model.state_dict(), reference.state_dict())
