@@ -27,6 +27,8 @@ from typing import Any
 
 import optree
 import torch
+from torch.nn.modules.lazy import LazyModuleMixin
+from torch.nn.parameter import is_lazy
 
 from . import _aliasing, _autocast, _rng
 from ._autograd import Phase, Region, apply, eager_under_compile
@@ -64,6 +66,7 @@ from ._internals import (
     forward_ad_level,
     forward_mode_active,
     is_functorch_wrapped,
+    outside_functorch,
     parametrization_cache,
     peek_interpreter_stack,
     register_tensor_hook,
@@ -112,8 +115,47 @@ def _call_eagerly(fn: Callable[..., Any], options: RematOptions, args: tuple[Any
         # then records its graph, as it would without remat).
         check_static_argnums(callable_name(fn), options, args)
         return fn(*args, **kwargs)
+    _initialize_if_lazy(fn, args, kwargs)
     region, routed = prepare(fn, options, args, kwargs)
     return finish(region, routed, apply(region, routed))
+
+
+def _initialize_if_lazy(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """A lazy module's first call (``remat(nn.LazyLinear(4))``): its parameters, shaped from
+    the arguments, before remat routes them.
+
+    Its forward pre-hook would infer them inside the call, too late: remat takes the
+    module's parameters as inputs before calling it. So the hook's own work runs here,
+    on the same arguments and before anything else of the call, as it would without remat
+    (``reset_parameters`` draws from the generator before the forward's dropout does).
+    Only where that hook is the module's first pre-hook (another before it could change
+    the arguments); lazy modules elsewhere raise in :func:`_refuse_uninitialized`.
+    """
+    if not isinstance(fn, LazyModuleMixin) or not fn.has_uninitialized_params():
+        return
+    hook = getattr(fn, "_initialize_hook", None)
+    if hook is not None and next(iter(fn._forward_pre_hooks), None) == hook.id:
+        # Outside any torch.func transform: the initialization reads the arguments' shapes
+        # only, and under one torch's in-place initializers crash (a LazyLinear's first call
+        # inside torch.func.grad without remat: a segmentation fault in kaiming_uniform_).
+        with outside_functorch():
+            fn._infer_parameters(fn, args, kwargs)
+
+
+def _refuse_uninitialized(name: str, captured: Captured, tensors: Sequence[torch.Tensor]) -> None:
+    """Raise if the call reaches a lazy module's parameters before they are initialized."""
+    lazy = [t for t in tensors if is_lazy(t)]
+    if not lazy:
+        return
+    holders = [(n.count("."), f"{type(m).__name__}'s {n!r}") for m, named in captured.modules for n, t in named.items() if t is lazy[0]]
+    owner = min(holders)[1] if holders else "a tensor"  # the lazy module itself, not a model around it
+    raise CheckpointError(
+        f"remat({name}): the function reaches {owner}, an uninitialized parameter of a lazy module. "
+        "remat takes the parameters it reaches as inputs before calling the function, so a lazy "
+        "module inside it cannot infer them on its first call. Initialize it first: call the model "
+        "once on a batch (under torch.no_grad()) before the remat'd call, or remat the lazy module "
+        "itself (remat(nn.LazyLinear(n)) initializes it on its first call)."
+    )
 
 
 def prepare(
@@ -157,6 +199,7 @@ def prepare(
     captured = find_captured((root, *objects) if objects else root)
     refuse_other_threads_stand_ins(name, captured.tensors)
     captured_index = [slot(t) for t in captured.tensors]
+    _refuse_uninitialized(name, captured, flat)
     routed = route_through_enclosing(flat)
     region = (make_region or UserRegion)(
         fn,
@@ -465,6 +508,7 @@ class UserRegion(Region):
         self.planned = False  # did the forward run plan its outputs (_aliasing.plan)?
         self.default_device: torch.device | None = None
         self.snapshots: dict[int, torch.Tensor] = {}  # input index -> its value before the forward wrote it
+        self.written_without_grad: set[int] = set()  # differentiable inputs the forward run wrote under no_grad
         self.out_slots: TreeSlots | None = None
         self.out_meta: list[tuple[Any, ...]] = []
         self.forward_trace: list[str] | None = None
@@ -501,12 +545,14 @@ class UserRegion(Region):
         self._recompute_context = None
         return context if context is not None else _two_contexts(self.options.context_fn, self.name)[1]
 
-    def _write_watch(self, flat: tuple[torch.Tensor, ...], snapshots_possible: bool) -> WriteWatch:
-        """Snapshot each non-differentiable input before the forward run first writes it.
+    def _write_watch(self, flat: tuple[torch.Tensor, ...], snapshots_possible: bool, leaves: bool) -> WriteWatch:
+        """Snapshot each input before the forward run first writes it.
 
         The recomputation must start from the values the forward run started
-        from (say a buffer that is updated and then read). Writing to a
-        differentiable input raises: the caller's graph would not know of it.
+        from (say a buffer that is updated and then read). A write to a
+        differentiable input that autograd records raises: the caller's graph
+        would not know of it. ``leaves``: the differentiable inputs of this run
+        are local leaves (the forward run records its own graph).
         """
         storages: dict[int | None, int] = {}  # storage -> the first input on it
         on_same_storage: dict[int, list[int]] = {}  # that input -> every input on its storage
@@ -521,7 +567,16 @@ class UserRegion(Region):
             # Every input on that storage is snapshotted whole, not ``t``.
             written = on_same_storage[index]
             if any(self.differentiable[i] for i in written):
-                raise _in_place_error(self.name)
+                if not leaves and (torch.is_grad_enabled() or forward_mode_active()):
+                    raise _in_place_error(self.name)
+                # A write no graph records (under no_grad, or through ``.detach()`` or ``.data``:
+                # ``nn.Embedding(max_norm=...)`` renormalizes rows of its weight so), with or
+                # without remat; the gradient is that of the operators after it. Where the
+                # differentiable inputs are local leaves, every write that reaches here is one:
+                # autograd refuses a recorded write to a leaf (or a view of one) before it.
+                # Like a buffer's update, it happens once, in the forward run; the
+                # recomputation starts from a snapshot and writes that.
+                self.written_without_grad.update(i for i in written if self.differentiable[i])
             if not snapshots_possible:
                 raise CheckpointError(
                     f"remat({self.name}): the function modified one of its inputs in place under a "
@@ -627,19 +682,19 @@ class UserRegion(Region):
             self.saved.release()
 
     def note_mutated_inputs(self, indices: list[int]) -> None:
-        if any(self.differentiable[i] for i in indices):
+        if any(self.differentiable[i] and i not in self.written_without_grad for i in indices):
             raise _in_place_error(self.name)
         # Non-differentiable inputs (buffers such as BatchNorm's running statistics)
         # are updated once, by the forward run; the write watch snapshotted them
         # before the first write and recomputations start from a copy of that.
-        # One changed without a snapshot (an in-place view such as unsqueeze_, or
-        # through a storage the watch cannot see) cannot be restored.
+        # (In-place views such as unsqueeze_ and resize_ are snapshotted before they run too.)
+        # One changed without a snapshot (through a storage the watch cannot see) cannot be restored.
         missed = [i for i in indices if i not in self.snapshots]
         if missed:
             raise CheckpointError(
                 f"remat({self.name}): the function modified {len(missed)} of its inputs in place in a way "
-                "remat cannot undo for the recomputation (for example an in-place view such as "
-                "unsqueeze_). Compute out of place, or move the update outside the remat'd function."
+                "remat cannot undo for the recomputation (a change its write watch did not see). "
+                "Compute out of place, or move the update outside the remat'd function."
             )
 
     def _refuse_hidden_tensors(self, leaves: tuple[Any, ...], plain_autograd: bool) -> None:
@@ -874,9 +929,9 @@ class UserRegion(Region):
         # differentiable ones are caught by their version counters after the run).
         modes: list[Any] = []
         if self.saved is not None:
-            modes.append(self.saved.recorder(self._write_watch(flat, plain_autograd)))
+            modes.append(self.saved.recorder(self._write_watch(flat, plain_autograd, grad_forward)))
         elif not all(self.differentiable):
-            modes.append(self._write_watch(flat, plain_autograd))
+            modes.append(self._write_watch(flat, plain_autograd, grad_forward))
         marks = recording_marks() if grad_forward else []  # before this region's own recorder starts
         with self._running(flat, forward=True, grad=grad_forward, modes=modes) as run:
             if grad_forward and run.substitute is not None:

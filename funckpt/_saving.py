@@ -105,6 +105,22 @@ def _written_args(op: Any) -> tuple[int, ...]:
     return positions
 
 
+_RESHAPED: dict[Any, tuple[int, ...]] = {}
+
+
+def _reshaped_args(op: Any) -> tuple[int, ...]:
+    """Positions of the arguments whose shape, strides or storage an in-place view operator
+    changes (``unsqueeze_``, ``t_``, ``as_strided_``, ``resize_``: metadata, not values)."""
+    positions = _RESHAPED.get(op)
+    if positions is None:
+        positions = _RESHAPED[op] = (
+            tuple(i for i, a in enumerate(op._schema.arguments) if a.alias_info is not None and a.alias_info.is_write)
+            if torch.Tag.inplace_view in op.tags
+            else ()
+        )
+    return positions
+
+
 def clone_together(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """Copies of ``tensors`` that alias each other as the originals do.
 
@@ -397,7 +413,14 @@ class WriteWatch(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's
         self.before_write = before_write
 
     def _watch(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[int | None]:
-        """Call ``before_write`` for the inputs ``func`` is about to write; return the storages written."""
+        """Call ``before_write`` for the inputs ``func`` is about to write; return the storages written.
+
+        An in-place view operator (``resize_``, ``unsqueeze_``) changes no values, but the
+        snapshot must be taken before it all the same: one taken at a later write would
+        keep the changed shape (and, after ``resize_``, memory never written), and the
+        recomputation would start from there (an observer's empty ``min_val`` resized then
+        filled: the recomputation took the moving-average branch on garbage).
+        """
         written = []
         positions = _written_args(func)
         if positions and _is_batch_norm_with_stats(func) and _evaluating(func, args, kwargs):
@@ -408,6 +431,12 @@ class WriteWatch(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's
                 storage = storage_of(t)
                 written.append(storage)
                 index = self.storages.get(storage)
+                if index is not None:
+                    self.before_write(index, t)
+        for i in _reshaped_args(func):
+            target = args[i] if i < len(args) else kwargs.get(func._schema.arguments[i].name)
+            for t in _tensors(target):
+                index = self.storages.get(storage_of(t))
                 if index is not None:
                     self.before_write(index, t)
         return written

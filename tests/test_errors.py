@@ -106,6 +106,44 @@ def test_in_place_update_of_a_differentiable_input_raises():
         tf.grad(lambda x: remat(f)(x.clone() * 1).sum())(X)
 
 
+def test_in_place_update_recorded_by_autograd_raises_beside_a_non_differentiable_input():
+    """With an integer input beside it, the forward run's write watch sees the write first: one
+    that autograd records changes the caller's graph, which remat cannot, so it still raises."""
+    index = torch.tensor([0, 2])
+
+    def f(x, i):
+        x.mul_(2)
+        return x.sin()[i]
+
+    with pytest.raises(CheckpointError, match="modified .*differentiable inputs in place"):
+        tf.grad(lambda x: remat(f)(x * 1, index).sum())(X)
+    with pytest.raises(CheckpointError, match="modified .*differentiable inputs in place"):
+        remat(f)(X.clone().requires_grad_() * 1, index).sum().backward()
+    with pytest.raises(CheckpointError, match="differentiable inputs in place"):
+        tf.jvp(lambda x: remat(f)(x, index), (X.clone(),), (torch.ones_like(X),))
+
+
+def test_write_to_a_differentiable_input_under_no_grad_happens_once():
+    """A write no graph records (under no_grad) is part of a correct program: the caller sees it
+    done once, and the gradients are those of the operators after it, as without remat."""
+    index = torch.tensor([0, 2])
+
+    def f(x, i):
+        with torch.no_grad():
+            x.clamp_(-0.5, 0.5)
+        return x.sin()[i] * x[i]
+
+    def program(g):
+        x0 = X.clone().requires_grad_()
+        x = x0 * 1
+        g(x, index).sum().backward()
+        return x.detach(), x0.grad
+
+    assert_close(program(remat(f)), program(f))
+    loss = lambda g: lambda x: g(x * 1, index).sum()  # noqa: E731
+    assert_close(tf.grad(loss(remat(f)))(X), tf.grad(loss(f))(X))
+
+
 def test_in_place_update_of_a_buffer_happens_once():
     counter = torch.zeros(())
 
@@ -255,14 +293,37 @@ def test_output_that_is_a_view_of_an_input_is_a_real_view_of_it():
     assert_close(program(remat(lambda a: a[:2])), program(lambda a: a[:2]))
 
 
-def test_input_changed_by_an_in_place_view_raises():
-    def f(w, x):
-        x.unsqueeze_(0)  # metadata-only: no snapshot is taken, so it cannot be undone
-        return (x @ w).sum()
+@pytest.mark.parametrize("how", ["backward", "torch.func.grad"])
+def test_input_changed_by_an_in_place_view_then_written_is_recomputed_from_before_both(how):
+    """``unsqueeze_`` and ``resize_`` change an input's metadata only, but the snapshot is taken
+    before them: the recomputation starts from the input's shape and values at the call (not
+    the reshaped, or resized and never written, tensor a later write would snapshot), and the
+    caller's tensor is changed once, as without remat. (Before, the first raised a false
+    "cannot undo" CheckpointError, and an observer's empty buffer resized then filled made the
+    recomputation compute something else.)"""
 
-    w = torch.randn(4, 4, dtype=D, requires_grad=True)
-    with pytest.raises(CheckpointError, match="cannot undo"):
-        remat(f)(w, X.clone())
+    def f(w, x, buf):
+        x.unsqueeze_(0)
+        if buf.numel() == 0:  # as torch.ao observers do with their min_val / max_val
+            buf.resize_(4)
+            buf.copy_(x[0, 0])
+        else:
+            buf.mul_(0.5)
+        return ((x @ w) * buf).sin().sum()
+
+    w = torch.randn(4, 4, dtype=D)
+
+    def program(g):
+        x, buf = X.clone(), torch.empty(0, dtype=D)
+        if how == "backward":
+            ww = w.clone().requires_grad_()
+            g(ww, x, buf).backward()
+            gradient = ww.grad
+        else:
+            gradient = tf.grad(g)(w, x, buf)
+        return gradient, x, buf
+
+    assert_close(program(remat(f)), program(f))
 
 
 @pytest.mark.parametrize(

@@ -6,7 +6,7 @@ import torch.func as tf
 import torch.nn as nn
 from torch.testing import assert_close
 
-from funckpt import remat
+from funckpt import CheckpointError, remat
 
 D = torch.float64
 
@@ -503,3 +503,158 @@ def test_wrapper_of_a_once_parametrized_module_still_pickles():
     x = torch.randn(2, 3, dtype=D)
     assert_close(loaded(x), model(x))
     assert_close(copy.deepcopy(model)(x), model(x))
+
+
+def _max_norm_layer(kind):
+    torch.manual_seed(0)
+    if kind == "Embedding":
+        return nn.Embedding(10, 3, max_norm=1.0, dtype=D)
+    return nn.EmbeddingBag(10, 3, max_norm=0.5, mode="sum", dtype=D)
+
+
+_MAX_NORM_INPUTS = {
+    "Embedding": (torch.tensor([[1, 2, 3], [4, 5, 1]]),),
+    "EmbeddingBag": (torch.tensor([1, 2, 3, 4, 5, 1]), torch.tensor([0, 2])),
+}
+
+
+@pytest.mark.parametrize("kind", ["Embedding", "EmbeddingBag"])
+@pytest.mark.parametrize("how", ["remat(layer)", "checkpoint"])
+def test_embedding_with_max_norm_renormalizes_its_weight_once_per_step(kind, how):
+    """``max_norm`` renormalizes the rows it looks up in the weight itself, through ``weight.detach()``
+    (no graph records it): a correct program, not a differentiable input written in place. As
+    without remat, the weight is renormalized by the forward pass, and the gradients are the plain
+    layer's, step after step."""
+    from funckpt import checkpoint
+
+    reference, layer = _max_norm_layer(kind), _max_norm_layer(kind)
+    run = {
+        "remat(layer)": remat(layer),
+        "checkpoint": lambda *a: checkpoint(layer, *a, use_reentrant=False),
+    }[how]
+    inputs = _MAX_NORM_INPUTS[kind]
+    for step in range(2):
+        cotangent = torch.randn(reference(*inputs).shape, dtype=D)
+        reference.weight.grad = layer.weight.grad = None
+        reference.weight.data.mul_(3)  # rows grow past max_norm again
+        layer.weight.data.mul_(3)
+        (reference(*inputs) * cotangent).sum().backward()
+        (run(*inputs) * cotangent).sum().backward()
+        assert_close(layer.weight.grad, reference.weight.grad)
+        assert_close(layer.weight, reference.weight)
+
+
+@pytest.mark.parametrize("kind", ["Embedding", "EmbeddingBag"])
+def test_embedding_with_max_norm_under_functional_call_and_grad(kind):
+    reference, layer = _max_norm_layer(kind), _max_norm_layer(kind)
+    inputs = _MAX_NORM_INPUTS[kind]
+
+    def loss(module, params):
+        return tf.functional_call(module, params, inputs).sin().sum()
+
+    expected = tf.grad(lambda p: loss(reference, p))({"weight": reference.weight.detach()})
+    got = tf.grad(lambda p: loss(remat(layer), p))({"weight": layer.weight.detach()})
+    assert_close(got, expected)
+    assert_close(layer.weight, reference.weight)
+
+
+_LAZY = {
+    "LazyLinear": (lambda: nn.LazyLinear(4, dtype=D), (2, 3)),
+    "LazyConv2d": (lambda: nn.LazyConv2d(3, 2, dtype=D), (1, 2, 4, 4)),
+    "LazyBatchNorm1d": (lambda: nn.LazyBatchNorm1d(dtype=D), (4, 3)),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(_LAZY))
+@pytest.mark.parametrize("how", ["remat(layer)", "checkpoint", "torch.func.grad"])
+def test_lazy_module_initializes_its_parameters_on_its_first_remat_d_call(kind, how):
+    """A lazy module's first call shapes its parameters from its input, in a pre-hook that
+    would run inside the call, after remat took the (uninitialized) parameters as inputs. The
+    first remat'd call initializes them first, as without remat: same values (the same draws
+    from the generator), same gradients, and the module becomes the plain layer."""
+    from funckpt import checkpoint
+
+    make, shape = _LAZY[kind]
+    reference, layer = make(), make()
+    x = torch.randn(shape, dtype=D)
+    loss = lambda y: (y * torch.sin(torch.arange(y.numel(), dtype=D)).reshape(y.shape)).sum()  # noqa: E731
+    x_ref = x.clone().requires_grad_()
+    torch.manual_seed(0)
+    expected = torch.autograd.grad(loss(reference(x_ref)), [x_ref, *reference.parameters()])
+    torch.manual_seed(0)
+    if how == "torch.func.grad":
+        got = tf.grad(lambda x: loss(remat(layer)(x)))(x)
+        assert_close(got, expected[0])
+    else:
+        run = remat(layer) if how == "remat(layer)" else (lambda x: checkpoint(layer, x, use_reentrant=False))
+        x_got = x.clone().requires_grad_()
+        got = torch.autograd.grad(loss(run(x_got)), [x_got, *layer.parameters()])
+        assert_close(got, expected)
+    assert type(layer) is type(reference)
+    assert_close(layer.state_dict(), reference.state_dict())
+
+
+def test_uninitialized_lazy_module_inside_a_remat_d_call_raises_saying_what_to_do():
+    """One inside (its input is an intermediate: it cannot be shaped before the call) raises a
+    CheckpointError naming it, not torch's error about an uninitialized parameter."""
+    model = nn.Sequential(nn.Linear(3, 4, dtype=D), nn.Tanh(), nn.LazyLinear(2, dtype=D))
+    x = torch.randn(2, 3, dtype=D, requires_grad=True)
+    with pytest.raises(CheckpointError, match=r"LazyLinear's 'weight'.*lazy module.*call the model once"):
+        remat(model)(x)
+    with pytest.raises(CheckpointError, match="uninitialized parameter of a lazy module"):
+        tf.grad(lambda x: remat(lambda x: model(x))(x).sum())(x)
+    with torch.no_grad():
+        model(x)  # as the error says
+    assert_close(tf.grad(lambda x: remat(model)(x).sum())(x), tf.grad(lambda x: model(x).sum())(x))
+
+
+def _qat_model():
+    import torch.ao.quantization as Q
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.quant, self.dequant = Q.QuantStub(), Q.DeQuantStub()
+            self.conv, self.bn, self.relu = nn.Conv2d(2, 3, 2), nn.BatchNorm2d(3), nn.ReLU()
+            self.fc = nn.Linear(27, 4)
+
+        def forward(self, x):
+            x = self.relu(self.bn(self.conv(self.quant(x))))
+            return self.dequant(self.fc(x.flatten(1)))
+
+    torch.manual_seed(0)
+    net = Net().train()
+    net.qconfig = Q.get_default_qat_qconfig("x86")
+    return Q.prepare_qat(Q.fuse_modules_qat(net, [["conv", "bn", "relu"]]))
+
+
+def _per_channel_fake_quantize():
+    import torch.ao.quantization as Q
+
+    observer = Q.MovingAveragePerChannelMinMaxObserver
+    return nn.Sequential(
+        nn.Linear(4, 3),
+        Q.FakeQuantize(observer=observer, quant_min=-128, quant_max=127, dtype=torch.qint8,
+                       qscheme=torch.per_channel_symmetric, ch_axis=1),
+    )
+
+
+@pytest.mark.parametrize("make", [_qat_model, _per_channel_fake_quantize], ids=["prepare_qat", "per-channel FakeQuantize"])
+def test_quantization_aware_training_steps_as_without_remat(make):
+    """FakeQuantize and its observers update their statistics and quantization parameters in
+    their forward (an observer's ``min_val`` starts empty and is resized on the first call): with
+    remat, once per step, and the gradients are the plain model's, step after step."""
+    import copy
+
+    reference = make()
+    model = copy.deepcopy(reference)
+    wrapped = remat(model)
+    shape = (2, 2, 4, 4) if make is _qat_model else (3, 4)
+    for _ in range(3):
+        x = torch.randn(shape)
+        reference.zero_grad()
+        model.zero_grad()
+        reference(x).square().sum().backward()
+        wrapped(x).square().sum().backward()
+        assert_close({n: p.grad for n, p in model.named_parameters()}, {n: p.grad for n, p in reference.named_parameters()})
+        assert_close(model.state_dict(), reference.state_dict())
