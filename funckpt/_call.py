@@ -89,7 +89,7 @@ from ._saving import (
 )
 from .policies import nothing_saveable
 
-__all__ = ["UserRegion", "call", "finish", "nothing_to_differentiate", "prepare"]
+__all__ = ["UserRegion", "call", "finish", "nothing_to_differentiate", "prepare", "run_prepared"]
 
 
 def call(fn: Callable[..., Any], options: RematOptions, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -116,8 +116,19 @@ def _call_eagerly(fn: Callable[..., Any], options: RematOptions, args: tuple[Any
         check_static_argnums(callable_name(fn), options, args)
         return fn(*args, **kwargs)
     _initialize_if_lazy(fn, args, kwargs)
-    region, routed = prepare(fn, options, args, kwargs)
-    return finish(region, routed, apply(region, routed))
+    return run_prepared(*prepare(fn, options, args, kwargs))
+
+
+def run_prepared(region: UserRegion, routed: list[torch.Tensor]) -> Any:
+    """Apply a :func:`prepare`'d region and :func:`finish` its result (then settle its escapes)."""
+    outs = apply(region, routed)
+    result = finish(region, routed, outs)
+    escaped = region.escaped_outputs()
+    if escaped:  # which of them the caller's code holds, once nothing here does
+        refs = [weakref.ref(t) for t in outs[len(outs) - escaped :]]
+        del outs
+        region.settle_escapes(refs)
+    return result
 
 
 def _initialize_if_lazy(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -309,6 +320,11 @@ def _move_retain_grad(
     for leaf, t in zip(leaves, given):
         if id(leaf) in substitute.retained and leaf is not t and t.requires_grad:
             t.retain_grad()
+
+
+def _stand_in(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Zeros of that shape, of one element's memory (an escaped output nobody held)."""
+    return torch.zeros((), dtype=dtype, device=device).expand(shape)
 
 
 def _restored(t: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
@@ -530,6 +546,8 @@ class UserRegion(Region):
         # again in a recomputation at their position among what its operators return.
         self.escapes_allowed = self.escapes_become_outputs and not transforms_active()
         self.escaped_at: list[int] = []
+        self.escape_doubts: list[str | None] = []  # per escaped output (see _doubt)
+        self.escapes_live: list[bool] | None = None  # per escaped output: held after the call? (settle_escapes)
 
     def _user_context(self, forward: bool) -> Any:
         """``context_fn``'s first context for the forward run, its second for a recomputation.
@@ -819,26 +837,56 @@ class UserRegion(Region):
                 "would be silently missing. Return it from the function, or detach it if it is only kept "
                 "for logging."
             )
-        leaves = [t for _, t in escaped if t.grad_fn is None]
-        if leaves:
-            raise CheckpointError(
-                f"remat({self.name}): a tensor of shape {tuple(leaves[-1].shape)} that the function created "
-                "to require grad itself (a leaf: torch.zeros(..., requires_grad=True), x.detach()"
-                ".requires_grad_()) outlived the call other than as its return value (kept by a forward "
-                "hook, a list, a global or a module attribute). Its .grad would miss what flows into it "
-                "through the call, which remat differentiates in its recomputation. Create it outside "
-                "the function and pass it in, or return it."
-            )
-        views = [t for _, t in escaped if t._base is not None and id(t._base) in given]
-        if views:
-            raise CheckpointError(
-                f"remat({self.name}): a view of one of the function's inputs (shape {tuple(views[-1].shape)}) "
-                "outlived the call other than as its return value (kept by a forward hook, a list, a global "
-                "or a module attribute). remat's copy of the input it views has no graph in the caller's "
-                "autograd, so a gradient through it would be silently missing. Return it from the function, "
-                "or keep a view taken outside the call."
-            )
         return escaped
+
+    def _doubt(self, t: torch.Tensor, given: set[int]) -> str | None:
+        """Why ``t``, an escaped tensor, cannot be right if someone outside the call holds it.
+
+        Asked of every escaped tensor, but only held ones raise (:meth:`settle_escapes`):
+        the others are what a held one's graph saved (an input's view ``w.t()`` that a
+        matmul saved), which go with that graph.
+        """
+        if t.grad_fn is None:
+            return (
+                f"a tensor of shape {tuple(t.shape)} that the function created to require grad itself (a "
+                "leaf: torch.zeros(..., requires_grad=True), x.detach().requires_grad_()) outlived the call "
+                "other than as its return value (kept by a forward hook, a list, a global or a module "
+                "attribute). Its .grad would miss what flows into it through the call, which remat "
+                "differentiates in its recomputation. Create it outside the function and pass it in, or "
+                "return it."
+            )
+        if t._base is not None and id(t._base) in given:
+            return (
+                f"a view of one of the function's inputs (shape {tuple(t.shape)}) outlived the call other "
+                "than as its return value (kept by a forward hook, a list, a global or a module attribute). "
+                "remat's copy of the input it views has no graph in the caller's autograd, so a gradient "
+                "through it would be silently missing. Return it from the function, or keep a view taken "
+                "outside the call."
+            )
+        return None
+
+    def settle_escapes(self, refs: Sequence[weakref.ref[torch.Tensor]]) -> None:
+        """After the call: which of its escaped outputs (weakly, ``refs``) are still held outside.
+
+        The forward run returned every tensor alive at its end, some only because a kept
+        tensor's graph saved them; that graph is gone once autograd pointed the kept tensors
+        at the Function's node. The dead ones get no cotangent and are not looked for in a
+        recomputation, nor digested; the live ones are digested now, with their values as
+        the caller got them, and raise where they cannot be right (:meth:`_doubt`).
+        """
+        live = [r() is not None for r in refs]
+        if any(alive and doubt is not None for alive, doubt in zip(live, self.escape_doubts)):
+            gc.collect()  # a reference cycle waiting for the collector holds nothing
+            live = [r() is not None for r in refs]
+        self.escapes_live = live
+        for alive, doubt in zip(live, self.escape_doubts):
+            if alive and doubt is not None:
+                raise CheckpointError(f"remat({self.name}): {doubt}")
+        if self._compares_values() and any(live):
+            held = [t for t in (r() for r in refs) if t is not None]
+            start = len(self.out_digest) - len(refs)
+            for j, d in zip([j for j, alive in enumerate(live) if alive], digest(held)):
+                self.out_digest[start + j] = d
 
     def _refuse_stored_inputs(self, flat: tuple[torch.Tensor, ...], given: tuple[torch.Tensor, ...]) -> None:
         """Raise if the forward run stored one of its inputs into an argument or closure.
@@ -995,12 +1043,15 @@ class UserRegion(Region):
             self._refuse_stored_inputs(flat, given)
             if escaped:  # (as they are: autograd points them at the Function's node)
                 self.escaped_at = [k for k, _ in escaped]
+                inputs = {id(t) for t in flat}
+                self.escape_doubts = [self._doubt(t, inputs) for _, t in escaped]
                 tensors += [t for _, t in escaped]
                 del escaped
         self.out_slots = slots
         self.out_meta = [tensor_meta(t) for t in tensors]
-        if self._compares_values():
-            self.out_digest = digest(tensors)
+        if self._compares_values():  # (escaped outputs: once the call knows which are held, settle_escapes)
+            returned = len(tensors) - len(self.escaped_at)
+            self.out_digest = [*digest(tensors[:returned]), *[None] * len(self.escaped_at)]
         self.forward_trace = run.trace.lines if run.trace is not None else None
         self.substitutes_again = makes_leaves or self._substitutes_again(substitute, grad_forward)
         if not self.substitutes_again:
@@ -1046,7 +1097,7 @@ class UserRegion(Region):
         any tensor it cannot route), the places were found as at the call, and the
         result's graph can be checked (``checkable``: :meth:`graph_checkable`).
         """
-        if self.recompute_under_mode or self.escaped_at:
+        if self.recompute_under_mode or any(self._escapes_held()):
             return True
         if not mapping:
             return False
@@ -1134,9 +1185,9 @@ class UserRegion(Region):
         try:
             with self._running(flat, forward=False, grad=False, modes=modes) as run:
                 unsubstituted = run.unsubstituted
-                if self.escaped_at:
+                if any(self._escapes_held()):
                     assert run.substitute is not None
-                    run.substitute.keep = dict.fromkeys(self.escaped_at)
+                    run.substitute.keep = {k: None for k, held in zip(self.escaped_at, self._escapes_held()) if held}
                 out = self._call_fn(run.args, run.kwargs, False, False)
         except Exception as e:
             # Without the mode, a tensor reached another way than in the forward run (a module
@@ -1170,13 +1221,22 @@ class UserRegion(Region):
                 check_same_values(self.name, self.out_digest, digest(tensors), traces)
         return tuple(tensors)
 
+    def _escapes_held(self) -> list[bool]:
+        """Per escaped output: held outside after the call (all of them until it is known)."""
+        return self.escapes_live if self.escapes_live is not None else [True] * len(self.escaped_at)
+
     def _escaped_again(self, substitute: Substitute | None) -> list[torch.Tensor]:
-        """The recomputation's tensors at the positions where tensors escaped the forward run."""
+        """The recomputation's tensors at the positions where tensors escaped the forward run
+        (a zero stand-in of the same shape for one nobody held: it gets no cotangent)."""
+        start = len(self.out_meta) - len(self.escaped_at)
+        held = self._escapes_held()
+        if not any(held):
+            return [_stand_in(*self.out_meta[start + j]) for j in range(len(held))]
         assert substitute is not None and substitute.keep is not None
         kept, substitute.keep = substitute.keep, None
-        missing = [k for k in self.escaped_at if kept[k] is None]
+        missing = [k for k in kept if kept[k] is None]
         if missing:
-            meta = self.out_meta[len(self.out_meta) - len(self.escaped_at) + self.escaped_at.index(missing[0])]
+            meta = self.out_meta[start + self.escaped_at.index(missing[0])]
             raise CheckpointError(
                 f"remat({self.name}): the recomputation during the backward pass did not compute again a "
                 f"tensor (shape {tuple(meta[0])}) that the forward pass computed and kept outside the call "
@@ -1184,7 +1244,10 @@ class UserRegion(Region):
                 "ran fewer operators than the forward pass. The function must compute the same thing when "
                 "called again; or return that tensor from the function instead."
             )
-        return [t for t in (kept[k] for k in self.escaped_at) if t is not None]
+        return [
+            t if (t := kept.get(k)) is not None else _stand_in(*self.out_meta[start + j])
+            for j, k in enumerate(self.escaped_at)
+        ]
 
     def _snapshot_viewed_inputs(self, flat: tuple[torch.Tensor, ...]) -> None:
         """Copy the inputs the caller gets views of: it may update them in place.

@@ -40,7 +40,7 @@ import torch
 
 from . import _autocast, _rng, _schedule
 from ._autograd import Phase, Region, StepVjp, Tensors, apply, eager_under_compile
-from ._call import UserRegion, finish, nothing_to_differentiate, prepare
+from ._call import UserRegion, finish, nothing_to_differentiate, prepare, run_prepared
 from ._capture import Substitute, changed_captures, reparametrized
 from ._errors import CheckpointError, Digest, check_same_values, digest
 from ._internals import (
@@ -328,8 +328,7 @@ def _remat_each_step(
         if checkpointed and not nothing_to_differentiate():
             # remat(step) with the captured tensors looked for in the user's functions
             # (funckpt's own wrappers are library code, which the walk does not enter).
-            region, routed = prepare(step, options, args, {}, None, name, reaches)
-            carry, y = finish(region, routed, apply(region, routed))
+            carry, y = run_prepared(*prepare(step, options, args, {}, None, name, reaches))
         else:
             carry, y = step(*args)
         ys.append(y)

@@ -2466,6 +2466,40 @@ def test_a_view_of_an_input_kept_outside_the_call_raises():
         remat(fn)(randn(3, 2, seed=1).requires_grad_())
 
 
+def test_what_a_kept_tensors_graph_saved_is_no_error_even_a_view_of_an_input():
+    """``x @ w.t()`` saves ``w.t()``, a view of remat's copy of ``w``: alive at the end of the forward
+    run only through the kept tensor's graph, which goes once the kept tensor is an output."""
+    kept = []
+
+    def fn(x, w):
+        h = x @ w.t()
+        kept.append(h.sin())
+        return h.cos()
+
+    x, w = randn(3, 4, seed=1).requires_grad_(), randn(5, 4, seed=2).requires_grad_()
+
+    def loss(f):
+        kept.clear()
+        return f(x, w).sum() + kept[0].square().sum()
+
+    assert_close(_grads_of(lambda: loss(remat(fn)), x, w), _grads_of(lambda: loss(fn), x, w))
+
+
+def test_a_kept_tensor_the_recomputation_computes_otherwise_raises():
+    kept, calls = [], []
+
+    def fn(x):
+        calls.append(1)
+        h = x.sin()
+        kept.append(h * len(calls))  # another value in the recomputation
+        return h.cos()
+
+    x = randn(3, seed=1).requires_grad_()
+    out = remat(fn)(x)
+    with pytest.raises(CheckpointError, match="other values"):
+        (out.sum() + kept[0].sum()).backward()
+
+
 def test_a_leaf_created_in_the_function_and_kept_outside_raises():
     """Without remat its .grad gets what flows into it through the call; remat differentiates
     the call in its recomputation, where a new leaf stands in for it."""
