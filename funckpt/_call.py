@@ -731,8 +731,14 @@ class UserRegion(Region):
         given = {id(t) for t in inputs}
 
         def alive() -> list[tuple[int, torch.Tensor]]:
-            found = [(k, r()) for k, r in made]
-            return [(k, t) for k, t in found if t is not None and t.requires_grad and id(t) not in given]
+            # A tensor returned again (an in-place operator's result, a nested region's output
+            # that escaped it) is found at the first position it was returned at.
+            found: dict[int, tuple[int, torch.Tensor]] = {}
+            for k, r in made:
+                t = r()
+                if t is not None and t.requires_grad and id(t) not in given:
+                    found.setdefault(id(t), (k, t))
+            return list(found.values())
 
         escaped = alive()
         if escaped and not self.escapes_allowed:

@@ -686,6 +686,22 @@ def set_internal(internal: bool) -> bool:
 _active = _Active()
 
 
+def made_by_nested_region(outputs: Sequence[Any]) -> None:
+    """Count the tensors a nested region's Function returned as made by the runs we are inside.
+
+    ``autograd.Function.apply`` does not pass through torch-function modes, and the
+    region's outputs are its own detached tensors (made in funckpt's own work, which the
+    enclosing runs do not count): without this, a nested remat'd call's output that the
+    enclosing function keeps outside its call (a forward hook on a remat'd submodule, a
+    list) would not be seen escaping the enclosing run, and its gradient would be lost.
+    Nothing is counted where the region was applied by funckpt's own work.
+    """
+    if _active.internal or _is_compiling():
+        return
+    for substitute in _active.substitutes:
+        substitute.note_made(outputs)
+
+
 def route_through_enclosing(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     """Map tensors through the substitutions of the regions we are running inside.
 
@@ -804,6 +820,19 @@ class Substitute(OnThreadStack, TorchFunctionMode):
             swapped = [self._swap(v, used) for v in value]
             return type(value)(swapped) if isinstance(value, list) else tuple(swapped)
         return value
+
+    def note_made(self, outputs: Sequence[Any]) -> None:
+        """``outputs`` were made in this run, as by an operator (see :func:`made_by_nested_region`)."""
+        made, keep = self.made, self.keep
+        for o in outputs:
+            if isinstance(o, torch.Tensor):
+                self.inside.add(id(o))
+                if made is not None or keep is not None:
+                    if made is not None:
+                        made.append((self.count, weakref.ref(o)))
+                    if keep is not None and self.count in keep:
+                        keep[self.count] = o
+                    self.count += 1
 
     def _check(self, t: torch.Tensor) -> None:
         # functorch tensors are judged by their level alone: fn may use torch.func

@@ -2443,6 +2443,37 @@ def test_a_kept_tensor_in_a_nested_remat():
     assert_close(_grads_of(lambda: loss(remat(outer(inner))), x, w), expected)
 
 
+@pytest.mark.parametrize("kept_by", ["the function", "a hook on the remat'd submodule"])
+def test_a_nested_remat_calls_output_kept_outside_the_enclosing_call(kept_by):
+    """The nested call's output is its Function's own tensor, made where no operator of the
+    enclosing run returned it: it escapes the enclosing call all the same."""
+    torch.manual_seed(0)
+    lin = nn.Linear(4, 4, dtype=D)
+    kept = []
+
+    def make(inner):
+        if kept_by == "the function":
+
+            def outer(x):
+                h = inner(x)
+                kept.append(h)
+                return h.tanh().exp().sum(0)
+
+            return outer
+        inner.register_forward_hook(lambda m, i, o: kept.append(o))
+        return nn.Sequential(inner, nn.Tanh())
+
+    x = randn(3, 4, seed=1).requires_grad_()
+    leaves = (x, *lin.parameters())
+
+    def loss(f):
+        kept.clear()
+        return f(x).sum() + kept[0].pow(3).sum()
+
+    expected = _grads_of(lambda: loss(make(lin)), *leaves)
+    assert_close(_grads_of(lambda: loss(remat(make(remat(lin)))), *leaves), expected)
+
+
 def test_a_tensor_kept_outside_the_call_under_torch_func_raises():
     kept = []
 
