@@ -48,6 +48,7 @@ from ._capture import (
 )
 from ._compile import can_lower, lowered_call, skip_as_frame
 from ._errors import (
+    _KEPT_HINT,
     CheckpointError,
     Digest,
     OpTrace,
@@ -1108,9 +1109,10 @@ class UserRegion(Region):
                     f"forward pass: {slots.treespec} vs {self.out_slots.treespec}. "
                     "Pass determinism_check='none' to skip this check."
                 )
-            check_same_outputs(self.name, self.out_meta, tensors, traces)
+            kept_from = len(self.out_meta) - len(self.escaped_at) if self.escaped_at else None
+            check_same_outputs(self.name, self.out_meta, tensors, traces, kept_from)
             if self._compares_values():
-                check_same_values(self.name, self.out_digest, digest(tensors), traces)
+                check_same_values(self.name, self.out_digest, digest(tensors), traces, kept_from)
         return tuple(tensors)
 
     def _escaped_again(self, substitute: Substitute | None) -> list[torch.Tensor]:
@@ -1124,8 +1126,7 @@ class UserRegion(Region):
                 f"remat({self.name}): the recomputation during the backward pass did not compute again a "
                 f"tensor (shape {tuple(meta[0])}) that the forward pass computed and kept outside the call "
                 "(a forward hook, a list, a global or a module attribute), whose gradient is asked for: it "
-                "ran fewer operators than the forward pass. The function must compute the same thing when "
-                "called again; or return that tensor from the function instead."
+                "ran fewer operators than the forward pass." + _KEPT_HINT
             )
         return [t for t in (kept[k] for k in self.escaped_at) if t is not None]
 

@@ -2474,6 +2474,29 @@ def test_a_nested_remat_calls_output_kept_outside_the_enclosing_call(kept_by):
     assert_close(_grads_of(lambda: loss(remat(make(remat(lin)))), *leaves), expected)
 
 
+def test_a_kept_tensor_found_elsewhere_in_the_recomputation_is_named_in_the_error():
+    """A kept tensor is found again by its position among the tensors the function's operators
+    return: a constant a module makes on its first call only shifts it, and the error says so."""
+    kept, cache = [], {}
+
+    def fn(x, w):
+        if "c" not in cache:
+            cache["c"] = torch.arange(4, dtype=D) / 4
+        h = (x @ w).sin()
+        kept.append(h * cache["c"])
+        return h.cos()
+
+    x, w = randn(3, 4, seed=1).requires_grad_(), randn(4, 4, seed=2).requires_grad_()
+    out = remat(fn)(x, w)
+    with pytest.raises(CheckpointError, match="(?s)kept outside the call.*by its position.*on its first call only"):
+        (out.sum() + kept[0].sum()).backward()
+    kept.clear()
+    out = remat(fn)(x, w)
+    cache["c"] = cache["c"].flip(0)  # found at its position, with other values
+    with pytest.raises(CheckpointError, match="(?s)pass: a tensor the function kept outside.*other values.*by its position"):
+        (out.sum() + kept[0].sum()).backward()
+
+
 def test_a_tensor_kept_outside_the_call_under_torch_func_raises():
     kept = []
 
