@@ -43,6 +43,7 @@ from ._capture import (
     reparametrized,
     route_through_enclosing,
     set_internal,
+    SPENT,
     tensors_inside,
     training_as_at_the_call,
 )
@@ -1128,7 +1129,10 @@ class UserRegion(Region):
                 "(a forward hook, a list, a global or a module attribute), whose gradient is asked for: it "
                 "ran fewer operators than the forward pass." + _KEPT_HINT
             )
-        return [t for t in (kept[k] for k in self.escaped_at) if t is not None]
+        again = [t for t in (kept[k] for k in self.escaped_at) if t is not None]
+        for t in again:  # (the function kept them where it keeps the forward run's: see spent_escape)
+            setattr(t, SPENT, True)
+        return again
 
     def _snapshot_viewed_inputs(self, flat: tuple[torch.Tensor, ...]) -> None:
         """Copy the inputs the caller gets views of: it may update them in place.

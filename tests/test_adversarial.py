@@ -2322,6 +2322,32 @@ def test_a_module_attribute_set_in_forward_passes_its_gradient():
     assert_close(_grads_of(lambda: loss(remat), *leaves), _grads_of(lambda: loss(lambda m: m), *leaves))
 
 
+@pytest.mark.parametrize("kept_in", ["a module attribute", "a list kept across steps"])
+def test_tensors_kept_outside_the_call_train_for_several_steps(kept_in):
+    """The previous step's kept tensor (and the recomputation's copy of it, which the function
+    keeps in the same place) has a spent graph: the next step's call must not make it an input,
+    whose backward would run into that graph (and keep every earlier step alive)."""
+    torch.manual_seed(0)
+    layers = [_AuxLoss() for _ in range(2)]
+    plain = [_AuxLoss() for _ in range(2)]
+    for a, b in zip(plain, layers):
+        b.load_state_dict(a.state_dict())
+    log = []
+
+    def grads(wrap, layers, x):
+        h = x
+        for layer in layers:
+            h = wrap(layer)(h)
+            if kept_in == "a list kept across steps":
+                log.append(layer.aux)  # (a recomputation appends its own copy too)
+        loss = h.sum() + sum(layer.aux for layer in layers)
+        return torch.autograd.grad(loss, [x, *(p for layer in layers for p in layer.parameters())])
+
+    for step in range(3):
+        x = randn(2, 3, 4, seed=step).requires_grad_()
+        assert_close(grads(remat, layers, x), grads(lambda m: m, plain, x))
+
+
 @pytest.mark.parametrize("where", ["global dict", "closure list", "argument object"])
 def test_a_tensor_stored_outside_the_call_passes_its_gradient(where):
     store, losses = {}, []
