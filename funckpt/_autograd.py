@@ -53,7 +53,7 @@ from typing import Any, cast
 
 import torch
 
-from ._capture import has_tangent, set_internal
+from ._capture import has_tangent, made_by_nested_region, set_internal
 from ._errors import CheckpointError
 from ._internals import (
     has_gradient_dtype,
@@ -222,9 +222,11 @@ def apply(region: Region, flat: Sequence[torch.Tensor]) -> Tensors:
     """
     internal = set_internal(True)  # (until the region runs its function: UserRegion._call_fn)
     try:
-        return _apply(region, flat)
+        outputs = _apply(region, flat)
     finally:
         set_internal(internal)
+    made_by_nested_region(outputs)  # (in the user's code of the runs it is nested in)
+    return outputs
 
 
 def _apply(region: Region, flat: Sequence[torch.Tensor]) -> Tensors:

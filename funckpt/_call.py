@@ -46,11 +46,13 @@ from ._capture import (
     refuse_other_threads_stand_ins,
     route_through_enclosing,
     set_internal,
+    SPENT,
     tensors_inside,
     training_as_at_the_call,
 )
 from ._compile import can_lower, lowered_call, skip_as_frame
 from ._errors import (
+    _KEPT_HINT,
     CheckpointError,
     Digest,
     OpTrace,
@@ -812,8 +814,14 @@ class UserRegion(Region):
         given = {id(t) for t in inputs}
 
         def alive() -> list[tuple[int, torch.Tensor]]:
-            found = [(k, r()) for k, r in made]
-            return [(k, t) for k, t in found if t is not None and t.requires_grad and id(t) not in given]
+            # A tensor returned again (an in-place operator's result, a nested region's output
+            # that escaped it) is found at the first position it was returned at.
+            found: dict[int, tuple[int, torch.Tensor]] = {}
+            for k, r in made:
+                t = r()
+                if t is not None and t.requires_grad and id(t) not in given:
+                    found.setdefault(id(t), (k, t))
+            return list(found.values())
 
         escaped = alive()
         if escaped and not self.escapes_allowed:
@@ -1216,9 +1224,10 @@ class UserRegion(Region):
                     f"forward pass: {slots.treespec} vs {self.out_slots.treespec}. "
                     "Pass determinism_check='none' to skip this check."
                 )
-            check_same_outputs(self.name, self.out_meta, tensors, traces)
+            kept_from = len(self.out_meta) - len(self.escaped_at) if self.escaped_at else None
+            check_same_outputs(self.name, self.out_meta, tensors, traces, kept_from)
             if self._compares_values():
-                check_same_values(self.name, self.out_digest, digest(tensors), traces)
+                check_same_values(self.name, self.out_digest, digest(tensors), traces, kept_from)
         return tuple(tensors)
 
     def _escapes_held(self) -> list[bool]:
@@ -1241,13 +1250,16 @@ class UserRegion(Region):
                 f"remat({self.name}): the recomputation during the backward pass did not compute again a "
                 f"tensor (shape {tuple(meta[0])}) that the forward pass computed and kept outside the call "
                 "(a forward hook, a list, a global or a module attribute), whose gradient is asked for: it "
-                "ran fewer operators than the forward pass. The function must compute the same thing when "
-                "called again; or return that tensor from the function instead."
+                "ran fewer operators than the forward pass." + _KEPT_HINT
             )
-        return [
+        again = [
             t if (t := kept.get(k)) is not None else _stand_in(*self.out_meta[start + j])
             for j, k in enumerate(self.escaped_at)
         ]
+        for t in kept.values():  # (the function kept them where it keeps the forward run's: see spent_escape)
+            if t is not None:
+                setattr(t, SPENT, True)
+        return again
 
     def _snapshot_viewed_inputs(self, flat: tuple[torch.Tensor, ...]) -> None:
         """Copy the inputs the caller gets views of: it may update them in place.

@@ -146,6 +146,29 @@ def _walk(
         pending.extend(reversed(children) if depth_first else children)
 
 
+def spent_escape(t: torch.Tensor) -> bool:
+    """Did ``t`` escape an earlier remat'd call whose one backward pass has run (an MoE layer's
+    ``self.aux_loss`` of the previous step, a list of them kept across steps), or is it the copy
+    of such a tensor that a recomputation made and the function kept in its place?
+
+    Such a tensor is not routed: its graph is spent, and a call that made it an input would
+    send its backward into that graph (which fails, a step later) and keep every earlier
+    step's node alive through it. The function may overwrite it, as without remat; a use of
+    it raises (``Substitute._check``), as it would without remat in a backward through it.
+    """
+    if not t.requires_grad:
+        return False
+    if getattr(t, SPENT, False):  # (a recomputation's copy of one, left where the function put it)
+        return True
+    node = t.grad_fn
+    return node is not None and type(node).__name__ == "_RematFunctionBackward" and getattr(node, "region", 0) is None
+
+
+#: Set on the tensors a recomputation makes where the forward run made escaped ones: the function
+#: keeps them too (in its list, its attribute), with the recomputation's graph, spent by the backward.
+SPENT = "_funckpt_spent"
+
+
 def find_captured(fn: Callable[..., Any] | tuple[Any, ...], modules_too: bool = True) -> Captured:
     """Tensors reachable from ``fn`` other than through its call arguments.
 
@@ -173,7 +196,8 @@ def find_captured(fn: Callable[..., Any] | tuple[Any, ...], modules_too: bool = 
 
     def leaf(obj: Any) -> bool:
         if isinstance(obj, torch.Tensor):
-            found.setdefault(id(obj), obj)
+            if not spent_escape(obj):
+                found.setdefault(id(obj), obj)
             return True
         if is_generator(obj):
             generators.setdefault(id(obj), obj)
@@ -400,7 +424,7 @@ def _module_state(module: torch.nn.Module) -> _ModuleState:
             if type(value) in _PLAIN_TYPES:  # most of a module's attributes
                 continue
             if isinstance(value, torch.Tensor):
-                if not key.startswith("_"):
+                if not key.startswith("_") and not spent_escape(value):
                     attrs.append((dot + key, m, key, value))
             elif first and is_generator(value):
                 generators.append(value)
@@ -750,6 +774,22 @@ def set_internal(internal: bool) -> bool:
 _active = _Active()
 
 
+def made_by_nested_region(outputs: Sequence[Any]) -> None:
+    """Count the tensors a nested region's Function returned as made by the runs we are inside.
+
+    ``autograd.Function.apply`` does not pass through torch-function modes, and the
+    region's outputs are its own detached tensors (made in funckpt's own work, which the
+    enclosing runs do not count): without this, a nested remat'd call's output that the
+    enclosing function keeps outside its call (a forward hook on a remat'd submodule, a
+    list) would not be seen escaping the enclosing run, and its gradient would be lost.
+    Nothing is counted where the region was applied by funckpt's own work.
+    """
+    if _active.internal or _is_compiling():
+        return
+    for substitute in _active.substitutes:
+        substitute.note_made(outputs)
+
+
 def route_through_enclosing(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     """Map tensors through the substitutions of the regions we are running inside.
 
@@ -868,6 +908,19 @@ class Substitute(OnThreadStack, TorchFunctionMode):
             swapped = [self._swap(v, used) for v in value]
             return type(value)(swapped) if isinstance(value, list) else tuple(swapped)
         return value
+
+    def note_made(self, outputs: Sequence[Any]) -> None:
+        """``outputs`` were made in this run, as by an operator (see :func:`made_by_nested_region`)."""
+        made, keep = self.made, self.keep
+        for o in outputs:
+            if isinstance(o, torch.Tensor):
+                self.inside.add(id(o))
+                if made is not None or keep is not None:
+                    if made is not None:
+                        made.append((self.count, weakref.ref(o)))
+                    if keep is not None and self.count in keep:
+                        keep[self.count] = o
+                    self.count += 1
 
     def _check(self, t: torch.Tensor) -> None:
         # functorch tensors are judged by their level alone: fn may use torch.func

@@ -165,30 +165,56 @@ def tensor_meta(t: torch.Tensor) -> tuple[Any, ...]:
     return (tuple(t.shape), t.dtype, t.device)
 
 
+#: Said where a tensor the function kept outside the call (an output from ``kept_from`` on,
+#: see ``UserRegion._escaped_tensors``) differs: what went wrong is most likely where it was found.
+_KEPT_HINT = (
+    " remat finds a tensor the function kept outside the call again by its position among the "
+    "tensors the function's operators return: a recomputation that runs other operators before it "
+    "(a table or mask a module makes on its first call only, a branch on state that changed since "
+    "the forward pass) finds another tensor there. Make the function run the same operators on "
+    "every call, or return that tensor from the function."
+)
+
+
+def _output_words(i: int, kept_from: int | None) -> str:
+    if kept_from is None or i < kept_from:
+        return f"output tensor {i}"
+    return "a tensor the function kept outside the call (in a hook's list, an attribute)"
+
+
 def check_same_outputs(
     name: str,
     forward_meta: Sequence[tuple[Any, ...]],
     recomputed: Sequence[torch.Tensor],
     traces: tuple[Sequence[str], Sequence[str]] | None,
+    kept_from: int | None = None,
 ) -> None:
-    """Raise :class:`CheckpointError` if the recomputed outputs' metadata differ."""
+    """Raise :class:`CheckpointError` if the recomputed outputs' metadata differ.
+
+    ``kept_from``: the index of the first output that is a tensor the function kept
+    outside the call (named as such, with a word on how it is found again)."""
     problems = []
     if len(forward_meta) != len(recomputed):
         problems.append(
             f"the forward pass returned {len(forward_meta)} tensors, the recomputation {len(recomputed)}"
         )
+    kept = False
     for i, (meta, t) in enumerate(zip(forward_meta, recomputed)):
         for what, a, b in zip(("shape", "dtype", "device"), meta, tensor_meta(t)):
             if a != b:
-                problems.append(f"output tensor {i}: {what} was {a} in the forward pass, {b} in the recomputation")
+                kept = kept or (kept_from is not None and i >= kept_from)
+                problems.append(
+                    f"{_output_words(i, kept_from)}: {what} was {a} in the forward pass, {b} in the recomputation"
+                )
     if not problems:
         return
     message = (
         f"remat({name}): the recomputation during the backward pass did not reproduce the forward pass:\n  "
         + "\n  ".join(problems)
         + "\nThe function must compute the same thing when called again with the same inputs "
-        "(no dependence on global state that changes between forward and backward). "
-        "Pass determinism_check='none' to skip this check."
+        "(no dependence on global state that changes between forward and backward)."
+        + (_KEPT_HINT if kept else "")
+        + " Pass determinism_check='none' to skip this check."
     )
     raise CheckpointError(_with_traces(message, traces))
 
@@ -409,7 +435,9 @@ def _agree(a: Digest, forward: tuple[float, float], recomputed: tuple[float, flo
     return True
 
 
-_Check = tuple[str, Sequence["Digest | None"], Sequence["Digest | None"], "tuple[Sequence[str], Sequence[str]] | None"]
+_Check = tuple[
+    str, Sequence["Digest | None"], Sequence["Digest | None"], "tuple[Sequence[str], Sequence[str]] | None", "int | None"
+]
 
 
 class _Pending:
@@ -439,8 +467,10 @@ def check_same_values(
     forward: Sequence[Digest | None],
     recomputed: Sequence[Digest | None],
     traces: tuple[Sequence[str], Sequence[str]] | None,
+    kept_from: int | None = None,
 ) -> None:
-    """Raise :class:`CheckpointError` if a recomputed output's values differ from the forward run's.
+    """Raise :class:`CheckpointError` if a recomputed output's values differ from the forward run's
+    (``kept_from``: as for :func:`check_same_outputs`).
 
     On an accelerator, inside a backward pass, the comparison waits for the end of
     that backward: reading the digests is a host synchronisation, and one at the end
@@ -448,7 +478,7 @@ def check_same_values(
     kernels. The error is then raised by the backward call itself, as any other is.
     """
     if not DEFER_ON_CPU and _all_read(forward) and _all_read(recomputed):  # the common case: compare now
-        _compare(name, forward, recomputed, traces)
+        _compare(name, forward, recomputed, traces, kept_from)
         return
     task = current_graph_task_id()
     on_device = any(d is not None and d.stats is not None and not d.stats[0].is_cpu for d in (*forward, *recomputed))
@@ -457,13 +487,13 @@ def check_same_values(
             pending = _deferred.get(task)
             if pending is None:
                 pending = _deferred[task] = _Pending()
-            pending.checks.append((name, forward, recomputed, traces))
+            pending.checks.append((name, forward, recomputed, traces, kept_from))
         # One callback per check: the first to run compares everything pending for this task
         # (one host synchronisation), the others find nothing; a check deferred after that
         # one ran (by a later callback) still has its own.
         queue_engine_callback(lambda: _check_deferred(task, pending))
         return
-    _compare(name, forward, recomputed, traces)
+    _compare(name, forward, recomputed, traces, kept_from)
 
 
 def _all_read(digests: Sequence[Digest | None]) -> bool:
@@ -487,6 +517,7 @@ def _compare(
     forward: Sequence[Digest | None],
     recomputed: Sequence[Digest | None],
     traces: tuple[Sequence[str], Sequence[str]] | None,
+    kept_from: int | None = None,
 ) -> None:
     differing = _differing(forward, recomputed)
     if not differing:
@@ -497,13 +528,15 @@ def _compare(
     (s_f, n_f), (s_r, n_r) = a.read(), b.read()
     message = (
         f"remat({name}): the recomputation during the backward pass did not reproduce the forward pass: "
-        f"output tensor {i} has other values (sum {s_f:.6g}, norm {n_f:.6g} in the forward pass; "
+        f"{_output_words(i, kept_from)} has other values (sum {s_f:.6g}, norm {n_f:.6g} in the forward pass; "
         f"sum {s_r:.6g}, norm {n_r:.6g} in the recomputation)"
         + (f", and {len(differing) - 1} more output(s) differ" if len(differing) > 1 else "")
         + ". The gradient would be that of another computation. The function must compute the same "
         "thing when called again with the same inputs: it may depend on state that changed between the "
         "forward and the backward pass (a counter, an iterator, a global, a module attribute), read an "
         "input that was modified in place after the call, or draw random numbers from a generator remat "
-        "cannot see (pass it as an argument). Pass determinism_check='none' to skip this check."
+        "cannot see (pass it as an argument)."
+        + (_KEPT_HINT if kept_from is not None and any(j >= kept_from for j in differing) else "")
+        + " Pass determinism_check='none' to skip this check."
     )
     raise CheckpointError(_with_traces(message, traces))

@@ -2322,6 +2322,32 @@ def test_a_module_attribute_set_in_forward_passes_its_gradient():
     assert_close(_grads_of(lambda: loss(remat), *leaves), _grads_of(lambda: loss(lambda m: m), *leaves))
 
 
+@pytest.mark.parametrize("kept_in", ["a module attribute", "a list kept across steps"])
+def test_tensors_kept_outside_the_call_train_for_several_steps(kept_in):
+    """The previous step's kept tensor (and the recomputation's copy of it, which the function
+    keeps in the same place) has a spent graph: the next step's call must not make it an input,
+    whose backward would run into that graph (and keep every earlier step alive)."""
+    torch.manual_seed(0)
+    layers = [_AuxLoss() for _ in range(2)]
+    plain = [_AuxLoss() for _ in range(2)]
+    for a, b in zip(plain, layers):
+        b.load_state_dict(a.state_dict())
+    log = []
+
+    def grads(wrap, layers, x):
+        h = x
+        for layer in layers:
+            h = wrap(layer)(h)
+            if kept_in == "a list kept across steps":
+                log.append(layer.aux)  # (a recomputation appends its own copy too)
+        loss = h.sum() + sum(layer.aux for layer in layers)
+        return torch.autograd.grad(loss, [x, *(p for layer in layers for p in layer.parameters())])
+
+    for step in range(3):
+        x = randn(2, 3, 4, seed=step).requires_grad_()
+        assert_close(grads(remat, layers, x), grads(lambda m: m, plain, x))
+
+
 @pytest.mark.parametrize("where", ["global dict", "closure list", "argument object"])
 def test_a_tensor_stored_outside_the_call_passes_its_gradient(where):
     store, losses = {}, []
@@ -2441,6 +2467,60 @@ def test_a_kept_tensor_in_a_nested_remat():
     expected = _grads_of(lambda: loss(outer(inner)), x, w)
     assert_close(_grads_of(lambda: loss(remat(outer(remat(inner)))), x, w), expected)
     assert_close(_grads_of(lambda: loss(remat(outer(inner))), x, w), expected)
+
+
+@pytest.mark.parametrize("kept_by", ["the function", "a hook on the remat'd submodule"])
+def test_a_nested_remat_calls_output_kept_outside_the_enclosing_call(kept_by):
+    """The nested call's output is its Function's own tensor, made where no operator of the
+    enclosing run returned it: it escapes the enclosing call all the same."""
+    torch.manual_seed(0)
+    lin = nn.Linear(4, 4, dtype=D)
+    kept = []
+
+    def make(inner):
+        if kept_by == "the function":
+
+            def outer(x):
+                h = inner(x)
+                kept.append(h)
+                return h.tanh().exp().sum(0)
+
+            return outer
+        inner.register_forward_hook(lambda m, i, o: kept.append(o))
+        return nn.Sequential(inner, nn.Tanh())
+
+    x = randn(3, 4, seed=1).requires_grad_()
+    leaves = (x, *lin.parameters())
+
+    def loss(f):
+        kept.clear()
+        return f(x).sum() + kept[0].pow(3).sum()
+
+    expected = _grads_of(lambda: loss(make(lin)), *leaves)
+    assert_close(_grads_of(lambda: loss(remat(make(remat(lin)))), *leaves), expected)
+
+
+def test_a_kept_tensor_found_elsewhere_in_the_recomputation_is_named_in_the_error():
+    """A kept tensor is found again by its position among the tensors the function's operators
+    return: a constant a module makes on its first call only shifts it, and the error says so."""
+    kept, cache = [], {}
+
+    def fn(x, w):
+        if "c" not in cache:
+            cache["c"] = torch.arange(4, dtype=D) / 4
+        h = (x @ w).sin()
+        kept.append(h * cache["c"])
+        return h.cos()
+
+    x, w = randn(3, 4, seed=1).requires_grad_(), randn(4, 4, seed=2).requires_grad_()
+    out = remat(fn)(x, w)
+    with pytest.raises(CheckpointError, match="(?s)kept outside the call.*by its position.*on its first call only"):
+        (out.sum() + kept[0].sum()).backward()
+    kept.clear()
+    out = remat(fn)(x, w)
+    cache["c"] = cache["c"].flip(0)  # found at its position, with other values
+    with pytest.raises(CheckpointError, match="(?s)pass: a tensor the function kept outside.*other values.*by its position"):
+        (out.sum() + kept[0].sum()).backward()
 
 
 def test_a_tensor_kept_outside_the_call_under_torch_func_raises():
