@@ -2565,6 +2565,27 @@ def test_what_a_kept_tensors_graph_saved_is_no_error_even_a_view_of_an_input():
     assert_close(_grads_of(lambda: loss(remat(fn)), x, w), _grads_of(lambda: loss(fn), x, w))
 
 
+def test_a_leaf_made_inside_that_only_a_kept_tensors_graph_holds_is_no_error():
+    """HF T5 sets ``position_bias.requires_grad = True`` on a tensor it makes in the layer; with
+    ``output_attentions`` the kept attention weights' graph holds it, and nothing else does."""
+    kept = []
+
+    def fn(x):
+        b = torch.zeros(3, dtype=x.dtype)
+        b.requires_grad = True
+        a = x.sin() + b
+        kept.append(a * 2)
+        return a.cos()
+
+    x = randn(3, seed=1).requires_grad_()
+
+    def loss(f):
+        kept.clear()
+        return f(x).sum() + kept[0].sum()
+
+    assert_close(_grads_of(lambda: loss(remat(fn)), x), _grads_of(lambda: loss(fn), x))
+
+
 def test_a_kept_tensor_the_recomputation_computes_otherwise_raises():
     kept, calls = [], []
 
