@@ -496,16 +496,16 @@ def _fsdp_hooks_would_run(module: torch.nn.Module) -> bool:
         return True
 
 
-# Every module place (``(id(owner), key)``) that a run in any thread holds now, with an entry
-# ``[placed, before, thread]`` per run in it, in the order they entered. Runs in one thread leave
-# in the reverse order and each puts back what it found. Two threads running the same module at
-# once (unsupported: each thread needs its own copy) interleave; a run that leaves a place another
-# run entered after it does not touch it and hands that run what it found instead, so the place
-# ends as it was before either, never holding a run's stand-in for good. And a call that would
-# take another thread's stand-in for a module's tensor raises (its gradient would go there).
-_live: dict[tuple[int, str], list[list[Any]]] = {}
-_live_runs: dict[int, int] = {}  # thread -> how many of its runs hold places now
-_live_lock = threading.RLock()  # (re-entrant: setting a module attribute may run user code)
+# The runs, of every thread, that hold module places now, in the order they entered. Runs in one
+# thread leave in the reverse order, and each puts back what it found. Two threads running the same
+# module at once (unsupported: each thread needs its own copy) interleave: a run that leaves a place
+# that a later run (another thread's) entered too does not touch it, and hands that run what it found
+# instead, so the place ends as it was before either, never holding a run's stand-in for good. And a
+# call that would take another thread's stand-in for a module's tensor raises (its gradient would
+# go there). The bookkeeping is per run, not per place: a place is looked at only where runs overlap.
+_runs: list[reparametrized] = []
+_runs_by_thread: dict[int, int] = {}  # thread -> how many of its runs hold places now
+_runs_lock = threading.RLock()  # (re-entrant: setting a module attribute may run user code)
 
 _SAME_MODULE_IN_TWO_THREADS = (
     "two threads ran the same module at once. remat puts each run's stand-ins into the module's "
@@ -517,10 +517,10 @@ _SAME_MODULE_IN_TWO_THREADS = (
 def _placed_by_other_threads() -> set[int]:
     """The ids of the stand-ins that runs of other threads have in modules now."""
     me = threading.get_ident()
-    if not _live_runs or _live_runs.keys() == {me}:  # the common case: no other thread is in a run
+    if not _runs_by_thread or _runs_by_thread.keys() == {me}:  # the common case: no other thread is in a run
         return set()
-    with _live_lock:
-        return {id(e[0]) for entries in _live.values() for e in entries if e[2] != me}
+    with _runs_lock:
+        return {id(entry[3]) for run in _runs if run.thread != me for entry in run.swapped}
 
 
 def refuse_other_threads_stand_ins(name: str, tensors: list[torch.Tensor]) -> None:
@@ -571,8 +571,8 @@ class reparametrized:
         # later was computed by the run, and escapes it (UserRegion._escaped_tensors says what then).
         self.captured, self.replace, self.keep_rebound, self.loop = captured, replace, keep_rebound, loop
         self.first_node = first_node
-        # each place set: its module, key and entry ``[placed, before]`` in ``_live``
-        self.swapped: list[tuple[torch.nn.Module, str, list[Any]]] = []
+        # each place set: ``[module, key, what it held before, what this run put there]``
+        self.swapped: list[list[Any]] = []
         self.thread: int | None = None  # the thread whose run holds the places, while it does
         self.by_name = False  # were the places looked up again (a submodule replaced since the call)?
 
@@ -584,15 +584,14 @@ class reparametrized:
             self.by_name = not unchanged
             groups = captured.places if unchanged else _places_by_name(captured)
             me = threading.get_ident()
-            with _live_lock:
-                _live_runs[me] = _live_runs.get(me, 0) + 1
+            with _runs_lock:
+                _runs.append(self)
+                _runs_by_thread[me] = _runs_by_thread.get(me, 0) + 1
                 self.thread = me
                 for places in groups:
                     for owner, key, t in places:
                         placed = replace.get(id(t), t)
-                        entry = [placed, _swap_tensor(owner, key, placed), me]
-                        _live.setdefault((id(owner), key), []).append(entry)
-                        swapped.append((owner, key, entry))
+                        swapped.append([owner, key, _swap_tensor(owner, key, placed), placed])
         except BaseException:
             self.__exit__()
             raise
@@ -602,24 +601,25 @@ class reparametrized:
         keep = self.keep_rebound and exc[:1] in ((), (None,))
         with_graph: list[tuple[torch.nn.Module, str, torch.Tensor]] = []
         in_loop: list[tuple[torch.nn.Module, str]] = []
-        with _live_lock:
+        with _runs_lock:
             thread, self.thread = self.thread, None
+            later: list[reparametrized] = []  # runs that entered after this one, of other threads
             if thread is not None:
-                if _live_runs[thread] == 1:
-                    del _live_runs[thread]
+                if _runs_by_thread[thread] == 1:
+                    del _runs_by_thread[thread]
                 else:
-                    _live_runs[thread] -= 1
-            for owner, key, entry in reversed(swapped):
-                placed, before, _ = entry
-                entries = _live[id(owner), key]
-                if entries[-1] is not entry:  # another thread's run entered this place after this one
-                    at = next(i for i, e in enumerate(entries) if e is entry)
-                    entries[at + 1][1] = before
-                    del entries[at]
-                    continue
-                entries.pop()
-                if not entries:
-                    del _live[id(owner), key]
+                    _runs_by_thread[thread] -= 1
+                at = len(_runs) - 1
+                while _runs[at] is not self:  # (the last one, but where threads overlap)
+                    at -= 1
+                later = _runs[at + 1 :]
+                del _runs[at]
+            for owner, key, before, placed in reversed(swapped):
+                if later:
+                    after = next((e for run in later for e in run.swapped if e[0] is owner and e[1] == key), None)
+                    if after is not None:  # a later run holds this place too: it puts this back
+                        after[2] = before
+                        continue
                 if keep:
                     held = _held(owner, key)
                     if held is not placed:

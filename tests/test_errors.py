@@ -164,8 +164,8 @@ def _global_state():
         _get_current_dispatch_mode(),
         torch._C._functorch.peek_interpreter_stack(),
         list(_capture._active.substitutes),
-        dict(_capture._live),  # module places held by runs
-        dict(_capture._live_runs),
+        list(_capture._runs),  # runs holding module places
+        dict(_capture._runs_by_thread),
     )
 
 
