@@ -156,12 +156,12 @@ def spent_escape(t: torch.Tensor) -> bool:
     step's node alive through it. The function may overwrite it, as without remat; a use of
     it raises (``Substitute._check``), as it would without remat in a backward through it.
     """
-    if not t.requires_grad:
+    node = t.grad_fn
+    if node is None:  # (a parameter, a buffer: the common case, told first)
         return False
     if getattr(t, SPENT, False):  # (a recomputation's copy of one, left where the function put it)
         return True
-    node = t.grad_fn
-    return node is not None and type(node).__name__ == "_RematFunctionBackward" and getattr(node, "region", 0) is None
+    return type(node).__name__ == "_RematFunctionBackward" and getattr(node, "region", 0) is None
 
 
 #: Set on the tensors a recomputation makes where the forward run made escaped ones: the function
