@@ -39,6 +39,7 @@ import collections
 import contextlib
 import dis
 import functools
+import operator
 import sys
 import threading
 import types
@@ -709,6 +710,42 @@ def _swap_tensor(owner: torch.nn.Module, key: str, value: Any) -> Any:
     return before
 
 
+class attributes_kept:
+    """Put back, on leaving a recomputation, every attribute the function rebound on the modules
+    it reaches (their ``__dict__``, parameter and buffer entries), as they were on entering.
+
+    The places of the tensors the call routed are put back by :class:`reparametrized`; this is
+    for what was no place at the call: HF RecurrentGemma's ``self.recurrent_states = ...`` (None
+    at the call, a tensor computed in the run after it), a counter, a cache rebound to a new
+    value. Without remat the backward pass runs no forward code, so the modules end it as the
+    forward pass left them; a recomputation's value left there would be the recomputation's,
+    with a graph a backward pass has freed, which the next call then reaches as an input."""
+
+    __slots__ = ("saved",)
+
+    def __init__(self, captured: Captured) -> None:
+        modules = {id(m): m for m, _ in captured.modules}
+        for _, _, child in captured.edges:
+            if isinstance(child, torch.nn.Module):
+                modules.setdefault(id(child), child)
+        self.saved = [
+            (d, dict(d)) for m in modules.values() for d in (m.__dict__, m._parameters, m._buffers)
+        ]
+
+    def __enter__(self) -> None:
+        pass
+
+    def __exit__(self, *exc: Any) -> None:
+        for d, before in self.saved:
+            if len(d) == len(before) and all(map(operator.is_, d.values(), before.values())):
+                continue
+            for key in [k for k in d if k not in before]:
+                del d[key]
+            for key, value in before.items():
+                if d.get(key, _ABSENT) is not value:
+                    d[key] = value
+
+
 class training_as_at_the_call:
     """Put each module's ``training`` flag back to what it was at the call, for a recomputation.
 
@@ -937,6 +974,14 @@ class Substitute(OnThreadStack, TorchFunctionMode):
             raise CheckpointError(
                 f"remat({self.name}): the function read another thread's stand-in for a module's "
                 f"tensor (shape {tuple(t.shape)}): {_SAME_MODULE_IN_TWO_THREADS}"
+            )
+        if foreign and not wrapped and spent_escape(t):
+            raise CheckpointError(
+                f"remat({self.name}): the function used a tensor of shape {tuple(t.shape)} that an earlier "
+                "remat'd call computed and kept outside itself (a module attribute, a list, a global) and whose "
+                "backward pass has run since: its graph is freed, and without remat a backward through it "
+                "would raise 'Trying to backward through the graph a second time'. Detach it where it is kept "
+                "if it is state, or compute it again before reading it."
             )
         if foreign and not wrapped and type(t.grad_fn).__name__ == "_RematFunctionBackward":
             raise CheckpointError(

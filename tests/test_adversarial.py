@@ -6,6 +6,7 @@ Every comparison is against the same function without remat (or against
 in float64, values and gradients. Where remat cannot be right, ``CheckpointError`` is expected.
 """
 
+import copy
 import functools
 import itertools
 from collections import namedtuple
@@ -2348,6 +2349,99 @@ def test_tensors_kept_outside_the_call_train_for_several_steps(kept_in):
         assert_close(grads(remat, layers, x), grads(lambda m: m, plain, x))
 
 
+class _State(nn.Module):
+    """HF RecurrentGemma's pattern: state set to None, then to a tensor computed in the call."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4, dtype=D)
+        self.state = None
+
+    def forward(self, x):
+        self.state = None
+        h = torch.tanh(self.lin(x))
+        self.state = h.sum(0)
+        return h
+
+
+_ROUTES = {
+    "remat": remat,
+    "checkpoint": lambda m: functools.partial(checkpoint, m, use_reentrant=False),
+    "checkpoint-reentrant": lambda m: functools.partial(checkpoint, m, use_reentrant=True),
+}
+
+
+@pytest.mark.parametrize("route", list(_ROUTES))
+@pytest.mark.parametrize("module", [_AuxLoss, _State])
+def test_a_module_attribute_set_in_forward_over_training_steps(module, route):
+    """The value a call keeps on its module is an output of that call; the next call reaches it
+    (a tensor now, no longer None or absent) after the first backward pass freed its graph.
+    Neither the recomputation's value nor a link to the freed graph may be left: both made the
+    second backward pass raise 'backward through the graph a second time'."""
+    torch.manual_seed(0)
+    reference = nn.ModuleList([module() for _ in range(3)])
+    results = []
+    for wrap in (lambda m: m, _ROUTES[route]):
+        net = copy.deepcopy(reference)
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)
+        values = []
+        for step in range(3):
+            h = randn(2, 4, seed=step)
+            for layer in net:
+                h = wrap(layer)(h)
+            kept = [getattr(layer, "aux", None) for layer in net]
+            loss = h.sum() + (sum(kept) if module is _AuxLoss else 0)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            # the forward pass's values stay, not the recomputation's
+            assert all(getattr(layer, "aux", None) is k for layer, k in zip(net, kept))
+            values.append(loss.detach())
+        results.append((values, net.state_dict()))
+    assert_close(results[1], results[0])
+
+
+def test_what_the_recomputation_rebinds_on_a_module_is_put_back():
+    class Counting(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4, dtype=D)
+            self.calls, self.last = 0, None
+
+        def forward(self, x):
+            self.calls += 1
+            self.last = self.lin(x)
+            return self.last.tanh()
+
+    m = Counting()
+    out = remat(m)(randn(2, 4, seed=1))
+    kept = m.last
+    out.sum().backward()  # (the recomputation runs forward again)
+    assert m.calls == 1 and m.last is kept
+
+
+def test_reading_a_module_attribute_whose_graph_was_freed_raises_as_without_remat():
+    class Carry(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4, dtype=D)
+            self.state = None
+
+        def forward(self, x, use):
+            y = self.lin(x)
+            if use:
+                y = y + self.state  # the previous step's, whose graph its backward freed
+            self.state = y.sum(0)
+            return y
+
+    for wrap, error in ((lambda m: m, "backward through the graph a second time"), (remat, "whose backward pass has run since")):
+        m = Carry()
+        wrap(m)(randn(2, 4, seed=1), False).sum().backward()
+        with pytest.raises(RuntimeError, match=error) as info:
+            wrap(m)(randn(2, 4, seed=2), True).sum().backward()
+        assert wrap is not remat or isinstance(info.value, CheckpointError)
+
+
 @pytest.mark.parametrize("where", ["global dict", "closure list", "argument object"])
 def test_a_tensor_stored_outside_the_call_passes_its_gradient(where):
     store, losses = {}, []
@@ -2375,6 +2469,39 @@ def test_a_tensor_stored_outside_the_call_passes_its_gradient(where):
         return out + 2 * kept
 
     assert_close(_grads_of(lambda: loss(remat(fn)), x), _grads_of(lambda: loss(fn), x))
+
+
+@pytest.mark.parametrize("where", ["global dict", "argument object"])
+def test_a_tensor_stored_outside_the_call_over_two_backward_passes(where):
+    """The second call reaches the first one's stored tensor (a global, an attribute of an object
+    it is passed), whose graph the first backward freed, and stores its own over it."""
+    store = {}
+
+    class Box:
+        t = None
+
+    box = Box()
+
+    def fn(x, b):
+        h = x.sin()
+        if where == "global dict":
+            store["h"] = h
+        else:
+            b.t = h * 3
+        return h.exp()
+
+    def grads(f):
+        store.clear()
+        box.t = None
+        got = []
+        for seed in (1, 2):
+            x = randn(3, seed=seed).requires_grad_()
+            out = f(x, box).sum()
+            (out + 2 * (store["h"] if where == "global dict" else box.t).sum()).backward()  # (no pruning)
+            got.append(x.grad)
+        return got
+
+    assert_close(grads(remat(fn)), grads(fn))
 
 
 def test_a_kept_tensor_no_gradient_asks_for_leaves_the_gradient_as_without_it():

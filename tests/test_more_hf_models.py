@@ -444,3 +444,37 @@ def test_whisper_remat_whole_encoder_torch_func_grad_with_dropout():
     assert_close(_backward(spec, model, inp, 5), _backward(spec, reference, inp, 5))
     params = {n: p.detach() for n, p in reference.named_parameters()}
     assert_close(_func_grad(spec, model, inp, params, 9), _func_grad(spec, reference, inp, params, 9))
+
+
+@pytest.mark.parametrize("how", ["hf-reentrant", "hf", "remat"])
+def test_recurrent_gemma_two_training_steps(how):
+    """RecurrentGemma's recurrent blocks keep ``self.recurrent_states`` (None, then a tensor the call
+    computes) on a layer across calls: from the second step the call reaches the first one's, whose
+    graph the first backward freed. Two optimizer steps equal the model's without checkpointing."""
+    if not hasattr(transformers, "RecurrentGemmaForCausalLM"):
+        pytest.skip("no RecurrentGemma in this transformers")
+    config = C.RecurrentGemmaConfig(vocab_size=V, hidden_size=H, intermediate_size=32, num_hidden_layers=3, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=8, lru_width=H, attention_window_size=4, conv1d_width=3,
+        block_types=["recurrent", "recurrent", "attention"], pad_token_id=0, bos_token_id=0, eos_token_id=0, use_cache=False)
+    torch.manual_seed(0)
+    reference = C.RecurrentGemmaForCausalLM(config).to(D).train()
+    model = copy.deepcopy(reference)
+    calls = [None]
+    if how == "remat":
+        _remat_layers((None, None, lambda m: [m.model.layers]), model)
+    else:
+        calls = _hf_checkpointing(model, how == "hf-reentrant")
+    inp = _lm()
+    results = []
+    for m in (reference, model):
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+        losses = []
+        for step in range(2):
+            opt.zero_grad()
+            loss = _clm_loss(m(**inp), inp)
+            loss.backward()
+            opt.step()
+            losses.append(loss.detach())
+        results.append((losses, m.state_dict(), opt.state_dict()["state"]))
+    assert calls
+    assert_close(results[1], results[0])
