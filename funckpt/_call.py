@@ -33,8 +33,8 @@ from torch.nn.parameter import is_lazy
 from . import _aliasing, _autocast, _rng
 from ._autograd import Phase, Region, apply, eager_under_compile
 from ._capture import (
-    attributes_kept,
     Captured,
+    attributes_kept,
     Substitute,
     changed_captures,
     differentiable_input,
@@ -427,8 +427,9 @@ class _Running:
                 self._enter(_OwnParametrizationCache(cache))
             places = None
             if region.captured.modules:
-                if not forward:  # (entered first, left last: after the places are put back)
-                    self._enter(attributes_kept(region.captured))
+                kept = None if forward else attributes_kept.of(region.captured)
+                if kept is not None:  # (entered first, left last: after the places are put back)
+                    self._enter(kept)
                 loop = None if region.recomputes_like_forward else region.name
                 run_starts = first_node if region.escapes_allowed else None  # (see reparametrized)
                 places = reparametrized(region.captured, replace, keep_rebound=forward, loop=loop, first_node=run_starts)
