@@ -821,7 +821,7 @@ class UserRegion(Region):
             # A tensor returned again (an in-place operator's result, a nested region's output
             # that escaped it) is found at the first position it was returned at.
             found: dict[int, tuple[int, torch.Tensor]] = {}
-            for k, r in made:
+            for k, r in enumerate(made):
                 t = r()
                 if t is not None and t.requires_grad and id(t) not in given:
                     found.setdefault(id(t), (k, t))

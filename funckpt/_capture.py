@@ -952,14 +952,14 @@ class Substitute(OnThreadStack, TorchFunctionMode):
         self.first_node = first_node
         self.uninitialized = False  # did the run allocate memory it may read before writing?
         self.used: set[int] = set()  # ids of the inputs passed to a torch function during the run
-        # The tensors the run made, by their position among every tensor its operators returned
-        # (the forward run under plain autograd only), weakly: any still alive and requiring
+        # The tensors the run made, weakly, at their positions among every tensor its operators
+        # returned (the forward run under plain autograd only): any still alive and requiring
         # grad once the run's local graph is dropped escaped it.
-        self.made: list[tuple[int, weakref.ref[torch.Tensor]]] | None = None
+        self.made: list[weakref.ref[torch.Tensor]] | None = None
         # In a recomputation, the positions of the tensors that escaped the forward run, and
         # the tensors made there (see UserRegion._escaped_tensors): they are outputs too.
         self.keep: dict[int, torch.Tensor | None] | None = None
-        self.count = 0  # tensors the operators returned so far (counted while made or keep is set)
+        self.count = 0  # tensors the operators returned so far (a recomputation's, while keep is set)
         # Did the run receive a captured tensor itself, not through a module's place (where
         # reparametrization put its substitute already)? A recomputation needs this mode only if so.
         self.hit = False
@@ -994,18 +994,27 @@ class Substitute(OnThreadStack, TorchFunctionMode):
             return type(value)(swapped) if isinstance(value, list) else tuple(swapped)
         return value
 
-    def note_made(self, outputs: Sequence[Any]) -> None:
-        """``outputs`` were made in this run, as by an operator (see :func:`made_by_nested_region`)."""
-        made, keep = self.made, self.keep
-        for o in outputs:
-            if isinstance(o, torch.Tensor):
-                self.inside.add(id(o))
-                if made is not None or keep is not None:
-                    if made is not None:
-                        made.append((self.count, weakref.ref(o)))
-                    if keep is not None and self.count in keep:
+    def note_made(self, outputs: Iterable[Any], counted: bool = True) -> None:
+        """``outputs`` were made in this run, by an operator or a nested region (see
+        :func:`made_by_nested_region`); ``counted``: in the user's code, where they take
+        positions (``made`` in a forward run, ``keep`` in a recomputation)."""
+        inside, made, keep = self.inside, self.made, self.keep
+        if counted and made is not None:  # a forward run: a tensor's position is its index in ``made``
+            for o in outputs:
+                if isinstance(o, torch.Tensor):
+                    inside.add(id(o))
+                    made.append(weakref.ref(o))  # (an autograd.Function's: requires grad once it returns)
+        elif counted and keep is not None:  # a recomputation: keep those at the escaped positions
+            for o in outputs:
+                if isinstance(o, torch.Tensor):
+                    inside.add(id(o))
+                    if self.count in keep:
                         keep[self.count] = o
                     self.count += 1
+        else:
+            for o in outputs:
+                if isinstance(o, torch.Tensor):
+                    inside.add(id(o))
 
     def _check(self, t: torch.Tensor) -> None:
         # functorch tensors are judged by their level alone: fn may use torch.func
@@ -1104,16 +1113,7 @@ class Substitute(OnThreadStack, TorchFunctionMode):
         # made inside and then set to require grad (as HF T5 does) is not foreign.
         # (One loop for a tensor and a tuple alike: on torch 2.11, Dynamo tracing this handler
         # guards id(out) taken directly on the output's source, a fresh tensor, and fails.)
-        made, keep = (None, None) if compiling or _active.internal else (self.made, self.keep)
-        for o in out if isinstance(out, (tuple, list)) else (out,):
-            if isinstance(o, torch.Tensor):
-                inside.add(id(o))
-                if made is not None or keep is not None:
-                    if made is not None:  # (an autograd.Function's: requires grad once it returns)
-                        made.append((self.count, weakref.ref(o)))
-                    if keep is not None and self.count in keep:
-                        keep[self.count] = o
-                    self.count += 1
+        self.note_made(out if isinstance(out, (tuple, list)) else (out,), not (compiling or _active.internal))
         return out
 
 
