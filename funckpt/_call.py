@@ -33,9 +33,10 @@ from torch.nn.parameter import is_lazy
 from . import _aliasing, _autocast, _rng
 from ._autograd import Phase, Region, apply, eager_under_compile
 from ._capture import (
+    SPENT,
     Captured,
-    attributes_kept,
     Substitute,
+    attributes_kept,
     changed_captures,
     differentiable_input,
     find_captured,
@@ -43,17 +44,16 @@ from ._capture import (
     is_generator,
     local_graph_leaves,
     next_sequence_nr,
-    reparametrized,
     refuse_other_threads_stand_ins,
+    reparametrized,
     route_through_enclosing,
     set_internal,
-    SPENT,
     tensors_inside,
     training_as_at_the_call,
 )
 from ._compile import can_lower, lowered_call, skip_as_frame
 from ._errors import (
-    _KEPT_HINT,
+    KEPT_HINT,
     CheckpointError,
     Digest,
     OpTrace,
@@ -1254,7 +1254,7 @@ class UserRegion(Region):
                 f"remat({self.name}): the recomputation during the backward pass did not compute again a "
                 f"tensor (shape {tuple(meta[0])}) that the forward pass computed and kept outside the call "
                 "(a forward hook, a list, a global or a module attribute), whose gradient is asked for: it "
-                "ran fewer operators than the forward pass." + _KEPT_HINT
+                "ran fewer operators than the forward pass." + KEPT_HINT
             )
         again = [
             t if (t := kept.get(k)) is not None else _stand_in(*self.out_meta[start + j])

@@ -167,7 +167,7 @@ def tensor_meta(t: torch.Tensor) -> tuple[Any, ...]:
 
 #: Said where a tensor the function kept outside the call (an output from ``kept_from`` on,
 #: see ``UserRegion._escaped_tensors``) differs: what went wrong is most likely where it was found.
-_KEPT_HINT = (
+KEPT_HINT = (
     " remat finds a tensor the function kept outside the call again by its position among the "
     "tensors the function's operators return: a recomputation that runs other operators before it "
     "(a table or mask a module makes on its first call only, a branch on state that changed since "
@@ -213,7 +213,7 @@ def check_same_outputs(
         + "\n  ".join(problems)
         + "\nThe function must compute the same thing when called again with the same inputs "
         "(no dependence on global state that changes between forward and backward)."
-        + (_KEPT_HINT if kept else "")
+        + (KEPT_HINT if kept else "")
         + " Pass determinism_check='none' to skip this check."
     )
     raise CheckpointError(_with_traces(message, traces))
@@ -536,7 +536,7 @@ def _compare(
         "forward and the backward pass (a counter, an iterator, a global, a module attribute), read an "
         "input that was modified in place after the call, or draw random numbers from a generator remat "
         "cannot see (pass it as an argument)."
-        + (_KEPT_HINT if kept_from is not None and any(j >= kept_from for j in differing) else "")
+        + (KEPT_HINT if kept_from is not None and any(j >= kept_from for j in differing) else "")
         + " Pass determinism_check='none' to skip this check."
     )
     raise CheckpointError(_with_traces(message, traces))
