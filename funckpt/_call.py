@@ -36,7 +36,6 @@ from ._capture import (
     SPENT,
     Captured,
     Substitute,
-    attributes_kept,
     changed_captures,
     differentiable_input,
     find_captured,
@@ -427,9 +426,6 @@ class _Running:
                 self._enter(_OwnParametrizationCache(cache))
             places = None
             if region.captured.modules:
-                kept = None if forward else attributes_kept.of(region.captured)
-                if kept is not None:  # (entered first, left last: after the places are put back)
-                    self._enter(kept)
                 loop = None if region.recomputes_like_forward else region.name
                 run_starts = first_node if region.escapes_allowed else None  # (see reparametrized)
                 places = reparametrized(region.captured, replace, keep_rebound=forward, loop=loop, first_node=run_starts)

@@ -39,7 +39,6 @@ import collections
 import contextlib
 import dis
 import functools
-import operator
 import sys
 import threading
 import types
@@ -708,90 +707,6 @@ def _swap_tensor(owner: torch.nn.Module, key: str, value: Any) -> Any:
     else:
         setattr(owner, key, value)
     return before
-
-
-#: Methods that set a module's attributes outside its forward: not looked at by :func:`_stores_attributes`.
-_SETUP_METHODS = frozenset({
-    "__init__", "__setstate__", "__getstate__", "__setattr__", "__delattr__", "reset_parameters",
-    "_reset_parameters", "_init_weights", "extra_repr", "_load_from_state_dict", "load_state_dict",
-    "_apply", "train", "eval", "to", "share_memory", "register_buffer", "register_parameter",
-})  # fmt: skip
-_STORES: dict[type, bool] = {}
-
-
-def _code_stores(code: types.CodeType) -> bool:
-    if any(ins.opname == "STORE_ATTR" for ins in dis.get_instructions(code)):
-        return True
-    return any(isinstance(c, types.CodeType) and _code_stores(c) for c in code.co_consts)
-
-
-def _stores_attributes(cls: type) -> bool:
-    """Does code of ``cls`` (below ``nn.Module``) assign an attribute (``self.state = ...``,
-    ``self.calls += 1``) outside its set-up methods? Read once per class from its bytecode; an
-    over-estimate (any attribute store, of any object) only costs :class:`attributes_kept` a copy."""
-    found = _STORES.get(cls)
-    if found is None:
-        found = False
-        for klass in cls.__mro__:
-            if klass is torch.nn.Module or klass is object or klass.__module__.startswith("torch.nn."):
-                continue
-            for name, value in vars(klass).items():
-                value = getattr(value, "__func__", value)  # (staticmethod, classmethod)
-                code = getattr(value, "__code__", None)
-                setup = name in _SETUP_METHODS or (name.startswith("__") and name != "__call__")  # (__init_subclass__)
-                if not setup and isinstance(code, types.CodeType) and _code_stores(code):
-                    found = True
-                    break
-            if found:
-                break
-        _STORES[cls] = found
-    return found
-
-
-class attributes_kept:
-    """Put back, on leaving a recomputation, every attribute the function rebound on the modules
-    it reaches (their ``__dict__``, parameter and buffer entries), as they were on entering.
-
-    The places of the tensors the call routed are put back by :class:`reparametrized`; this is
-    for what was no place at the call: HF RecurrentGemma's ``self.recurrent_states = ...`` (None
-    at the call, a tensor computed in the run after it), a counter, a cache rebound to a new
-    value. Without remat the backward pass runs no forward code, so the modules end it as the
-    forward pass left them; a recomputation's value left there would be the recomputation's,
-    with a graph a backward pass has freed. Only where a module's class has code that stores
-    attributes (:func:`of`): copying every module's dictionaries at every recomputation costs
-    more than the rest of a small layer's Python.
-    """
-
-    __slots__ = ("saved",)
-
-    def __init__(self, modules: Sequence[torch.nn.Module]) -> None:
-        self.saved = [(d, dict(d)) for m in modules for d in (m.__dict__, m._parameters, m._buffers)]
-
-    @classmethod
-    def of(cls, captured: Captured) -> attributes_kept | None:
-        """For the modules ``captured`` reaches, where one of their classes stores attributes (else ``None``)."""
-        if not captured.modules:
-            return None
-        modules = {id(m): m for m, _ in captured.modules}
-        for _, _, child in captured.edges:
-            if isinstance(child, torch.nn.Module):
-                modules.setdefault(id(child), child)
-        if not any(_stores_attributes(type(m)) for m in modules.values()):
-            return None
-        return cls(list(modules.values()))
-
-    def __enter__(self) -> None:
-        pass
-
-    def __exit__(self, *exc: Any) -> None:
-        for d, before in self.saved:
-            if len(d) == len(before) and all(map(operator.is_, d.values(), before.values())):
-                continue
-            for key in [k for k in d if k not in before]:
-                del d[key]
-            for key, value in before.items():
-                if d.get(key, _ABSENT) is not value:
-                    d[key] = value
 
 
 class training_as_at_the_call:
