@@ -909,17 +909,17 @@ class Substitute(OnThreadStack, TorchFunctionMode):
             return type(value)(swapped) if isinstance(value, list) else tuple(swapped)
         return value
 
-    def note_made(self, outputs: Iterable[Any], counted: bool = True) -> None:
-        """``outputs`` were made in this run, by an operator or a nested region (see
-        :func:`made_by_nested_region`); ``counted``: in the user's code, where they take
-        positions (``made`` in a forward run, ``keep`` in a recomputation)."""
+    def note_made(self, outputs: Iterable[Any]) -> None:
+        """``outputs`` were made in this run by the user's code, by an operator or a nested region
+        (see :func:`made_by_nested_region`): they take positions (``made`` in a forward run,
+        ``keep`` in a recomputation)."""
         inside, made, keep = self.inside, self.made, self.keep
-        if counted and made is not None:  # a forward run: a tensor's position is its index in ``made``
+        if made is not None:  # a forward run: a tensor's position is its index in ``made``
             for o in outputs:
                 if isinstance(o, torch.Tensor):
                     inside.add(id(o))
                     made.append(weakref.ref(o))  # (an autograd.Function's: requires grad once it returns)
-        elif counted and keep is not None:  # a recomputation: keep those at the escaped positions
+        elif keep is not None:  # a recomputation: keep those at the escaped positions
             for o in outputs:
                 if isinstance(o, torch.Tensor):
                     inside.add(id(o))
@@ -984,12 +984,12 @@ class Substitute(OnThreadStack, TorchFunctionMode):
         # Usage and escapes are not recorded while Dynamo inlines this handler (a compiled
         # function called inside remat): it cannot trace the mutation of these collections.
         mapping, known, inside = self.mapping, self.known, self.inside
-        if func in _METADATA:  # (x.shape, x.requires_grad: of any tensor, foreign or not)
+        compiling = _is_compiling()
+        if not compiling and func in _METADATA:  # (x.shape, x.requires_grad: of any tensor, foreign or not)
             if mapping and args and id(args[0]) in mapping:
                 self.hit = True
                 args = (mapping[id(args[0])], *args[1:])
             return func(*args, **(kwargs or {}))
-        compiling = _is_compiling()
         used = None if compiling else self.used
         swapped: list[Any] | None = None
         for i, a in enumerate(args):  # _swap, with its tensor case inline
@@ -1028,7 +1028,13 @@ class Substitute(OnThreadStack, TorchFunctionMode):
         # made inside and then set to require grad (as HF T5 does) is not foreign.
         # (One loop for a tensor and a tuple alike: on torch 2.11, Dynamo tracing this handler
         # guards id(out) taken directly on the output's source, a fresh tensor, and fails.)
-        self.note_made(out if isinstance(out, (tuple, list)) else (out,), not (compiling or _active.internal))
+        outs = out if isinstance(out, (tuple, list)) else (out,)
+        if compiling or _active.internal:  # (inline where Dynamo traces this: torch 2.11 fails on the call)
+            for o in outs:
+                if isinstance(o, torch.Tensor):
+                    inside.add(id(o))
+        else:
+            self.note_made(outs)
         return out
 
 
