@@ -2442,14 +2442,14 @@ def test_reading_a_module_attribute_whose_graph_was_freed_raises_as_without_rema
         assert wrap is not remat or isinstance(info.value, CheckpointError)
 
 
-@pytest.mark.parametrize("where", ["global dict", "closure list", "argument object"])
-def test_a_tensor_stored_outside_the_call_passes_its_gradient(where):
-    store, losses = {}, []
+class _Box:
+    t = None
 
-    class Box:
-        t = None
 
-    box = Box()
+def _storing(where):
+    """A function that stores a tensor it computes outside the call (``where``), the object it
+    is passed, and how to read the stored tensor back."""
+    store, losses, box = {}, [], _Box()
 
     def fn(x, b):
         h = x.sin()
@@ -2461,12 +2461,19 @@ def test_a_tensor_stored_outside_the_call_passes_its_gradient(where):
             b.t = h * 3
         return h.exp()
 
+    def stored():
+        return store["h"] if where == "global dict" else losses[-1] if where == "closure list" else box.t
+
+    return fn, box, stored
+
+
+@pytest.mark.parametrize("where", ["global dict", "closure list", "argument object"])
+def test_a_tensor_stored_outside_the_call_passes_its_gradient(where):
+    fn, box, stored = _storing(where)
     x = randn(3, seed=1).requires_grad_()
 
     def loss(f):
-        out = f(x, box).sum()
-        kept = store["h"].sum() if where == "global dict" else losses[-1] if where == "closure list" else box.t.sum()
-        return out + 2 * kept
+        return f(x, box).sum() + 2 * stored().sum()
 
     assert_close(_grads_of(lambda: loss(remat(fn)), x), _grads_of(lambda: loss(fn), x))
 
@@ -2475,29 +2482,14 @@ def test_a_tensor_stored_outside_the_call_passes_its_gradient(where):
 def test_a_tensor_stored_outside_the_call_over_two_backward_passes(where):
     """The second call reaches the first one's stored tensor (a global, an attribute of an object
     it is passed), whose graph the first backward freed, and stores its own over it."""
-    store = {}
-
-    class Box:
-        t = None
-
-    box = Box()
-
-    def fn(x, b):
-        h = x.sin()
-        if where == "global dict":
-            store["h"] = h
-        else:
-            b.t = h * 3
-        return h.exp()
+    fn, box, stored = _storing(where)
 
     def grads(f):
-        store.clear()
-        box.t = None
         got = []
         for seed in (1, 2):
             x = randn(3, seed=seed).requires_grad_()
             out = f(x, box).sum()
-            (out + 2 * (store["h"] if where == "global dict" else box.t).sum()).backward()  # (no pruning)
+            (out + 2 * stored().sum()).backward()  # (no pruning)
             got.append(x.grad)
         return got
 
