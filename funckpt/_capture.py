@@ -835,7 +835,16 @@ def _metadata_reads() -> frozenset[Any]:
 #: (A getter's ``__get__`` is a new method-wrapper at each access, equal to the others: found by a set.)
 _METADATA = _metadata_reads()
 #: Operators whose result passes no gradient back to their input: a foreign tensor may go in.
-_CUTS_GRADIENT = frozenset({torch.Tensor.detach, torch.detach})
+#: Besides ``detach``, the reads of a tensor's values as Python numbers or text (``loss.item()``,
+#: ``float(t)``, ``f"{t:.3f}"``, a log line of the previous step's auxiliary loss).
+_CUTS_GRADIENT = frozenset(
+    [torch.Tensor.detach, torch.detach]
+    + [
+        getattr(torch.Tensor, n)
+        for n in ("item", "tolist", "__float__", "__int__", "__bool__", "__complex__", "__index__", "__format__", "__repr__")
+        if hasattr(torch.Tensor, n)
+    ]
+)
 
 _is_compiling = torch.compiler.is_compiling  # (Dynamo reads it as True where it traces)
 

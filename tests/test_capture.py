@@ -1063,3 +1063,36 @@ def test_old_style_weight_norm_whose_pre_hook_rebinds_the_weight_with_a_graph():
         return tf.grad(lambda p: tf.functional_call(m, p, (X,)).square().sum())(params)
 
     assert_close(grads(remat(net)), grads(reference))
+
+
+@pytest.mark.filterwarnings("ignore:Converting a tensor with requires_grad=True to a scalar")
+def test_the_previous_steps_kept_tensor_read_as_a_number_inside_the_call():
+    """A module logging last step's ``self.aux`` (whose backward has run) with ``.item()``,
+    ``float()`` or a format string: a value read passes no gradient, as without remat."""
+
+    class Aux(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4, dtype=D)
+            self.aux, self.log, self.logging = None, [], False
+
+        def forward(self, x):
+            if self.logging:
+                self.log.append((self.aux.item(), float(self.aux), f"{self.aux:.3f}", bool(self.aux)))
+            h = self.lin(x)
+            self.aux = h.square().mean()
+            return h.tanh()
+
+    reference = Aux()
+    net = Aux()
+    net.load_state_dict(reference.state_dict())
+    for wrap, m in ((lambda m: m, reference), (remat, net)):
+        for step in range(3):
+            x = X * (step + 1)
+            m.logging = step > 0
+            y = wrap(m)(x)
+            m.logging = False
+            (y.sum() + m.aux).backward()
+    assert len(reference.log) == 2 and net.log == reference.log
+    assert_close(net.lin.weight.grad, reference.lin.weight.grad)
+
