@@ -515,12 +515,16 @@ _SAME_MODULE_IN_TWO_THREADS = (
 
 
 def _placed_by_other_threads() -> set[int]:
-    """The ids of the stand-ins that runs of other threads have in modules now."""
+    """The ids of the stand-ins that runs of other threads have in modules now.
+
+    A place a run left holding its own tensor (a buffer, a frozen weight: the Function's
+    input is the tensor itself) holds no stand-in: another thread's module may share that
+    tensor (a mask or frozen embedding registered on two models) and reach it rightly."""
     me = threading.get_ident()
     if not _runs_by_thread or _runs_by_thread.keys() == {me}:  # the common case: no other thread is in a run
         return set()
     with _runs_lock:
-        return {id(entry[3]) for run in _runs if run.thread != me for entry in run.swapped}
+        return {id(entry[3]) for run in _runs if run.thread != me for entry in run.swapped if entry[3] is not entry[2]}
 
 
 def refuse_other_threads_stand_ins(name: str, tensors: list[torch.Tensor]) -> None:

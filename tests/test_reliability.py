@@ -324,3 +324,43 @@ def test_same_module_in_two_threads_raises_or_is_right_and_leaves_its_parameters
         assert same_module in outcome["a"] and outcome["b"] == "Tensor"
     else:  # each read its own stand-in: both right
         assert outcome == {"a": "Tensor", "b": "Tensor"}
+
+
+def test_two_threads_running_their_own_modules_that_share_a_buffer():
+    """Two models sharing a tensor that no gradient flows into (a mask, a frozen embedding
+    registered on both), run by two threads at once: each run leaves that tensor itself in its
+    module's place, no stand-in, and the other thread reaches it rightly (it raised 'two threads
+    ran the same module')."""
+
+    class Scaled(_Pausing):
+        def forward(self, x):
+            return super().forward(x) * self.scale
+
+    shared = torch.randn(4, dtype=D)
+    modules = [Scaled(), Scaled()]
+    for m in modules:
+        m.register_buffer("scale", shared)
+    xs = [torch.randn(3, 4, dtype=D) for _ in modules]
+    a_inside, b_left = threading.Event(), threading.Event()
+    outcome: dict[int, object] = {}
+
+    def run(i):
+        if i == 0:  # (A pauses inside its run until B has left)
+            modules[0].pauses.before = lambda: (a_inside.set(), b_left.wait(timeout=30))
+        try:
+            outcome[i] = torch.autograd.grad(remat(modules[i])(xs[i]).square().sum(), modules[i].lin.weight)[0]
+        except CheckpointError as e:
+            outcome[i] = e
+        finally:
+            if i == 1:
+                b_left.set()
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    threads[0].start()
+    assert a_inside.wait(timeout=30)
+    threads[1].start()
+    for t in threads:
+        t.join()
+    for i, m in enumerate(modules):
+        assert isinstance(outcome[i], torch.Tensor), outcome[i]
+        assert_close(outcome[i], torch.autograd.grad(m(xs[i]).square().sum(), m.lin.weight)[0])
