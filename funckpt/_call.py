@@ -35,6 +35,7 @@ from ._autograd import Phase, Region, apply, eager_under_compile
 from ._capture import (
     SPENT,
     Captured,
+    stored_attributes,
     Substitute,
     changed_captures,
     differentiable_input,
@@ -899,15 +900,17 @@ class UserRegion(Region):
     def _refuse_stored_inputs(self, flat: tuple[torch.Tensor, ...], given: tuple[torch.Tensor, ...]) -> None:
         """Raise if the forward run stored one of its inputs into an argument or closure.
 
-        ``o.cache = x`` on an argument, ``inputs.append(x)`` on a closure list: the
-        function gets remat's own copy of each input (a local leaf), so a gradient
-        through the stored tensor would reach that copy and be silently missing. (A
-        tensor the run computed and stored escapes it, and becomes an output: see
-        :meth:`_escaped_tensors`.) Checked under plain autograd in the non-module
-        arguments and in the closure cells, defaults and partial arguments of ``fn``,
-        breadth first and bounded, not entering modules (whose internals hooks and
-        wrappers such as FSDP fill during a call). Stores into module attributes and
-        under torch.func transforms are not caught (see the README's limits).
+        ``o.cache = x`` on an argument, ``inputs.append(x)`` on a closure list,
+        ``self.last = x`` on a module: the function gets remat's own copy of each input
+        (a local leaf), so a gradient through the stored tensor would reach that copy
+        and be silently missing. (A tensor the run computed and stored escapes it, and
+        becomes an output: see :meth:`_escaped_tensors`.) Checked under plain autograd
+        in the non-module arguments, in the closure cells, defaults and partial arguments
+        of ``fn``, and in the attributes of the modules it reaches whose class stores
+        attributes (:func:`stored_attributes`), breadth first and bounded, not entering
+        modules (whose internals hooks and wrappers such as FSDP fill during a call).
+        Stores made by hooks or functions outside the modules' classes, and under
+        torch.func transforms, are not caught (see the README's limits).
         """
         copies = {id(t) for t, g in zip(flat, given) if t is not g}
         if not copies:
@@ -919,6 +922,7 @@ class UserRegion(Region):
             fn = fn.func
         if isinstance(fn, types.FunctionType):
             roots += [*(fn.__closure__ or ()), fn.__defaults__, fn.__kwdefaults__]
+        roots += stored_attributes(self.captured)
         roots = [r for r in roots if r is not None]
         if not roots:  # nothing to look into (a plain function of its arguments)
             return
@@ -926,7 +930,7 @@ class UserRegion(Region):
         if stored:
             raise CheckpointError(
                 f"remat({self.name}): the function stored one of its inputs (shape {tuple(stored[0].shape)}) "
-                "into an object outside the call (an argument or a closure variable). The function gets "
+                "into an object outside the call (an argument, a closure variable or a module attribute). The function gets "
                 "remat's own copy of each input, so a gradient through the stored tensor would reach that "
                 "copy and be silently missing. Return it from the function instead, or store a tensor "
                 "computed from it (x.clone())."

@@ -713,6 +713,93 @@ def _swap_tensor(owner: torch.nn.Module, key: str, value: Any) -> Any:
     return before
 
 
+#: Methods that set a module's attributes outside its forward: not looked at by :func:`_stores_attributes`.
+_SETUP_METHODS = frozenset({
+    "__init__", "__setstate__", "__getstate__", "__setattr__", "__delattr__", "reset_parameters",
+    "_reset_parameters", "_init_weights", "extra_repr", "_load_from_state_dict", "load_state_dict",
+    "_apply", "train", "eval", "to", "share_memory", "register_buffer", "register_parameter",
+})  # fmt: skip
+_STORES: dict[type, bool] = {}
+
+
+def _code_stores(code: types.CodeType) -> bool:
+    # (``setattr(self, name, v)`` and ``self.__dict__[name] = v`` store attributes too)
+    if "setattr" in code.co_names or "__dict__" in code.co_names:
+        return True
+    if any(ins.opname == "STORE_ATTR" for ins in dis.get_instructions(code)):
+        return True
+    return any(isinstance(c, types.CodeType) and _code_stores(c) for c in code.co_consts)
+
+
+def _function_stores(fn: Any, depth: int = 0) -> bool:
+    """Does ``fn``'s code store an attribute, or that of the function it wraps? A decorated
+    ``forward`` (``functools.wraps``: HF's ``@can_return_tuple``, ``@deprecate_kwarg``) is a
+    wrapper whose own code calls the method from its closure."""
+    code = getattr(fn, "__code__", None)
+    if not isinstance(code, types.CodeType):
+        return False
+    if _code_stores(code):
+        return True
+    if depth >= 4:
+        return False
+    inner = [getattr(fn, "__wrapped__", None)]
+    for cell in getattr(fn, "__closure__", None) or ():
+        try:
+            inner.append(cell.cell_contents)
+        except ValueError:  # (an empty cell)
+            pass
+    return any(f is not fn and isinstance(f, types.FunctionType) and _function_stores(f, depth + 1) for f in inner)
+
+
+def _stores_attributes(cls: type) -> bool:
+    """Does code of ``cls`` (below ``nn.Module``) assign an attribute (``self.last = x``,
+    ``self.calls += 1``) outside its set-up methods? Read once per class from its bytecode; an
+    over-estimate (any attribute store, of any object) only costs :func:`stored_attributes` a walk."""
+    found = _STORES.get(cls)
+    if found is None:
+        found = False
+        for klass in cls.__mro__:
+            if klass is torch.nn.Module or klass is object or klass.__module__.startswith("torch.nn."):
+                continue
+            for name, value in vars(klass).items():
+                value = getattr(value, "__func__", value)  # (staticmethod, classmethod)
+                setup = name in _SETUP_METHODS or (name.startswith("__") and name != "__call__")  # (__init_subclass__)
+                if not setup and _function_stores(value):
+                    found = True
+                    break
+            if found:
+                break
+        _STORES[cls] = found
+    return found
+
+
+def _modules_reached(captured: Captured) -> list[torch.nn.Module]:
+    """The modules ``captured`` reaches, each once."""
+    if not captured.modules:
+        return []
+    modules = {id(m): m for m, _ in captured.modules}
+    for _, _, child in captured.edges:
+        if isinstance(child, torch.nn.Module):
+            modules.setdefault(id(child), child)
+    return list(modules.values())
+
+
+_SCALARS = frozenset({bool, int, float, str, type(None)})
+
+
+def stored_attributes(captured: Captured) -> list[Any]:
+    """The values of the attributes (not the parameters, buffers, submodules or hooks) of the
+    modules ``captured`` reaches whose class stores attributes (:func:`_stores_attributes`):
+    where a function's own code keeps what it computed or was given (``self.last = x``)."""
+    return [
+        value
+        for m in _modules_reached(captured)
+        if _stores_attributes(type(m))
+        for key, value in m.__dict__.items()
+        if key not in ("_parameters", "_buffers", "_modules") and "hooks" not in key and type(value) not in _SCALARS
+    ]
+
+
 class training_as_at_the_call:
     """Put each module's ``training`` flag back to what it was at the call, for a recomputation.
 

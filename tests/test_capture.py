@@ -698,8 +698,10 @@ class _CachesItsWeightOnFirstCall(torch.nn.Module):
 
 @pytest.mark.parametrize("route", [".backward()", "double backward", "grad of x", "functional_call grad"])
 def test_module_storing_the_forward_runs_substitute_is_refused_not_silently_wrong(route):
+    # (refused at the forward run that stores it, since its class stores attributes: see
+    # test_a_module_storing_an_input_on_itself_raises; the recomputation refused it before)
     net = _CachesItsWeightOnFirstCall()
-    with pytest.raises(CheckpointError, match="neither an argument nor reachable"):
+    with pytest.raises(CheckpointError, match="stored one of its inputs .* a module attribute"):
         if route == ".backward()":
             remat(net)(X).square().sum().backward()
         elif route == "double backward":
@@ -1096,3 +1098,70 @@ def test_the_previous_steps_kept_tensor_read_as_a_number_inside_the_call():
     assert len(reference.log) == 2 and net.log == reference.log
     assert_close(net.lin.weight.grad, reference.lin.weight.grad)
 
+
+class _KeepsItsInput(torch.nn.Module):
+    def __init__(self, keep):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4, dtype=D)
+        self.keep, self.last = keep, None
+
+    def forward(self, x):
+        self.last = self.keep(self, x)
+        return self.lin(x).tanh()
+
+
+@pytest.mark.parametrize(
+    "keep",
+    [lambda m, x: x, lambda m, x: m.lin.weight, lambda m, x: [x]],
+    ids=["the input", "its own weight", "a list of the input"],
+)
+def test_a_module_storing_an_input_on_itself_raises(keep):
+    """``self.last = x``: the function gets remat's own copy of x, so a loss through
+    ``m.last`` silently missed x's gradient (and the weight's, for ``self.w = self.lin.weight``)."""
+    m = _KeepsItsInput(keep)
+    with pytest.raises(CheckpointError, match="stored one of its inputs .* a module attribute"):
+        remat(m)(X.clone().requires_grad_())
+
+
+def test_a_module_storing_a_copy_of_its_input_over_steps():
+    reference = _KeepsItsInput(lambda m, x: x.clone())
+    net = _KeepsItsInput(lambda m, x: x.clone())
+    net.load_state_dict(reference.state_dict())
+    for step in range(3):
+        grads = []
+        for wrap, m in ((lambda m: m, reference), (remat, net)):
+            x = (X * (step + 1)).requires_grad_()
+            loss = wrap(m)(x).sum() + m.last.square().sum()
+            grads.append(torch.autograd.grad(loss, [x, m.lin.weight]))
+        assert_close(grads[1], grads[0])
+
+
+def _passing_through(method):
+    @functools.wraps(method)
+    def wrapper(*args, **kwargs):  # (HF's @can_return_tuple, @deprecate_kwarg: a wrapper's code)
+        return method(*args, **kwargs)
+
+    return wrapper
+
+
+class _KeepsItsInputDecorated(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4, dtype=D)
+
+    @_passing_through
+    def forward(self, x):
+        self.last = x
+        return self.lin(x).tanh()
+
+
+class _KeepsItsInputBySetattr(_KeepsItsInputDecorated):
+    def forward(self, x):
+        setattr(self, "last", x)
+        return self.lin(x).tanh()
+
+
+@pytest.mark.parametrize("module", [_KeepsItsInputDecorated, _KeepsItsInputBySetattr])
+def test_a_module_storing_its_input_however_its_class_writes_it_raises(module):
+    with pytest.raises(CheckpointError, match="stored one of its inputs .* a module attribute"):
+        remat(module())(X.clone().requires_grad_())
