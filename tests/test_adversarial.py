@@ -2514,6 +2514,25 @@ def test_a_kept_tensor_no_gradient_asks_for_leaves_the_gradient_as_without_it():
     assert_close(got, torch.autograd.grad(kept[0].sum(), (x, w)))
 
 
+def test_separate_backwards_through_the_output_and_a_kept_tensor():
+    """Outputs of one autograd node: the first backward keeps its graph for the second with
+    retain_graph=True (as the README says); the gradients then add up as without remat."""
+    kept = []
+
+    def fn(x, w):
+        kept.append(x * 3.0)
+        return torch.tanh(x @ w)
+
+    def accumulated(f):
+        kept.clear()
+        x, w = randn(3, 4, seed=1).requires_grad_(), randn(4, 4, seed=2).requires_grad_()
+        f(x, w).sum().backward(retain_graph=True)
+        kept[0].square().sum().backward()
+        return x.grad, w.grad
+
+    assert_close(accumulated(remat(fn)), accumulated(fn))
+
+
 def test_a_kept_tensor_lets_go_of_the_forward_runs_activations():
     """The kept tensor is pointed at the remat'd call's node: the forward run's local graph,
     and the activations it saved, are freed at the end of the call as when nothing is kept."""
