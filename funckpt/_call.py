@@ -445,7 +445,9 @@ class _Running:
             # A recomputation substitutes only where the forward run showed it must (see
             # UserRegion._substitutes_again): modules' own tensors are in their places already,
             # unless the places had to be looked up again (the module tree changed since).
-            checkable = not forward and region.graph_checkable(flat)
+            # Its graph is checked after it where it has captured tensors to stand in for, or the
+            # forward run could not show its graph ends at its inputs (see UserRegion._left_its_inputs).
+            checkable = not forward and (bool(mapping) or region.substitutes_again) and region.graph_checkable(flat)
             substitutes = forward or region.recomputation_substitutes(
                 mapping, places is not None and places.by_name, checkable
             )
@@ -1139,6 +1141,15 @@ class UserRegion(Region):
         tensor another way than in the forward run (a module or attribute rebound since,
         a branch on state, a parameter made on the first call). The recomputation then
         runs again under the mode, which routes such a tensor or refuses it.
+
+        Not asked where the region captured no tensor and its forward run, under plain
+        autograd, walked its own graph and found it ends at the region's inputs alone (no
+        leaf made inside, which the function may keep and reach again, as a module making a
+        parameter on its first call does). Every tensor requiring grad that run used was
+        then an argument (the mode and the walk refused any other), so one the
+        recomputation reaches another way did not require grad in the forward pass, or was
+        not used there: without remat no gradient would flow to it either, and a value it
+        changes is the determinism check's to see.
         """
         return local_graph_leaves(tensors, flat, first_node, lambda t: False)[0]
 

@@ -35,6 +35,7 @@ So, at every call:
 
 from __future__ import annotations
 
+import argparse
 import collections
 import contextlib
 import dis
@@ -53,6 +54,7 @@ from torch.overrides import TorchFunctionMode
 from ._errors import CheckpointError
 from ._naming import OnThreadStack
 from ._internals import (
+    AccumulateGrad,
     TransformType,
     forward_ad_level,
     fsdp2_training_state,
@@ -73,6 +75,25 @@ _LIBRARY_ROOTS = frozenset(
 _MAX_DEPTH = 6
 _MAX_ITEMS = 10_000
 _MAX_CONTAINER = 1_000
+
+
+#: Namespaces of the standard library: attribute bags users keep values in, walked as any object.
+_STDLIB_NAMESPACES = frozenset({types.SimpleNamespace, argparse.Namespace})
+
+
+@functools.lru_cache(maxsize=1024)
+def _stdlib_service(kind: type) -> bool:
+    """Is ``kind`` a class of the standard library other than a namespace (a logger, a lock, a file)?
+
+    Its instances are not walked for tensors: they hold none that a function computes
+    with, and some reach far (a module's ``logger`` holds the logging manager, and through
+    it every logger of the process: hundreds of objects on each call of a Hugging Face
+    layer). Containers and functions are recognised before this is asked. A tensor that
+    is reached only through such an object is not routed; if it requires grad, the
+    substitution mode refuses it as foreign (an error, never a missing gradient).
+    """
+    module = getattr(kind, "__module__", None) or ""
+    return module.split(".")[0] in sys.stdlib_module_names and kind not in _STDLIB_NAMESPACES
 
 
 #: Types of the attributes a walk meets most (a module's flags, hook dicts, sizes, names):
@@ -245,6 +266,8 @@ def find_captured(fn: Callable[..., Any] | tuple[Any, ...], modules_too: bool = 
         if isinstance(obj, (type, types.ModuleType, types.BuiltinFunctionType)):
             return []
         if callable(obj) and not hasattr(obj, "__dict__"):
+            return []
+        if _stdlib_service(type(obj)):
             return []
         parts = []
         attrs = getattr(obj, "__dict__", None)
@@ -1188,8 +1211,8 @@ def local_graph_leaves(
         if id(node) in seen:
             continue
         seen[id(node)] = node
-        variable = getattr(node, "variable", None)
-        if variable is not None:  # AccumulateGrad
+        if type(node) is AccumulateGrad:
+            variable = node.variable
             if id(variable) in known:
                 reached.add(id(variable))
             elif not own(variable):
@@ -1198,7 +1221,9 @@ def local_graph_leaves(
         if node._sequence_nr() < first_node:
             foreign = True
             continue
-        stack.extend(n for n, _ in node.next_functions if n is not None)
+        for edge in node.next_functions:
+            if edge[0] is not None:
+                stack.append(edge[0])
     return foreign, reached
 
 

@@ -24,6 +24,7 @@ from torch._C._dynamo.eval_frame import get_eval_frame_callback as eval_frame_ca
 from torch.multiprocessing.reductions import StorageWeakRef
 
 __all__ = [
+    "AccumulateGrad",
     "torch_pytree_node",
     "torch_function_mode_enabled",
     "has_gradient_dtype",
@@ -233,6 +234,8 @@ def set_grad_enabled(enabled: bool) -> None:
 
 #: The sequence number the next autograd node created on this thread gets (torch >= 2.1).
 sequence_nr: Callable[[], int] = torch._C._autograd._get_sequence_nr
+#: The type of the node that accumulates a leaf's gradient (its ``.variable`` is the leaf).
+AccumulateGrad: type[Any] = torch._C._functions.AccumulateGrad
 
 
 def graph_task_keeps_graph() -> bool:
