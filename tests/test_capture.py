@@ -1,6 +1,7 @@
 """Gradients reach tensors the function uses without receiving them, or remat raises."""
 
 import functools
+import logging
 import types
 
 import pytest
@@ -392,6 +393,50 @@ def test_walking_a_large_argument_object_is_bounded():
     y = remat(lambda x, c: x.sin().sum())(x, config)
     assert_close(torch.autograd.grad(y, x), (x.cos(),))
     assert looked_at == []
+
+
+LOGGER = logging.getLogger("funckpt.tests.capture")
+
+
+def test_a_logger_the_code_names_is_not_walked():
+    """A module-level logger reaches the logging manager and every logger of the process
+    (a Hugging Face layer's forward names its module's): the walk does not enter it."""
+    looked_at = []
+
+    class Sentinel:
+        def __getattribute__(self, name):
+            looked_at.append(name)
+            return object.__getattribute__(self, name)
+
+    LOGGER.sentinel = Sentinel()
+    try:
+
+        def f(x):
+            LOGGER.debug("running f")
+            return x.sin()
+
+        x = torch.randn(3, dtype=D, requires_grad=True)
+        assert_close(torch.autograd.grad(remat(f)(x).sum(), x), (x.cos(),))
+    finally:
+        del LOGGER.sentinel
+    assert looked_at == []
+
+
+def test_a_tensor_reached_only_through_a_standard_library_object_is_refused_not_dropped():
+    w = torch.randn(4, 4, dtype=D, requires_grad=True)
+    LOGGER.w = w
+    try:
+        with pytest.raises(CheckpointError, match="Pass the tensor to the remat'd function as an argument"):
+            remat(lambda x: x @ LOGGER.w)(X).sum().backward()
+    finally:
+        del LOGGER.w
+
+
+def test_a_tensor_in_a_simple_namespace_is_routed():
+    """Namespaces of the standard library are attribute bags: walked like any object."""
+    box = types.SimpleNamespace(w=torch.randn(4, 4, dtype=D, requires_grad=True))
+    expected = _backward_grads(lambda: torch.tanh(X @ box.w), [box.w])
+    assert_close(_backward_grads(lambda: remat(lambda x: torch.tanh(x @ box.w))(X), [box.w]), expected)
 
 
 class _LowRank(torch.nn.Module):
