@@ -403,12 +403,19 @@ class _Running:
     does not keep the others from being left, and a context may suppress an error.
     """
 
-    __slots__ = ("exits", "flat", "forward", "grad", "modes", "region")
+    __slots__ = ("exits", "flat", "forward", "grad", "modes", "region", "watch")
 
     def __init__(
-        self, region: UserRegion, flat: tuple[torch.Tensor, ...], forward: bool, grad: bool, modes: Sequence[Any]
+        self,
+        region: UserRegion,
+        flat: tuple[torch.Tensor, ...],
+        forward: bool,
+        grad: bool,
+        modes: Sequence[Any],
+        watch: WriteWatch | None,
     ) -> None:
         self.region, self.flat, self.forward, self.grad, self.modes = region, flat, forward, grad, modes
+        self.watch = watch
         self.exits: list[Callable[[Any, Any, Any], Any]] = []
 
     def _enter(self, context: Any) -> Any:
@@ -451,7 +458,7 @@ class _Running:
             substitutes = forward or region.recomputation_substitutes(
                 mapping, places is not None and places.by_name, checkable
             )
-            substitute = Substitute(mapping, flat, forward, region.name, first_node) if substitutes else None
+            substitute = Substitute(mapping, flat, forward, region.name, first_node, self.watch) if substitutes else None
             unsubstituted = not substitutes and checkable
             if substitute is not None:
                 self._enter(substitute)
@@ -716,8 +723,11 @@ class UserRegion(Region):
         if missed:
             raise CheckpointError(
                 f"remat({self.name}): the function modified {len(missed)} of its inputs in place in a way "
-                "remat cannot undo for the recomputation (a change its write watch did not see). "
-                "Compute out of place, or move the update outside the remat'd function."
+                "remat cannot undo for the recomputation (a change its write watch did not see: remat "
+                "copies an input before a torch function or operator writes it, and this write announced "
+                "itself to neither, as a C++ extension's own binding or code under "
+                "torch._C.DisableTorchFunction may write). Compute out of place, or move the update "
+                "outside the remat'd function."
             )
 
     def _refuse_hidden_tensors(self, leaves: tuple[Any, ...], plain_autograd: bool) -> None:
@@ -955,18 +965,27 @@ class UserRegion(Region):
         replace = {id(orig): t for orig, t in zip(self.captured.tensors, captured)}
         return replace, {k: v for k, v in replace.items() if v is not self._originals.get(k)}
 
-    def _running(self, flat: tuple[torch.Tensor, ...], *, forward: bool, grad: bool, modes: Sequence[Any]) -> _Running:
+    def _running(
+        self,
+        flat: tuple[torch.Tensor, ...],
+        *,
+        forward: bool,
+        grad: bool,
+        modes: Sequence[Any],
+        watch: WriteWatch | None = None,
+    ) -> _Running:
         """The context ``fn`` runs in, both runs: its inputs and reparametrized modules,
         the user's ``context_fn``, grad mode (``grad``: on, for the forward run's local
         graph), the run's state (captured in the forward run, replayed in a
         recomputation), the substitution of captured tensors, the run's dispatch
-        ``modes``, and the debug trace.
+        ``modes``, and the debug trace. ``watch``, the forward run's write watch where the
+        substitution mode runs it (:meth:`WriteWatch.call`) rather than a dispatch mode.
 
         The dispatch modes are built by the caller before the torch-function mode is
         entered: building them reads the inputs' storages, which must not count as the
         function's use of them.
         """
-        return _Running(self, flat, forward, grad, modes)
+        return _Running(self, flat, forward, grad, modes, watch)
 
     def forward_run(self, flat: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
         """The first run, in the forward pass: record what a recomputation must replay and check."""
@@ -988,14 +1007,21 @@ class UserRegion(Region):
             )
         # With a policy, the recorder watches input writes too: one dispatch mode, not two.
         # Without one, a watch is needed only for non-differentiable inputs (writes to
-        # differentiable ones are caught by their version counters after the run).
+        # differentiable ones are caught by their version counters after the run). Outside
+        # torch.func transforms the substitution mode runs it, asking each torch function
+        # what it writes (WriteWatch.call); under them it is a dispatch mode of its own (the
+        # torch functions receive functorch's wrappers, whose storages it cannot see).
         modes: list[Any] = []
+        watch = None
         if self.saved is not None:
             modes.append(self.saved.recorder(self._write_watch(flat, plain_autograd, grad_forward)))
         elif not all(self.differentiable):
-            modes.append(self._write_watch(flat, plain_autograd, grad_forward))
+            watch = self._write_watch(flat, plain_autograd, grad_forward)
+            if not plain_autograd:
+                modes.append(watch)
+                watch = None
         marks = recording_marks() if grad_forward else []  # before this region's own recorder starts
-        with self._running(flat, forward=True, grad=grad_forward, modes=modes) as run:
+        with self._running(flat, forward=True, grad=grad_forward, modes=modes, watch=watch) as run:
             if grad_forward and run.substitute is not None:
                 run.substitute.made = []
             containers = _container_snapshot(run.args, run.kwargs)

@@ -53,6 +53,7 @@ from torch.overrides import TorchFunctionMode
 
 from ._errors import CheckpointError
 from ._naming import OnThreadStack
+from ._saving import WriteWatch
 from ._internals import (
     AccumulateGrad,
     TransformType,
@@ -980,9 +981,13 @@ class Substitute(OnThreadStack, TorchFunctionMode):
         forward: bool,
         name: str,
         first_node: int,
+        watch: WriteWatch | None = None,
     ) -> None:
         super().__init__()
         self.mapping = mapping
+        # Snapshots inputs before the run writes them (see WriteWatch.call): where one is set,
+        # this mode stands in for the dispatch mode that would watch every operator.
+        self.watch = watch
         self.forward = forward
         self.name = name
         self.inside: set[int] = set()  # ids of the tensors made inside this run (alive or not)
@@ -1146,7 +1151,11 @@ class Substitute(OnThreadStack, TorchFunctionMode):
             self.uninitialized = True
         elif func is _RETAIN_GRAD and args and id(args[0]) in known:
             self.retained.add(id(args[0]))
-        out = func(*(args if swapped is None else swapped), **(kwargs or {}))
+        watch = self.watch
+        if watch is not None and not compiling:
+            out = watch.call(func, args if swapped is None else tuple(swapped), kwargs or {})
+        else:
+            out = func(*(args if swapped is None else swapped), **(kwargs or {}))
         # Every tensor made here is the run's own, whatever it becomes later: a leaf
         # made inside and then set to require grad (as HF T5 does) is not foreign.
         # (One loop for a tensor and a tuple alike: on torch 2.11, Dynamo tracing this handler

@@ -28,7 +28,9 @@ Safety:
 
 from __future__ import annotations
 
+import functools
 import threading
+import types
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -38,7 +40,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import _budget, _offload
 from ._errors import CheckpointError
-from ._internals import bottom, clone_storage, storage_of
+from ._internals import OpOverload, OpOverloadPacket, bottom, clone_storage, skip_code, storage_of
 from ._naming import OnThreadStack, active
 from .policies import CHECKPOINT_NAME, Offloadable, Policy, Verdict, budget_of, excluded_names, uses_names
 
@@ -447,6 +449,99 @@ class WriteWatch(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's
         kwargs = kwargs or {}
         self._watch(func, args, kwargs)
         return func(*args, **kwargs)
+
+    def call(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """``func(*args, **kwargs)``, a torch function as a torch-function mode receives it, watched.
+
+        The same watch as :meth:`__torch_dispatch__` gives every ATen operator, asked of
+        the torch function instead, where its writes are known beforehand
+        (:func:`_function_writes`): the watch then costs a dictionary lookup per torch
+        function rather than a Python dispatch mode around every operator. A torch
+        function whose writes are not known (one written in Python, such as
+        ``F.batch_norm``, which updates the running statistics it is handed) runs with
+        this watch as a dispatch mode, which sees each operator it executes.
+        """
+        if type(func) is OpOverload:
+            self._watch(func, args, kwargs)
+            return func(*args, **kwargs)
+        rule = _FUNCTION_WRITES.get(func, _UNCLASSIFIED)
+        if rule is _UNCLASSIFIED:
+            rule = _FUNCTION_WRITES[func] = _function_writes(func)
+        if rule is None:
+            with self:
+                return func(*args, **kwargs)
+        storages = self.storages
+        for i in rule:
+            if i < len(args):
+                for t in _tensors(args[i]):
+                    index = storages.get(storage_of(t))
+                    if index is not None:
+                        self.before_write(index, t)
+        if kwargs and "out" in kwargs:
+            for t in _tensors(kwargs["out"]):
+                index = storages.get(storage_of(t))
+                if index is not None:
+                    self.before_write(index, t)
+        return func(*args, **kwargs)
+
+
+# Eager code a compiled function runs after a graph break calls this from the substitution
+# mode's handler: Dynamo must not compile it as a frame of its own.
+skip_code(WriteWatch.call.__code__)
+
+_UNCLASSIFIED = object()
+#: Torch function -> positions of the arguments it writes (besides ``out=``), or ``None``: not known.
+_FUNCTION_WRITES: dict[Any, tuple[int, ...] | None] = {}
+#: In-place operators of Python's syntax (``x[i] = v``, ``x += v``): they write their first argument.
+_INPLACE_DUNDERS = frozenset(
+    f"__{op}__" for op in ("setitem", "iadd", "isub", "imul", "imatmul", "itruediv", "ifloordiv", "imod", "ipow",
+                           "iand", "ior", "ixor", "ilshift", "irshift", "idiv")
+)  # fmt: skip
+#: ATen operators that write arguments their schemas do not mark as written: batch norm and
+#: instance norm update the running statistics they are handed (in training mode only).
+_UNMARKED_WRITES = frozenset(
+    {"batch_norm", "instance_norm", "_batch_norm_impl_index", "native_batch_norm", "cudnn_batch_norm", "miopen_batch_norm"}
+)
+
+
+def _function_writes(func: Any) -> tuple[int, ...] | None:
+    """Positions of the arguments ``func`` writes, or ``None`` where that is not known beforehand.
+
+    Known for torch's built-in functions and tensor methods, which bind one ATen operator
+    name and take their arguments in its schema's order: the positions its overloads mark
+    as written (``Tensor(a!) self``; ``out=`` is looked at by name, by the caller; a
+    TorchScript overload of the same name, such as ``sort`` of a list, may mark one more,
+    which costs a snapshot, never a missed write). Python's in-place operators write their
+    first argument, its other protocols nothing; any other built-in whose name ends in a
+    single underscore (torch's convention for in-place methods) writes its first. Not known for
+    functions written in Python (``torch.nn.functional``'s, which may write what they
+    are handed: ``F.batch_norm``, ``F.embedding`` with ``max_norm``), for operator packets,
+    and for the batch-norm operators whose schemas leave their writes unmarked.
+    """
+    if isinstance(func, (types.FunctionType, types.MethodType, functools.partial)) or not callable(func):
+        return None
+    name = getattr(func, "__name__", None)
+    if not isinstance(name, str) or isinstance(func, OpOverloadPacket):
+        return None
+    if name.startswith("__") and name.endswith("__"):  # Python's protocols (x[i], x == y, bool(x))
+        # (A property's setter writes its tensor too: ``x.data = y`` makes it hold other values.)
+        return (0,) if name in _INPLACE_DUNDERS or name == "__set__" else ()
+    if name in _UNMARKED_WRITES:
+        return None
+    try:
+        packet = getattr(torch.ops.aten, name)
+    except (AttributeError, RuntimeError):
+        packet = None
+    if packet is None:
+        return (0,) if name.endswith("_") and not name.endswith("__") else ()
+    written: set[int] = set()
+    for overload in packet.overloads():
+        for i, a in enumerate(getattr(packet, overload)._schema.arguments):
+            if a.alias_info is not None and a.alias_info.is_write and not a.kwarg_only:
+                written.add(i)
+    if name.endswith("_") and not name.endswith("__"):
+        written.add(0)
+    return tuple(sorted(written))
 
 
 class Recorder(OnThreadStack, WriteWatch):  # type: ignore[no-untyped-call]  # torch's untyped __init_subclass__

@@ -198,6 +198,24 @@ def test_compiled_function_inside_remat_is_correct():
     torch.testing.assert_close(tf.grad(lambda x: inner(x).sin().sum())(x), expected)
 
 
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_compiled_function_inside_remat_writing_a_non_differentiable_input(backend):
+    """The write happens once, and the recomputation starts from the value at the call."""
+    torch._dynamo.reset()
+
+    def f(x, c):
+        out = x * (c * 1).sum()
+        c.add_(1)
+        return (out + x.cos() * c.sum()).sum()
+
+    def program(fn):
+        c = torch.tensor([0.5, -1.0, 2.0, 1.0], dtype=torch.double)
+        x = torch.linspace(0.1, 1, 4, dtype=torch.double, requires_grad=True)
+        return torch.autograd.grad(fn(x, c), x), c
+
+    torch.testing.assert_close(program(remat(torch.compile(f, backend=backend))), program(f))
+
+
 def _counting_compile(program, fullgraph: bool = False) -> tuple[Callable, list[torch.fx.GraphModule]]:
     """``program`` compiled eagerly (no code generation), and the list of graphs it compiles."""
     graphs = []

@@ -350,6 +350,85 @@ def test_input_written_through_a_view_is_snapshotted_whole(write):
     assert_close(results[1], results[0])
 
 
+#: Every way a function writes a tensor it is handed: torch's built-ins and tensor methods (known
+#: by their operator schemas), Python's in-place syntax, out= arguments, operator overloads,
+#: and functions written in Python that write what they are handed (batch norm's statistics,
+#: an embedding renormalised by max_norm, inplace=True, torch.nn.init).
+NON_DIFFERENTIABLE_WRITES = {
+    "method": lambda c: c.add_(1),
+    "setitem": lambda c: c.__setitem__(0, 7.0),
+    "iadd": lambda c: c.__iadd__(1),
+    "out=": lambda c: torch.add(c.clone(), 1, out=c),
+    "out= tuple": lambda c: torch.sort(c.clone(), out=(c, torch.empty(4, dtype=torch.long))),
+    "aten overload": lambda c: torch.ops.aten.mul_.Tensor(c, 3),
+    "aten packet": lambda c: torch.ops.aten.mul_(c, 3),
+    "foreach": lambda c: torch._foreach_mul_([c], 2.0),
+    "index_copy_": lambda c: c.index_copy_(0, torch.tensor([1]), torch.tensor([9.0], dtype=D)),
+    "through .data": lambda c: c.data.mul_(2),
+    "through a view": lambda c: c[1:3].mul_(2),
+    "inplace=True": lambda c: torch.nn.functional.hardtanh(c, -0.5, 0.5, inplace=True),
+    "torch.nn.init": lambda c: torch.nn.init.constant_(c, 0.25),
+    "batch norm statistics": lambda c: torch.nn.functional.batch_norm(
+        torch.arange(8.0, dtype=D).reshape(2, 4), c, torch.ones(4, dtype=D), training=True
+    ),
+    "embedding max_norm": lambda c: torch.nn.functional.embedding(torch.tensor([0]), c.view(1, 4), max_norm=0.5),
+    "resize_": lambda c: c.resize_(2).fill_(3.0),
+    "data setter": lambda c: setattr(c, "data", torch.full((4,), 2.0, dtype=D)),
+}
+
+
+@pytest.mark.parametrize("how", ["backward", "torch.func.grad"])
+@pytest.mark.parametrize("write", NON_DIFFERENTIABLE_WRITES.values(), ids=NON_DIFFERENTIABLE_WRITES.keys())
+def test_every_kind_of_write_to_a_non_differentiable_input_happens_once_and_is_undone_for_the_recomputation(
+    write, how
+):
+    if how == "torch.func.grad" and write is NON_DIFFERENTIABLE_WRITES["data setter"]:
+        pytest.skip("functorch refuses a .data write inside its transforms, with or without remat")
+
+    def f(x, c):
+        out = x * (c * 1).sum()  # reads c before the write
+        write(c)
+        return (out + x.cos() * c.sum()).sum()
+
+    def program(fn):
+        c = torch.tensor([0.5, -1.0, 2.0, 1.0], dtype=D)
+        x = torch.linspace(0.1, 1, 4, dtype=D)
+        if how == "backward":
+            x.requires_grad_()
+            gradient = torch.autograd.grad(fn(x, c), x)
+        else:
+            gradient = tf.grad(fn)(x, c)
+        return gradient, c
+
+    assert_close(program(remat(f)), program(f))
+
+
+def test_a_non_differentiable_input_is_watched_without_a_dispatch_mode():
+    """The write watch asks each torch function what it writes: the function's operators run
+    without a Python dispatch mode (which would cost a Python call per operator)."""
+    modes = []
+
+    def f(x, mask):
+        modes.append(torch._C._len_torch_dispatch_stack())
+        return (x * mask).sin().sum()
+
+    x = torch.ones(4, dtype=D, requires_grad=True)
+    remat(f)(x, torch.tensor([1.0, 0.0, 1.0, 1.0], dtype=D)).backward()
+    assert modes == [0, 0]
+
+
+def test_a_write_no_torch_function_announces_raises_instead_of_recomputing_from_it():
+    def f(x, c):
+        out = x * c.sum()
+        with torch._C.DisableTorchFunction():  # hides the write from torch-function modes
+            c.add_(1)
+        return out.sum()
+
+    x = torch.ones(4, dtype=D, requires_grad=True)
+    with pytest.raises(CheckpointError, match="announced itself to neither"):
+        remat(f)(x, torch.ones(4, dtype=D))
+
+
 @pytest.mark.parametrize("write_whole", [True, False])
 def test_inputs_that_share_a_storage_still_share_it_in_the_recomputation(write_whole):
     def f(w, a, b):  # b is a view of a: writing one changes the other
