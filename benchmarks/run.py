@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from . import compile, core, overhead, policies, rng, sequential
+from . import compile, core, hf, overhead, policies, rng, sequential
 from ._common import kept_blocks, machine_header
 
-SECTIONS = [core.run, overhead.run, policies.run, sequential.run, rng.run, compile.run]
+SECTIONS = [core.run, overhead.run, hf.run, policies.run, sequential.run, rng.run, compile.run]
 
 
 def main() -> None:

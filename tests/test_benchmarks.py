@@ -14,6 +14,13 @@ def test_per_call_overhead_benchmark_runs():
     assert "overhead per call" in report and "torch.utils.checkpoint" in report
 
 
+def test_real_model_benchmark_runs():
+    from benchmarks import hf
+
+    report = hf.run(rounds=1)
+    assert "every layer remat'd" in report and "HF gradient checkpointing" in report
+
+
 def test_loops_benchmark_counts_recomputation_against_the_optimum():
     from benchmarks import loops
 
