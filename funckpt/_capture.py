@@ -35,7 +35,6 @@ So, at every call:
 
 from __future__ import annotations
 
-import argparse
 import collections
 import contextlib
 import dis
@@ -78,23 +77,29 @@ _MAX_ITEMS = 10_000
 _MAX_CONTAINER = 1_000
 
 
-#: Namespaces of the standard library: attribute bags users keep values in, walked as any object.
-_STDLIB_NAMESPACES = frozenset({types.SimpleNamespace, argparse.Namespace})
+#: Standard-library modules whose objects are services, not data (loggers, threads, files,
+#: sockets, importers, parsers): none holds a tensor a function computes with, and some reach
+#: far (a module's ``logger`` holds the logging manager, and through it every logger of the
+#: process: hundreds of objects on each call of a Hugging Face layer).
+_STDLIB_SERVICES = frozenset(
+    {"logging", "threading", "_thread", "multiprocessing", "concurrent", "asyncio", "queue", "socket", "ssl",
+     "selectors", "subprocess", "io", "_io", "tempfile", "sqlite3", "importlib", "inspect", "ast", "dis",
+     "tokenize", "warnings", "unittest", "pdb", "bdb", "typing", "zipfile", "tarfile", "http", "urllib", "email",
+     "xml", "json", "pickle"}
+)  # fmt: skip
 
 
 @functools.lru_cache(maxsize=1024)
 def _stdlib_service(kind: type) -> bool:
-    """Is ``kind`` a class of the standard library other than a namespace (a logger, a lock, a file)?
+    """Is ``kind`` a class of one of :data:`_STDLIB_SERVICES` (a logger, a lock, a file)?
 
-    Its instances are not walked for tensors: they hold none that a function computes
-    with, and some reach far (a module's ``logger`` holds the logging manager, and through
-    it every logger of the process: hundreds of objects on each call of a Hugging Face
-    layer). Containers and functions are recognised before this is asked. A tensor that
-    is reached only through such an object is not routed; if it requires grad, the
-    substitution mode refuses it as foreign (an error, never a missing gradient).
+    Its instances are not walked for tensors. A tensor that is reached only through
+    such an object is not routed; if it requires grad, the substitution mode refuses it
+    as foreign (an error, never a missing gradient). Other standard-library objects are
+    walked as any object is (a ``functools.lru_cache`` wrapper, a ``SimpleNamespace``).
     """
     module = getattr(kind, "__module__", None) or ""
-    return module.split(".")[0] in sys.stdlib_module_names and kind not in _STDLIB_NAMESPACES
+    return module.split(".")[0] in _STDLIB_SERVICES
 
 
 #: Types of the attributes a walk meets most (a module's flags, hook dicts, sizes, names):

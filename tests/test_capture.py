@@ -432,6 +432,19 @@ def test_a_tensor_reached_only_through_a_standard_library_object_is_refused_not_
         del LOGGER.w
 
 
+def test_a_tensor_behind_a_functools_cache_is_routed():
+    """Other standard-library objects are walked like any object: an lru_cache wrapper leads
+    to the function it wraps, and so to its closure."""
+    w = torch.randn(4, 4, dtype=D, requires_grad=True)
+
+    @functools.lru_cache
+    def weight(k):
+        return w
+
+    expected = _backward_grads(lambda: torch.tanh(X @ weight(0)), [w])
+    assert_close(_backward_grads(lambda: remat(lambda x: torch.tanh(x @ weight(0)))(X), [w]), expected)
+
+
 def test_a_tensor_in_a_simple_namespace_is_routed():
     """Namespaces of the standard library are attribute bags: walked like any object."""
     box = types.SimpleNamespace(w=torch.randn(4, 4, dtype=D, requires_grad=True))
