@@ -924,9 +924,6 @@ class UserRegion(Region):
         Stores made by hooks or functions outside the modules' classes, and under
         torch.func transforms, are not caught (see the README's limits).
         """
-        copies = {id(t) for t, g in zip(flat, given) if t is not g}
-        if not copies:
-            return
         roots: list[Any] = [o for o in self.objects if not isinstance(o, torch.nn.Module)]
         fn = self.fn
         if isinstance(fn, functools.partial):
@@ -937,6 +934,9 @@ class UserRegion(Region):
         roots += stored_attributes(self.captured)
         roots = [r for r in roots if r is not None]
         if not roots:  # nothing to look into (a plain function of its arguments)
+            return
+        copies = {id(t) for t, g in zip(flat, given) if t is not g}
+        if not copies:
             return
         stored = [t for t in tensors_inside(roots, budget=10_000, into_modules=False) if id(t) in copies]
         if stored:
