@@ -470,18 +470,21 @@ class WriteWatch(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's
         if rule is None:
             with self:
                 return func(*args, **kwargs)
+        positions, names = rule
         storages = self.storages
-        for i in rule:
+        for i in positions:
             if i < len(args):
                 for t in _tensors(args[i]):
                     index = storages.get(storage_of(t))
                     if index is not None:
                         self.before_write(index, t)
-        if kwargs and "out" in kwargs:
-            for t in _tensors(kwargs["out"]):
-                index = storages.get(storage_of(t))
-                if index is not None:
-                    self.before_write(index, t)
+        if kwargs:  # a written argument given by keyword: out=, or torch.relu_(input=c)
+            for name, value in kwargs.items():
+                if name in names:
+                    for t in _tensors(value):
+                        index = storages.get(storage_of(t))
+                        if index is not None:
+                            self.before_write(index, t)
         return func(*args, **kwargs)
 
 
@@ -490,8 +493,13 @@ class WriteWatch(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's
 skip_code(WriteWatch.call.__code__)
 
 _UNCLASSIFIED = object()
-#: Torch function -> positions of the arguments it writes (besides ``out=``), or ``None``: not known.
-_FUNCTION_WRITES: dict[Any, tuple[int, ...] | None] = {}
+#: Torch function -> the positions of the arguments it writes and their keywords (``out`` among
+#: them), or ``None``: not known.
+_FUNCTION_WRITES: dict[Any, tuple[tuple[int, ...], frozenset[str]] | None] = {}
+#: The keywords of a function's first argument where it is written: ``self`` in its schema,
+#: ``input`` in the Python binding of a function (``torch.relu_(input=c)``).
+_FIRST = frozenset({"out", "self", "input"})
+_OUT = frozenset({"out"})  # (a function that writes no argument it is handed but its out=)
 #: In-place operators of Python's syntax (``x[i] = v``, ``x += v``): they write their first argument.
 _INPLACE_DUNDERS = frozenset(
     f"__{op}__" for op in ("setitem", "iadd", "isub", "imul", "imatmul", "itruediv", "ifloordiv", "imod", "ipow",
@@ -504,19 +512,20 @@ _UNMARKED_WRITES = frozenset(
 )
 
 
-def _function_writes(func: Any) -> tuple[int, ...] | None:
-    """Positions of the arguments ``func`` writes, or ``None`` where that is not known beforehand.
+def _function_writes(func: Any) -> tuple[tuple[int, ...], frozenset[str]] | None:
+    """Positions and keywords of the arguments ``func`` writes, or ``None`` where that is not known beforehand.
 
     Known for torch's built-in functions and tensor methods, which bind one ATen operator
-    name and take their arguments in its schema's order: the positions its overloads mark
-    as written (``Tensor(a!) self``; ``out=`` is looked at by name, by the caller; a
-    TorchScript overload of the same name, such as ``sort`` of a list, may mark one more,
-    which costs a snapshot, never a missed write). Python's in-place operators write their
-    first argument, its other protocols nothing; any other built-in whose name ends in a
-    single underscore (torch's convention for in-place methods) writes its first. Not known for
-    functions written in Python (``torch.nn.functional``'s, which may write what they
-    are handed: ``F.batch_norm``, ``F.embedding`` with ``max_norm``), for operator packets,
-    and for the batch-norm operators whose schemas leave their writes unmarked.
+    name and take their arguments in its schema's order, and by its names as keywords (its
+    ``self`` as ``input``): the arguments its overloads mark as written (``Tensor(a!) self``,
+    and ``out=``; a TorchScript overload of the same name, such as ``sort`` of a list, may
+    mark one more, which costs a snapshot, never a missed write). Python's in-place
+    operators write their first argument, its other protocols nothing; any other built-in
+    whose name ends in a single underscore (torch's convention for in-place methods) writes
+    its first. Not known for functions written in Python (``torch.nn.functional``'s, which
+    may write what they are handed: ``F.batch_norm``, ``F.embedding`` with ``max_norm``),
+    for operator packets, and for the batch-norm operators whose schemas leave their
+    writes unmarked.
     """
     if isinstance(func, (types.FunctionType, types.MethodType, functools.partial)) or not callable(func):
         return None
@@ -525,7 +534,7 @@ def _function_writes(func: Any) -> tuple[int, ...] | None:
         return None
     if name.startswith("__") and name.endswith("__"):  # Python's protocols (x[i], x == y, bool(x))
         # (A property's setter writes its tensor too: ``x.data = y`` makes it hold other values.)
-        return (0,) if name in _INPLACE_DUNDERS or name == "__set__" else ()
+        return ((0,), _FIRST) if name in _INPLACE_DUNDERS or name == "__set__" else ((), _OUT)
     if name in _UNMARKED_WRITES:
         return None
     try:
@@ -533,15 +542,19 @@ def _function_writes(func: Any) -> tuple[int, ...] | None:
     except (AttributeError, RuntimeError):
         packet = None
     if packet is None:
-        return (0,) if name.endswith("_") and not name.endswith("__") else ()
+        return ((0,), _FIRST) if name.endswith("_") and not name.endswith("__") else ((), _OUT)
     written: set[int] = set()
+    names = set(_OUT)
     for overload in packet.overloads():
         for i, a in enumerate(getattr(packet, overload)._schema.arguments):
             if a.alias_info is not None and a.alias_info.is_write and not a.kwarg_only:
                 written.add(i)
+                names.add(a.name)
     if name.endswith("_") and not name.endswith("__"):
         written.add(0)
-    return tuple(sorted(written))
+    if 0 in written:
+        names.update(_FIRST)
+    return tuple(sorted(written)), frozenset(names)
 
 
 class Recorder(OnThreadStack, WriteWatch):  # type: ignore[no-untyped-call]  # torch's untyped __init_subclass__

@@ -374,6 +374,8 @@ NON_DIFFERENTIABLE_WRITES = {
     "embedding max_norm": lambda c: torch.nn.functional.embedding(torch.tensor([0]), c.view(1, 4), max_norm=0.5),
     "resize_": lambda c: c.resize_(2).fill_(3.0),
     "data setter": lambda c: setattr(c, "data", torch.full((4,), 2.0, dtype=D)),
+    "by keyword": lambda c: torch.index_put_(input=c, indices=(torch.tensor([0]),), values=torch.tensor(3.0, dtype=D)),
+    "by keyword through .data": lambda c: torch.relu_(input=c.data),
 }
 
 
@@ -415,6 +417,27 @@ def test_a_non_differentiable_input_is_watched_without_a_dispatch_mode():
     x = torch.ones(4, dtype=D, requires_grad=True)
     remat(f)(x, torch.tensor([1.0, 0.0, 1.0, 1.0], dtype=D)).backward()
     assert modes == [0, 0]
+
+
+@pytest.mark.parametrize("how", ["backward", "torch.func.grad"])
+def test_a_write_given_by_keyword_through_data_is_undone_for_the_recomputation(how):
+    """No version counter tells of a write through .data: a recomputation from the written value
+    went unnoticed where the output's value does not show it (a permutation, summed)."""
+
+    def f(x, c):
+        out = (x * c).sum()  # its gradient is c: the recomputation must read it unpermuted
+        torch.index_put_(input=c.data, indices=(torch.arange(4),), values=c.flip(0))
+        return out
+
+    def program(fn):
+        c = torch.tensor([0.5, -1.0, 2.0, 1.0], dtype=D)
+        x = torch.ones(4, dtype=D)
+        if how == "backward":
+            x.requires_grad_()
+            return torch.autograd.grad(fn(x, c), x), c
+        return tf.grad(fn)(x, c), c
+
+    assert_close(program(remat(f)), program(f))
 
 
 def test_a_write_no_torch_function_announces_raises_instead_of_recomputing_from_it():
