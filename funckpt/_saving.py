@@ -505,6 +505,8 @@ _INPLACE_DUNDERS = frozenset(
     f"__{op}__" for op in ("setitem", "iadd", "isub", "imul", "imatmul", "itruediv", "ifloordiv", "imod", "ipow",
                            "iand", "ior", "ixor", "ilshift", "irshift", "idiv")
 )  # fmt: skip
+#: Tensor methods that hand out the tensor's memory (a storage, a NumPy array, a DLPack capsule).
+_SHARES_MEMORY = frozenset({"untyped_storage", "storage", "numpy", "__array__", "__dlpack__"})
 #: ATen operators that write arguments their schemas do not mark as written: batch norm and
 #: instance norm update the running statistics they are handed (in training mode only).
 _UNMARKED_WRITES = frozenset(
@@ -527,9 +529,14 @@ def _function_writes(func: Any) -> tuple[tuple[int, ...], frozenset[str]] | None
     for operator packets, and for the batch-norm operators whose schemas leave their
     writes unmarked.
     """
+    name = getattr(func, "__name__", None)
+    if name in _SHARES_MEMORY and getattr(torch.Tensor, name, None) is func:
+        # The tensor's memory, handed out: it may then be written with no torch function or
+        # operator at all (``storage.copy_``, ``storage.fill_``, a NumPy array's items), and
+        # without moving the tensor's version counter. Snapshotted before, as for a write.
+        return (0,), _FIRST
     if isinstance(func, (types.FunctionType, types.MethodType, functools.partial)) or not callable(func):
         return None
-    name = getattr(func, "__name__", None)
     if not isinstance(name, str) or isinstance(func, OpOverloadPacket):
         return None
     if name.startswith("__") and name.endswith("__"):  # Python's protocols (x[i], x == y, bool(x))

@@ -1,6 +1,7 @@
 """The determinism check, debug traces, and state left behind by failures."""
 
 import re
+import warnings
 
 import pytest
 import torch
@@ -438,6 +439,54 @@ def test_a_write_given_by_keyword_through_data_is_undone_for_the_recomputation(h
         return tf.grad(fn)(x, c), c
 
     assert_close(program(remat(f)), program(f))
+
+
+#: Writes through the memory a tensor hands out: no torch function or operator runs, and the
+#: tensor's version counter does not move.
+WRITES_THROUGH_SHARED_MEMORY = {
+    "untyped storage": lambda c, v: c.untyped_storage().copy_(v.untyped_storage()),
+    "typed storage": lambda c, v: c.storage().copy_(v.storage()),
+    "numpy": lambda c, v: c.numpy().__setitem__(slice(None), v.numpy()),
+}
+
+
+@pytest.mark.parametrize("write", WRITES_THROUGH_SHARED_MEMORY.values(), ids=WRITES_THROUGH_SHARED_MEMORY.keys())
+def test_a_write_through_an_inputs_storage_is_undone_for_the_recomputation(write):
+    def f(x, c):
+        out = (x * c).sum()  # its gradient is c: the recomputation must read it unpermuted
+        write(c, c.flip(0))
+        return out
+
+    def program(fn):
+        c = torch.tensor([0.5, -1.0, 2.0, 1.0], dtype=D)
+        x = torch.ones(4, dtype=D, requires_grad=True)
+        return torch.autograd.grad(fn(x, c), x), c
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # TypedStorage is deprecated
+        assert_close(program(remat(f)), program(f))
+
+
+def test_a_nested_call_that_only_reads_a_non_differentiable_input_does_not_copy_it(monkeypatch):
+    """remat's own work for the nested call reads the input's storage: that is no write of the
+    function's (a copy of the input per nested call, in the forward run of the enclosing one)."""
+    from funckpt import _call
+
+    copied = []
+
+    def clone_together(tensors):
+        copied.extend(tuple(t.shape) for t in tensors)
+        return real(tensors)
+
+    real = _call.clone_together
+    monkeypatch.setattr(_call, "clone_together", clone_together)
+
+    def outer(x, mask):
+        return (remat(torch.mul)(x.sin(), mask) * mask).sum()
+
+    x = torch.ones(4, dtype=D, requires_grad=True)
+    remat(outer)(x, torch.tensor([1.0, 0.0, 1.0, 1.0], dtype=D)).backward()
+    assert copied == []
 
 
 def test_a_write_no_torch_function_announces_raises_instead_of_recomputing_from_it():
