@@ -505,6 +505,8 @@ _INPLACE_DUNDERS = frozenset(
     f"__{op}__" for op in ("setitem", "iadd", "isub", "imul", "imatmul", "itruediv", "ifloordiv", "imod", "ipow",
                            "iand", "ior", "ixor", "ilshift", "irshift", "idiv")
 )  # fmt: skip
+#: Modules of torch's own functions written in Python that are named as its built-ins are.
+_FOLLOWS_CONVENTIONS = frozenset({"torch._tensor", "torch.functional"})
 #: Tensor methods that hand out the tensor's memory (a storage, a NumPy array, a DLPack capsule).
 _SHARES_MEMORY = frozenset({"untyped_storage", "storage", "numpy", "__array__", "__dlpack__"})
 #: ATen operators that write arguments their schemas do not mark as written: batch norm and
@@ -524,10 +526,11 @@ def _function_writes(func: Any) -> tuple[tuple[int, ...], frozenset[str]] | None
     mark one more, which costs a snapshot, never a missed write). Python's in-place
     operators write their first argument, its other protocols nothing; any other built-in
     whose name ends in a single underscore (torch's convention for in-place methods) writes
-    its first. Not known for functions written in Python (``torch.nn.functional``'s, which
-    may write what they are handed: ``F.batch_norm``, ``F.embedding`` with ``max_norm``),
-    for operator packets, and for the batch-norm operators whose schemas leave their
-    writes unmarked.
+    its first. So are torch.Tensor's and torch.functional's functions written in Python
+    (below). Not known for other functions written in Python (``torch.nn.functional``'s,
+    which may write what they are handed: ``F.batch_norm``, ``F.embedding`` with
+    ``max_norm``), for operator packets, and for the batch-norm operators whose schemas
+    leave their writes unmarked.
     """
     name = getattr(func, "__name__", None)
     if name in _SHARES_MEMORY and getattr(torch.Tensor, name, None) is func:
@@ -536,12 +539,26 @@ def _function_writes(func: Any) -> tuple[tuple[int, ...], frozenset[str]] | None
         # without moving the tensor's version counter. Snapshotted before, as for a write.
         return (0,), _FIRST
     if isinstance(func, (types.FunctionType, types.MethodType, functools.partial)) or not callable(func):
-        return None
+        # Written in Python. torch.Tensor's own such methods and torch.functional's follow the
+        # built-ins' conventions: those wrapping a built-in (``x ** 2``, ``x **= 2``) write what
+        # it writes, Python's protocols (``1 - x``, ``len(x)``) and those named after an ATen
+        # operator (``x.split``, ``torch.einsum``) are known by name. (Each would otherwise run
+        # with the dispatch watch, a Python call per operator again.)
+        if getattr(func, "__module__", None) not in _FOLLOWS_CONVENTIONS or not isinstance(name, str):
+            return None
+        wrapped = getattr(func, "__wrapped__", None)
+        if wrapped is not None and not isinstance(wrapped, types.FunctionType):
+            return _function_writes(wrapped)
+        if name == "backward" or not (name.startswith("__") and name.endswith("__") or _is_aten(name)):
+            # (x.unique(): named otherwise; x.backward() runs the backward functions of a graph,
+            # hooks and custom Functions among them, which may write anything)
+            return None
     if not isinstance(name, str) or isinstance(func, OpOverloadPacket):
         return None
     if name.startswith("__") and name.endswith("__"):  # Python's protocols (x[i], x == y, bool(x))
-        # (A property's setter writes its tensor too: ``x.data = y`` makes it hold other values.)
-        return ((0,), _FIRST) if name in _INPLACE_DUNDERS or name == "__set__" else ((), _OUT)
+        # (A property's setter writes its tensor too: ``x.data = y`` makes it hold other values;
+        # unpickling, ``__setstate__``, the tensor it fills.)
+        return ((0,), _FIRST) if name in _INPLACE_DUNDERS or name in ("__set__", "__setstate__") else ((), _OUT)
     if name in _UNMARKED_WRITES:
         return None
     try:
@@ -562,6 +579,13 @@ def _function_writes(func: Any) -> tuple[tuple[int, ...], frozenset[str]] | None
     if 0 in written:
         names.update(_FIRST)
     return tuple(sorted(written)), frozenset(names)
+
+
+def _is_aten(name: str) -> bool:
+    try:
+        return getattr(torch.ops.aten, name) is not None
+    except (AttributeError, RuntimeError):
+        return False
 
 
 class Recorder(OnThreadStack, WriteWatch):  # type: ignore[no-untyped-call]  # torch's untyped __init_subclass__

@@ -374,6 +374,7 @@ NON_DIFFERENTIABLE_WRITES = {
     ),
     "embedding max_norm": lambda c: torch.nn.functional.embedding(torch.tensor([0]), c.view(1, 4), max_norm=0.5),
     "resize_": lambda c: c.resize_(2).fill_(3.0),
+    "**=": lambda c: c.__ipow__(2),
     "data setter": lambda c: setattr(c, "data", torch.full((4,), 2.0, dtype=D)),
     "by keyword": lambda c: torch.index_put_(input=c, indices=(torch.tensor([0]),), values=torch.tensor(3.0, dtype=D)),
     "by keyword through .data": lambda c: torch.relu_(input=c.data),
@@ -418,6 +419,27 @@ def test_a_non_differentiable_input_is_watched_without_a_dispatch_mode():
     x = torch.ones(4, dtype=D, requires_grad=True)
     remat(f)(x, torch.tensor([1.0, 0.0, 1.0, 1.0], dtype=D)).backward()
     assert modes == [0, 0]
+
+
+def test_torch_tensors_own_python_functions_are_watched_without_a_dispatch_mode():
+    """x ** 2, 1 - x, len(x), x.split and torch.einsum are written in Python, as torch.Tensor's
+    methods or torch.functional's, and named as the built-ins are: known by name too."""
+    modes = []
+
+    class Recording(torch.Tensor):  # notes the dispatch modes around each torch function it reaches
+        @classmethod
+        def __torch_function__(cls, func, types, args=(), kwargs=None):
+            modes.append(torch._C._len_torch_dispatch_stack())
+            return super().__torch_function__(func, types, args, kwargs or {})
+
+    def f(x, mask):
+        m = (1 - mask) ** 2 / 2
+        a, b = m.split(2)
+        return torch.einsum("i,i->", x, mask) + len(mask) * (x[:2] * a).sum() + b.sum()
+
+    x = torch.ones(4, dtype=D, requires_grad=True)
+    remat(f)(x, torch.tensor([1.0, 0.0, 1.0, 1.0], dtype=D).as_subclass(Recording)).backward()
+    assert modes and set(modes) == {0}
 
 
 @pytest.mark.parametrize("how", ["backward", "torch.func.grad"])
