@@ -1157,7 +1157,9 @@ class Substitute(OnThreadStack, TorchFunctionMode):
         elif func is _RETAIN_GRAD and args and id(args[0]) in known:
             self.retained.add(id(args[0]))
         watch = self.watch
-        if watch is not None and not compiling:
+        # (funckpt's own work for a region nested in this run, such as reading its inputs'
+        # storages, writes none of them: only the user's code is watched.)
+        if watch is not None and not compiling and not _active.internal:
             out = watch.call(func, args if swapped is None else tuple(swapped), kwargs or {})
         else:
             out = func(*(args if swapped is None else swapped), **(kwargs or {}))

@@ -470,18 +470,21 @@ class WriteWatch(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's
         if rule is None:
             with self:
                 return func(*args, **kwargs)
+        positions, names = rule
         storages = self.storages
-        for i in rule:
+        for i in positions:
             if i < len(args):
                 for t in _tensors(args[i]):
                     index = storages.get(storage_of(t))
                     if index is not None:
                         self.before_write(index, t)
-        if kwargs and "out" in kwargs:
-            for t in _tensors(kwargs["out"]):
-                index = storages.get(storage_of(t))
-                if index is not None:
-                    self.before_write(index, t)
+        if kwargs:  # a written argument given by keyword: out=, or torch.relu_(input=c)
+            for name, value in kwargs.items():
+                if name in names:
+                    for t in _tensors(value):
+                        index = storages.get(storage_of(t))
+                        if index is not None:
+                            self.before_write(index, t)
         return func(*args, **kwargs)
 
 
@@ -490,13 +493,22 @@ class WriteWatch(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's
 skip_code(WriteWatch.call.__code__)
 
 _UNCLASSIFIED = object()
-#: Torch function -> positions of the arguments it writes (besides ``out=``), or ``None``: not known.
-_FUNCTION_WRITES: dict[Any, tuple[int, ...] | None] = {}
+#: Torch function -> the positions of the arguments it writes and their keywords (``out`` among
+#: them), or ``None``: not known.
+_FUNCTION_WRITES: dict[Any, tuple[tuple[int, ...], frozenset[str]] | None] = {}
+#: The keywords of a function's first argument where it is written: ``self`` in its schema,
+#: ``input`` in the Python binding of a function (``torch.relu_(input=c)``).
+_FIRST = frozenset({"out", "self", "input"})
+_OUT = frozenset({"out"})  # (a function that writes no argument it is handed but its out=)
 #: In-place operators of Python's syntax (``x[i] = v``, ``x += v``): they write their first argument.
 _INPLACE_DUNDERS = frozenset(
     f"__{op}__" for op in ("setitem", "iadd", "isub", "imul", "imatmul", "itruediv", "ifloordiv", "imod", "ipow",
                            "iand", "ior", "ixor", "ilshift", "irshift", "idiv")
 )  # fmt: skip
+#: Modules of torch's own functions written in Python that are named as its built-ins are.
+_FOLLOWS_CONVENTIONS = frozenset({"torch._tensor", "torch.functional"})
+#: Tensor methods that hand out the tensor's memory (a storage, a NumPy array, a DLPack capsule).
+_SHARES_MEMORY = frozenset({"untyped_storage", "storage", "numpy", "__array__", "__dlpack__"})
 #: ATen operators that write arguments their schemas do not mark as written: batch norm and
 #: instance norm update the running statistics they are handed (in training mode only).
 _UNMARKED_WRITES = frozenset(
@@ -504,28 +516,49 @@ _UNMARKED_WRITES = frozenset(
 )
 
 
-def _function_writes(func: Any) -> tuple[int, ...] | None:
-    """Positions of the arguments ``func`` writes, or ``None`` where that is not known beforehand.
+def _function_writes(func: Any) -> tuple[tuple[int, ...], frozenset[str]] | None:
+    """Positions and keywords of the arguments ``func`` writes, or ``None`` where that is not known beforehand.
 
     Known for torch's built-in functions and tensor methods, which bind one ATen operator
-    name and take their arguments in its schema's order: the positions its overloads mark
-    as written (``Tensor(a!) self``; ``out=`` is looked at by name, by the caller; a
-    TorchScript overload of the same name, such as ``sort`` of a list, may mark one more,
-    which costs a snapshot, never a missed write). Python's in-place operators write their
-    first argument, its other protocols nothing; any other built-in whose name ends in a
-    single underscore (torch's convention for in-place methods) writes its first. Not known for
-    functions written in Python (``torch.nn.functional``'s, which may write what they
-    are handed: ``F.batch_norm``, ``F.embedding`` with ``max_norm``), for operator packets,
-    and for the batch-norm operators whose schemas leave their writes unmarked.
+    name and take their arguments in its schema's order, and by its names as keywords (its
+    ``self`` as ``input``): the arguments its overloads mark as written (``Tensor(a!) self``,
+    and ``out=``; a TorchScript overload of the same name, such as ``sort`` of a list, may
+    mark one more, which costs a snapshot, never a missed write). Python's in-place
+    operators write their first argument, its other protocols nothing; any other built-in
+    whose name ends in a single underscore (torch's convention for in-place methods) writes
+    its first. So are torch.Tensor's and torch.functional's functions written in Python
+    (below). Not known for other functions written in Python (``torch.nn.functional``'s,
+    which may write what they are handed: ``F.batch_norm``, ``F.embedding`` with
+    ``max_norm``), for operator packets, and for the batch-norm operators whose schemas
+    leave their writes unmarked.
     """
-    if isinstance(func, (types.FunctionType, types.MethodType, functools.partial)) or not callable(func):
-        return None
     name = getattr(func, "__name__", None)
+    if name in _SHARES_MEMORY and getattr(torch.Tensor, name, None) is func:
+        # The tensor's memory, handed out: it may then be written with no torch function or
+        # operator at all (``storage.copy_``, ``storage.fill_``, a NumPy array's items), and
+        # without moving the tensor's version counter. Snapshotted before, as for a write.
+        return (0,), _FIRST
+    if isinstance(func, (types.FunctionType, types.MethodType, functools.partial)) or not callable(func):
+        # Written in Python. torch.Tensor's own such methods and torch.functional's follow the
+        # built-ins' conventions: those wrapping a built-in (``x ** 2``, ``x **= 2``) write what
+        # it writes, Python's protocols (``1 - x``, ``len(x)``) and those named after an ATen
+        # operator (``x.split``, ``torch.einsum``) are known by name. (Each would otherwise run
+        # with the dispatch watch, a Python call per operator again.)
+        if getattr(func, "__module__", None) not in _FOLLOWS_CONVENTIONS or not isinstance(name, str):
+            return None
+        wrapped = getattr(func, "__wrapped__", None)
+        if wrapped is not None and not isinstance(wrapped, types.FunctionType):
+            return _function_writes(wrapped)
+        if name == "backward" or not (name.startswith("__") and name.endswith("__") or _is_aten(name)):
+            # (x.unique(): named otherwise; x.backward() runs the backward functions of a graph,
+            # hooks and custom Functions among them, which may write anything)
+            return None
     if not isinstance(name, str) or isinstance(func, OpOverloadPacket):
         return None
     if name.startswith("__") and name.endswith("__"):  # Python's protocols (x[i], x == y, bool(x))
-        # (A property's setter writes its tensor too: ``x.data = y`` makes it hold other values.)
-        return (0,) if name in _INPLACE_DUNDERS or name == "__set__" else ()
+        # (A property's setter writes its tensor too: ``x.data = y`` makes it hold other values;
+        # unpickling, ``__setstate__``, the tensor it fills.)
+        return ((0,), _FIRST) if name in _INPLACE_DUNDERS or name in ("__set__", "__setstate__") else ((), _OUT)
     if name in _UNMARKED_WRITES:
         return None
     try:
@@ -533,15 +566,26 @@ def _function_writes(func: Any) -> tuple[int, ...] | None:
     except (AttributeError, RuntimeError):
         packet = None
     if packet is None:
-        return (0,) if name.endswith("_") and not name.endswith("__") else ()
+        return ((0,), _FIRST) if name.endswith("_") and not name.endswith("__") else ((), _OUT)
     written: set[int] = set()
+    names = set(_OUT)
     for overload in packet.overloads():
         for i, a in enumerate(getattr(packet, overload)._schema.arguments):
             if a.alias_info is not None and a.alias_info.is_write and not a.kwarg_only:
                 written.add(i)
+                names.add(a.name)
     if name.endswith("_") and not name.endswith("__"):
         written.add(0)
-    return tuple(sorted(written))
+    if 0 in written:
+        names.update(_FIRST)
+    return tuple(sorted(written)), frozenset(names)
+
+
+def _is_aten(name: str) -> bool:
+    try:
+        return getattr(torch.ops.aten, name) is not None
+    except (AttributeError, RuntimeError):
+        return False
 
 
 class Recorder(OnThreadStack, WriteWatch):  # type: ignore[no-untyped-call]  # torch's untyped __init_subclass__

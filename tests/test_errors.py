@@ -1,6 +1,7 @@
 """The determinism check, debug traces, and state left behind by failures."""
 
 import re
+import warnings
 
 import pytest
 import torch
@@ -373,7 +374,10 @@ NON_DIFFERENTIABLE_WRITES = {
     ),
     "embedding max_norm": lambda c: torch.nn.functional.embedding(torch.tensor([0]), c.view(1, 4), max_norm=0.5),
     "resize_": lambda c: c.resize_(2).fill_(3.0),
+    "**=": lambda c: c.__ipow__(2),
     "data setter": lambda c: setattr(c, "data", torch.full((4,), 2.0, dtype=D)),
+    "by keyword": lambda c: torch.index_put_(input=c, indices=(torch.tensor([0]),), values=torch.tensor(3.0, dtype=D)),
+    "by keyword through .data": lambda c: torch.relu_(input=c.data),
 }
 
 
@@ -415,6 +419,96 @@ def test_a_non_differentiable_input_is_watched_without_a_dispatch_mode():
     x = torch.ones(4, dtype=D, requires_grad=True)
     remat(f)(x, torch.tensor([1.0, 0.0, 1.0, 1.0], dtype=D)).backward()
     assert modes == [0, 0]
+
+
+def test_torch_tensors_own_python_functions_are_watched_without_a_dispatch_mode():
+    """x ** 2, 1 - x, len(x), x.split and torch.einsum are written in Python, as torch.Tensor's
+    methods or torch.functional's, and named as the built-ins are: known by name too."""
+    modes = []
+
+    class Recording(torch.Tensor):  # notes the dispatch modes around each torch function it reaches
+        @classmethod
+        def __torch_function__(cls, func, types, args=(), kwargs=None):
+            modes.append(torch._C._len_torch_dispatch_stack())
+            return super().__torch_function__(func, types, args, kwargs or {})
+
+    def f(x, mask):
+        m = (1 - mask) ** 2 / 2
+        a, b = m.split(2)
+        return torch.einsum("i,i->", x, mask) + len(mask) * (x[:2] * a).sum() + b.sum()
+
+    x = torch.ones(4, dtype=D, requires_grad=True)
+    remat(f)(x, torch.tensor([1.0, 0.0, 1.0, 1.0], dtype=D).as_subclass(Recording)).backward()
+    assert modes and set(modes) == {0}
+
+
+@pytest.mark.parametrize("how", ["backward", "torch.func.grad"])
+def test_a_write_given_by_keyword_through_data_is_undone_for_the_recomputation(how):
+    """No version counter tells of a write through .data: a recomputation from the written value
+    went unnoticed where the output's value does not show it (a permutation, summed)."""
+
+    def f(x, c):
+        out = (x * c).sum()  # its gradient is c: the recomputation must read it unpermuted
+        torch.index_put_(input=c.data, indices=(torch.arange(4),), values=c.flip(0))
+        return out
+
+    def program(fn):
+        c = torch.tensor([0.5, -1.0, 2.0, 1.0], dtype=D)
+        x = torch.ones(4, dtype=D)
+        if how == "backward":
+            x.requires_grad_()
+            return torch.autograd.grad(fn(x, c), x), c
+        return tf.grad(fn)(x, c), c
+
+    assert_close(program(remat(f)), program(f))
+
+
+#: Writes through the memory a tensor hands out: no torch function or operator runs, and the
+#: tensor's version counter does not move.
+WRITES_THROUGH_SHARED_MEMORY = {
+    "untyped storage": lambda c, v: c.untyped_storage().copy_(v.untyped_storage()),
+    "typed storage": lambda c, v: c.storage().copy_(v.storage()),
+    "numpy": lambda c, v: c.numpy().__setitem__(slice(None), v.numpy()),
+}
+
+
+@pytest.mark.parametrize("write", WRITES_THROUGH_SHARED_MEMORY.values(), ids=WRITES_THROUGH_SHARED_MEMORY.keys())
+def test_a_write_through_an_inputs_storage_is_undone_for_the_recomputation(write):
+    def f(x, c):
+        out = (x * c).sum()  # its gradient is c: the recomputation must read it unpermuted
+        write(c, c.flip(0))
+        return out
+
+    def program(fn):
+        c = torch.tensor([0.5, -1.0, 2.0, 1.0], dtype=D)
+        x = torch.ones(4, dtype=D, requires_grad=True)
+        return torch.autograd.grad(fn(x, c), x), c
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # TypedStorage is deprecated
+        assert_close(program(remat(f)), program(f))
+
+
+def test_a_nested_call_that_only_reads_a_non_differentiable_input_does_not_copy_it(monkeypatch):
+    """remat's own work for the nested call reads the input's storage: that is no write of the
+    function's (a copy of the input per nested call, in the forward run of the enclosing one)."""
+    from funckpt import _call
+
+    copied = []
+
+    def clone_together(tensors):
+        copied.extend(tuple(t.shape) for t in tensors)
+        return real(tensors)
+
+    real = _call.clone_together
+    monkeypatch.setattr(_call, "clone_together", clone_together)
+
+    def outer(x, mask):
+        return (remat(torch.mul)(x.sin(), mask) * mask).sum()
+
+    x = torch.ones(4, dtype=D, requires_grad=True)
+    remat(outer)(x, torch.tensor([1.0, 0.0, 1.0, 1.0], dtype=D)).backward()
+    assert copied == []
 
 
 def test_a_write_no_torch_function_announces_raises_instead_of_recomputing_from_it():
