@@ -725,8 +725,9 @@ class UserRegion(Region):
                 f"remat({self.name}): the function modified {len(missed)} of its inputs in place in a way "
                 "remat cannot undo for the recomputation (a change its write watch did not see: remat "
                 "copies an input before a torch function or operator writes it, and this write announced "
-                "itself to neither, as a C++ extension's own binding or code under "
-                "torch._C.DisableTorchFunction may write). Compute out of place, or move the update "
+                "itself to neither, as x.set_(...), a complex tensor's .real or .imag setter, a C++ "
+                "extension's own binding or code under torch._C.DisableTorchFunction may write). "
+                "Compute out of place, or move the update "
                 "outside the remat'd function."
             )
 
