@@ -470,8 +470,15 @@ class WriteWatch(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's
         if rule is None:
             with self:
                 return func(*args, **kwargs)
-        positions, names = rule
         storages = self.storages
+        if type(rule) is _Writes:  # a function of torch.nn.functional: what it writes depends on a flag
+            for target in rule.targets(args, kwargs):
+                for t in _tensors(target):
+                    index = storages.get(storage_of(t))
+                    if index is not None:
+                        self.before_write(index, t)
+            return func(*args, **kwargs)
+        positions, names = rule
         for i in positions:
             if i < len(args):
                 for t in _tensors(args[i]):
@@ -527,10 +534,9 @@ def _function_writes(func: Any) -> tuple[tuple[int, ...], frozenset[str]] | None
     operators write their first argument, its other protocols nothing; any other built-in
     whose name ends in a single underscore (torch's convention for in-place methods) writes
     its first. So are torch.Tensor's and torch.functional's functions written in Python
-    (below). Not known for other functions written in Python (``torch.nn.functional``'s,
-    which may write what they are handed: ``F.batch_norm``, ``F.embedding`` with
-    ``max_norm``), for operator packets, and for the batch-norm operators whose schemas
-    leave their writes unmarked.
+    (below), and ``torch.nn.functional``'s, by their parameters (:func:`_functional_writes`).
+    Not known for other functions written in Python, for operator packets, and for the
+    batch-norm operators whose schemas leave their writes unmarked.
     """
     name = getattr(func, "__name__", None)
     if name in _SHARES_MEMORY and getattr(torch.Tensor, name, None) is func:
@@ -544,6 +550,8 @@ def _function_writes(func: Any) -> tuple[tuple[int, ...], frozenset[str]] | None
         # it writes, Python's protocols (``1 - x``, ``len(x)``) and those named after an ATen
         # operator (``x.split``, ``torch.einsum``) are known by name. (Each would otherwise run
         # with the dispatch watch, a Python call per operator again.)
+        if getattr(func, "__module__", None) == "torch.nn.functional" and isinstance(func, types.FunctionType):
+            return _functional_writes(func)
         if getattr(func, "__module__", None) not in _FOLLOWS_CONVENTIONS or not isinstance(name, str):
             return None
         wrapped = getattr(func, "__wrapped__", None)
@@ -586,6 +594,84 @@ def _is_aten(name: str) -> bool:
         return getattr(torch.ops.aten, name) is not None
     except (AttributeError, RuntimeError):
         return False
+
+
+class _Writes:
+    """What a function of ``torch.nn.functional`` writes, told from its parameters: the
+    arguments ``written`` ((position, name) pairs), found by position or by keyword, and
+    only where the argument ``flag`` ((position, name, default)) is set (not ``None`` or
+    ``False``): ``inplace=True``, batch norm's ``training``, an embedding's ``max_norm``.
+    A flag that is anything else (``0.0``, a tensor) counts as set: a snapshot too many,
+    never a write missed."""
+
+    __slots__ = ("written", "flag")
+
+    def __init__(self, written: tuple[tuple[int, str], ...], flag: tuple[int, str, Any] | None) -> None:
+        self.written = written
+        self.flag = flag
+
+    def targets(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
+        if self.flag is not None:
+            i, name, default = self.flag
+            value = args[i] if i < len(args) else kwargs.get(name, default)
+            if value is None or value is False:
+                return []
+        return [args[i] if i < len(args) else kwargs.get(name) for i, name in self.written]
+
+
+#: Functions of ``torch.nn.functional`` that write an argument their parameters do not name as
+#: written: name -> (the written parameters, the parameter that turns the write on).
+_FLAGGED_WRITES = {
+    "batch_norm": (("running_mean", "running_var"), "training"),
+    "instance_norm": (("running_mean", "running_var"), "use_input_stats"),
+    "embedding": (("weight",), "max_norm"),
+    "embedding_bag": (("weight",), "max_norm"),
+}
+
+
+def _functional_writes(func: types.FunctionType) -> tuple[tuple[int, ...], frozenset[str]] | _Writes | None:
+    """What a function of ``torch.nn.functional`` (written in Python) writes, from its parameters.
+
+    Such a function writes only arguments it is handed, and only as its parameters say: an
+    ``inplace`` flag (its first argument), an ``out`` argument, a name ending in ``_``, or as
+    :data:`_FLAGGED_WRITES` lists (batch norm's running statistics in training mode, an
+    embedding's weight with ``max_norm``). (Checked against its sources: any other write there
+    is to a tensor it made, ``var.clone().clamp_()``.) Without this, every ``F.layer_norm``,
+    ``F.dropout``, ``F.silu``, ``F.softmax``, ``F.pad`` of a call with a non-differentiable
+    input ran under the dispatch watch: a Python call per operator, 15-40 us per call on CPU.
+    """
+    import inspect
+
+    name = func.__name__
+    if getattr(torch.nn.functional, name, None) is not func:
+        return None
+    try:
+        parameters = list(inspect.signature(func).parameters.values())
+    except (TypeError, ValueError):
+        return None
+    position = {p.name: i for i, p in enumerate(parameters) if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)}
+
+    def at(parameter: str) -> tuple[int, str]:
+        return (position.get(parameter, len(parameters) + 1_000), parameter)  # (keyword-only: never positional)
+
+    def flag(parameter: str) -> tuple[int, str, Any]:
+        default = next(p.default for p in parameters if p.name == parameter)
+        return (*at(parameter), None if default is inspect.Parameter.empty else default)
+
+    names = {p.name for p in parameters}
+    if name in _FLAGGED_WRITES:
+        written, switch = _FLAGGED_WRITES[name]
+        if not set(written) | {switch} <= names:
+            return None  # (another torch's signature than the one this table describes)
+        return _Writes(tuple(at(w) for w in written), flag(switch))
+    first = parameters[0].name if parameters and parameters[0].name in position else None
+    if "inplace" in names and first is not None:
+        return _Writes((at(first),), flag("inplace"))
+    if name.endswith("_") and not name.endswith("__"):
+        return _Writes((at(first),), None) if first is not None else None
+    if "out" in names:
+        return _Writes((at("out"),), None)
+    return (), _OUT
 
 
 class Recorder(OnThreadStack, WriteWatch):  # type: ignore[no-untyped-call]  # torch's untyped __init_subclass__

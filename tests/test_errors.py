@@ -6,6 +6,7 @@ import warnings
 import pytest
 import torch
 import torch.func as tf
+import torch.nn.functional as F
 from torch.testing import assert_close
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
@@ -373,6 +374,20 @@ NON_DIFFERENTIABLE_WRITES = {
         torch.arange(8.0, dtype=D).reshape(2, 4), c, torch.ones(4, dtype=D), training=True
     ),
     "embedding max_norm": lambda c: torch.nn.functional.embedding(torch.tensor([0]), c.view(1, 4), max_norm=0.5),
+    "batch norm statistics by keyword": lambda c: torch.nn.functional.batch_norm(
+        torch.arange(8.0, dtype=D).reshape(2, 4), running_mean=c, running_var=torch.ones(4, dtype=D), training=True
+    ),
+    "instance norm statistics": lambda c: torch.nn.functional.instance_norm(
+        torch.arange(16.0, dtype=D).reshape(2, 4, 2), running_mean=c, running_var=torch.ones(4, dtype=D)
+    ),
+    "embedding max_norm by keyword": lambda c: torch.nn.functional.embedding(
+        input=torch.tensor([0]), weight=c.view(1, 4), max_norm=0.5
+    ),
+    "relu inplace=True": lambda c: torch.nn.functional.relu(c, inplace=True),
+    "threshold inplace=True by keyword": lambda c: torch.nn.functional.threshold(
+        input=c, threshold=0.75, value=-2.0, inplace=True
+    ),
+    "normalize out=": lambda c: torch.nn.functional.normalize(c.clone(), dim=0, out=c),
     "resize_": lambda c: c.resize_(2).fill_(3.0),
     "**=": lambda c: c.__ipow__(2),
     "data setter": lambda c: setattr(c, "data", torch.full((4,), 2.0, dtype=D)),
@@ -509,6 +524,38 @@ def test_a_nested_call_that_only_reads_a_non_differentiable_input_does_not_copy_
     x = torch.ones(4, dtype=D, requires_grad=True)
     remat(outer)(x, torch.tensor([1.0, 0.0, 1.0, 1.0], dtype=D)).backward()
     assert copied == []
+
+
+def test_torch_functions_written_in_python_run_without_a_dispatch_mode(monkeypatch):
+    """F.layer_norm, F.dropout, F.silu, F.softmax, F.pad, torch.split ... are written in Python: the
+    watch knows from their parameters what they write (nothing, unless inplace=True, a batch
+    norm in training mode ...), so their operators run without the watch as a Python dispatch
+    mode, as a built-in's do. (Under it, each F.layer_norm of a Hugging Face layer cost tens of
+    microseconds.)"""
+    from funckpt import _saving
+
+    watched = []
+    original = _saving.WriteWatch.__torch_dispatch__
+
+    def spy(self, func, types, args=(), kwargs=None):
+        watched.append(func)
+        return original(self, func, types, args, kwargs)
+
+    monkeypatch.setattr(_saving.WriteWatch, "__torch_dispatch__", spy)
+    running_mean, running_var = torch.zeros(2, dtype=D), torch.ones(2, dtype=D)
+
+    def f(x, mask):
+        h = F.layer_norm(x * mask, (4,))
+        h = F.silu(F.dropout(h, 0.0, training=True))
+        a, b = torch.split(F.pad(F.softmax(h, -1), (0, 1)), [2, 3], dim=-1)
+        n = F.batch_norm(x.T, running_mean, running_var, training=False)
+        return a.sum() + b.sum() + n.sum() + (1 - x).sum()
+
+    x = torch.ones(2, 4, dtype=D, requires_grad=True)
+    remat(f)(x, torch.tensor([1.0, 0.0, 1.0, 1.0], dtype=D)).backward()
+    assert watched == []
+    remat(lambda x, mask: torch.nn.init.constant_(mask, 2.0).sum() * x.sum())(x, torch.ones(3, dtype=D)).backward()
+    assert watched  # (a Python function the watch does not know still runs under it)
 
 
 def test_a_write_no_torch_function_announces_raises_instead_of_recomputing_from_it():
