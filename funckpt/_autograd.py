@@ -66,6 +66,7 @@ from ._internals import (
     apply_function,
     autograd_grad,
     backward_names_no_inputs,
+    bind_forward_once,
     compiler_disable,
     custom_function_call,
     forward_ad_level,
@@ -985,3 +986,7 @@ class _SameLevelGuard(SingleLevelFunction):  # type: ignore[misc]  # torch's pri
             "torch.func.grad(torch.func.grad(f))), or use torch.autograd.grad(create_graph=True) "
             "outside torch.func: remat supports both."
         )
+
+
+for _function in (_RematFunction, _RematAtLevel, _SameLevelGuard):
+    bind_forward_once(_function)
