@@ -18,8 +18,6 @@ recorder. Variants, interleaved in each round, medians:
 from __future__ import annotations
 
 import copy
-import statistics
-import time
 import warnings
 from collections.abc import Callable
 
@@ -28,6 +26,7 @@ import torch.func as tf
 
 from funckpt import remat
 
+from . import overhead
 from ._common import table
 
 LAYERS, WIDTH, HEADS, TOKENS, BATCH = 6, 64, 4, 32, 2
@@ -74,23 +73,8 @@ def steps() -> dict[str, Callable[[], object]]:
     }
 
 
-def measure(rounds: int = 20) -> dict[str, float]:
-    """Median step time per variant, in seconds."""
-    variants = steps()
-    for step in variants.values():
-        step()
-        step()
-    samples: dict[str, list[float]] = {k: [] for k in variants}
-    for _ in range(rounds):
-        for name, step in variants.items():
-            start = time.perf_counter()
-            step()
-            samples[name].append(time.perf_counter() - start)
-    return {k: statistics.median(v) for k, v in samples.items()}
-
-
 def run(rounds: int = 20) -> str:
-    med = measure(rounds)
+    med = overhead.measure(rounds, {name: ("", step) for name, step in steps().items()})
     torch_ckpt = med[".backward(), HF gradient checkpointing (torch.utils.checkpoint)"]
     rows = [[f"`{k}`", f"{v * 1e3:.2f}", f"{v / torch_ckpt:.2f}"] for k, v in med.items()]
     return "\n".join(

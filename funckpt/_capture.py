@@ -90,15 +90,14 @@ _STDLIB_SERVICES = frozenset(
 
 
 @functools.lru_cache(maxsize=1024)
-def _stdlib_service(kind: type) -> bool:
-    """Is ``kind`` a class of one of :data:`_STDLIB_SERVICES` (a logger, a lock, a file)?
+def _stdlib_service(module: str) -> bool:
+    """Is a class of ``module`` one of :data:`_STDLIB_SERVICES`' (a logger, a lock, a file)?
 
     Its instances are not walked for tensors. A tensor that is reached only through
     such an object is not routed; if it requires grad, the substitution mode refuses it
     as foreign (an error, never a missing gradient). Other standard-library objects are
     walked as any object is (a ``functools.lru_cache`` wrapper, a ``SimpleNamespace``).
     """
-    module = getattr(kind, "__module__", None) or ""
     return module.split(".")[0] in _STDLIB_SERVICES
 
 
@@ -273,7 +272,7 @@ def find_captured(fn: Callable[..., Any] | tuple[Any, ...], modules_too: bool = 
             return []
         if callable(obj) and not hasattr(obj, "__dict__"):
             return []
-        if _stdlib_service(type(obj)):
+        if _stdlib_service(getattr(type(obj), "__module__", None) or ""):
             return []
         parts = []
         attrs = getattr(obj, "__dict__", None)
@@ -1228,7 +1227,7 @@ def local_graph_leaves(
             continue
         seen[id(node)] = node
         if type(node) is AccumulateGrad:
-            variable = node.variable
+            variable = node.variable  # type: ignore[attr-defined]  # (the leaf whose gradient it accumulates)
             if id(variable) in known:
                 reached.add(id(variable))
             elif not own(variable):

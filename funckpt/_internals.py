@@ -249,7 +249,7 @@ def set_grad_enabled(enabled: bool) -> None:
 #: The sequence number the next autograd node created on this thread gets (torch >= 2.1).
 sequence_nr: Callable[[], int] = torch._C._autograd._get_sequence_nr
 #: The type of the node that accumulates a leaf's gradient (its ``.variable`` is the leaf).
-AccumulateGrad: type[Any] = torch._C._functions.AccumulateGrad
+AccumulateGrad: type[Any] = torch._C._functions.AccumulateGrad  # type: ignore[attr-defined]
 
 
 def graph_task_keeps_graph() -> bool:

@@ -29,11 +29,12 @@ Safety:
 from __future__ import annotations
 
 import functools
+import inspect
 import threading
 import types
 import weakref
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -436,11 +437,7 @@ class WriteWatch(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's
                 if index is not None:
                     self.before_write(index, t)
         for i in _reshaped_args(func):
-            target = args[i] if i < len(args) else kwargs.get(func._schema.arguments[i].name)
-            for t in _tensors(target):
-                index = self.storages.get(storage_of(t))
-                if index is not None:
-                    self.before_write(index, t)
+            self._before_writing(args[i] if i < len(args) else kwargs.get(func._schema.arguments[i].name))
         return written
 
     def __torch_dispatch__(
@@ -464,35 +461,24 @@ class WriteWatch(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's
         if type(func) is OpOverload:
             self._watch(func, args, kwargs)
             return func(*args, **kwargs)
-        rule = _FUNCTION_WRITES.get(func, _UNCLASSIFIED)
-        if rule is _UNCLASSIFIED:
-            rule = _FUNCTION_WRITES[func] = _function_writes(func)
+        known = _FUNCTION_WRITES.get(func, _UNCLASSIFIED)
+        if known is _UNCLASSIFIED:
+            known = _FUNCTION_WRITES[func] = _function_writes(func)
+        rule = cast("_Writes | None", known)
         if rule is None:
             with self:
                 return func(*args, **kwargs)
-        storages = self.storages
-        if type(rule) is _Writes:  # a function of torch.nn.functional: what it writes depends on a flag
+        if rule.positions or kwargs:
             for target in rule.targets(args, kwargs):
-                for t in _tensors(target):
-                    index = storages.get(storage_of(t))
-                    if index is not None:
-                        self.before_write(index, t)
-            return func(*args, **kwargs)
-        positions, names = rule
-        for i in positions:
-            if i < len(args):
-                for t in _tensors(args[i]):
-                    index = storages.get(storage_of(t))
-                    if index is not None:
-                        self.before_write(index, t)
-        if kwargs:  # a written argument given by keyword: out=, or torch.relu_(input=c)
-            for name, value in kwargs.items():
-                if name in names:
-                    for t in _tensors(value):
-                        index = storages.get(storage_of(t))
-                        if index is not None:
-                            self.before_write(index, t)
+                self._before_writing(target)
         return func(*args, **kwargs)
+
+    def _before_writing(self, target: Any) -> None:
+        """``before_write`` for the inputs ``target`` (a tensor, or a sequence of them) is on the storage of."""
+        for t in _tensors(target):
+            index = self.storages.get(storage_of(t))
+            if index is not None:
+                self.before_write(index, t)
 
 
 # Eager code a compiled function runs after a graph break calls this from the substitution
@@ -500,13 +486,42 @@ class WriteWatch(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's
 skip_code(WriteWatch.call.__code__)
 
 _UNCLASSIFIED = object()
-#: Torch function -> the positions of the arguments it writes and their keywords (``out`` among
-#: them), or ``None``: not known.
-_FUNCTION_WRITES: dict[Any, tuple[tuple[int, ...], frozenset[str]] | None] = {}
+
+
+class _Writes:
+    """Which arguments of a torch function are written: those at ``positions``, those given by a
+    keyword in ``keywords``, and only where the argument ``flag`` ((position, name, default)),
+    if there is one, is set (not ``None`` or ``False``: ``inplace=True``, batch norm's
+    ``training``, an embedding's ``max_norm``). A flag that is anything else (``0.0``, a
+    tensor) counts as set: a snapshot too many, never a write missed."""
+
+    __slots__ = ("flag", "keywords", "positions")
+
+    def __init__(
+        self, positions: tuple[int, ...], keywords: frozenset[str], flag: tuple[int, str, Any] | None = None
+    ) -> None:
+        self.positions, self.keywords, self.flag = positions, keywords, flag
+
+    def targets(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
+        if self.flag is not None:
+            i, name, default = self.flag
+            value = args[i] if i < len(args) else kwargs.get(name, default)
+            if value is None or value is False:
+                return []
+        written = [args[i] for i in self.positions if i < len(args)]
+        if kwargs:  # a written argument given by keyword: out=, or torch.relu_(input=c)
+            written += [v for k, v in kwargs.items() if k in self.keywords]
+        return written
+
+
+#: Torch function -> which arguments it writes, or ``None``: not known beforehand.
+_FUNCTION_WRITES: dict[Any, _Writes | None] = {}
 #: The keywords of a function's first argument where it is written: ``self`` in its schema,
 #: ``input`` in the Python binding of a function (``torch.relu_(input=c)``).
 _FIRST = frozenset({"out", "self", "input"})
-_OUT = frozenset({"out"})  # (a function that writes no argument it is handed but its out=)
+_OUT = frozenset({"out"})
+_WRITES_FIRST = _Writes((0,), _FIRST)
+_WRITES_OUT = _Writes((), _OUT)  # (a function that writes no argument it is handed but its out=)
 #: In-place operators of Python's syntax (``x[i] = v``, ``x += v``): they write their first argument.
 _INPLACE_DUNDERS = frozenset(
     f"__{op}__" for op in ("setitem", "iadd", "isub", "imul", "imatmul", "itruediv", "ifloordiv", "imod", "ipow",
@@ -523,7 +538,7 @@ _UNMARKED_WRITES = frozenset(
 )
 
 
-def _function_writes(func: Any) -> tuple[tuple[int, ...], frozenset[str]] | None:
+def _function_writes(func: Any) -> _Writes | None:
     """Positions and keywords of the arguments ``func`` writes, or ``None`` where that is not known beforehand.
 
     Known for torch's built-in functions and tensor methods, which bind one ATen operator
@@ -543,7 +558,7 @@ def _function_writes(func: Any) -> tuple[tuple[int, ...], frozenset[str]] | None
         # The tensor's memory, handed out: it may then be written with no torch function or
         # operator at all (``storage.copy_``, ``storage.fill_``, a NumPy array's items), and
         # without moving the tensor's version counter. Snapshotted before, as for a write.
-        return (0,), _FIRST
+        return _WRITES_FIRST
     if isinstance(func, (types.FunctionType, types.MethodType, functools.partial)) or not callable(func):
         # Written in Python. torch.Tensor's own such methods and torch.functional's follow the
         # built-ins' conventions: those wrapping a built-in (``x ** 2``, ``x **= 2``) write what
@@ -566,7 +581,7 @@ def _function_writes(func: Any) -> tuple[tuple[int, ...], frozenset[str]] | None
     if name.startswith("__") and name.endswith("__"):  # Python's protocols (x[i], x == y, bool(x))
         # (A property's setter writes its tensor too: ``x.data = y`` makes it hold other values;
         # unpickling, ``__setstate__``, the tensor it fills.)
-        return ((0,), _FIRST) if name in _INPLACE_DUNDERS or name in ("__set__", "__setstate__") else ((), _OUT)
+        return _WRITES_FIRST if name in _INPLACE_DUNDERS or name in ("__set__", "__setstate__") else _WRITES_OUT
     if name in _UNMARKED_WRITES:
         return None
     try:
@@ -574,7 +589,7 @@ def _function_writes(func: Any) -> tuple[tuple[int, ...], frozenset[str]] | None
     except (AttributeError, RuntimeError):
         packet = None
     if packet is None:
-        return ((0,), _FIRST) if name.endswith("_") and not name.endswith("__") else ((), _OUT)
+        return _WRITES_FIRST if name.endswith("_") and not name.endswith("__") else _WRITES_OUT
     written: set[int] = set()
     names = set(_OUT)
     for overload in packet.overloads():
@@ -586,7 +601,7 @@ def _function_writes(func: Any) -> tuple[tuple[int, ...], frozenset[str]] | None
         written.add(0)
     if 0 in written:
         names.update(_FIRST)
-    return tuple(sorted(written)), frozenset(names)
+    return _Writes(tuple(sorted(written)), frozenset(names))
 
 
 def _is_aten(name: str) -> bool:
@@ -594,29 +609,6 @@ def _is_aten(name: str) -> bool:
         return getattr(torch.ops.aten, name) is not None
     except (AttributeError, RuntimeError):
         return False
-
-
-class _Writes:
-    """What a function of ``torch.nn.functional`` writes, told from its parameters: the
-    arguments ``written`` ((position, name) pairs), found by position or by keyword, and
-    only where the argument ``flag`` ((position, name, default)) is set (not ``None`` or
-    ``False``): ``inplace=True``, batch norm's ``training``, an embedding's ``max_norm``.
-    A flag that is anything else (``0.0``, a tensor) counts as set: a snapshot too many,
-    never a write missed."""
-
-    __slots__ = ("written", "flag")
-
-    def __init__(self, written: tuple[tuple[int, str], ...], flag: tuple[int, str, Any] | None) -> None:
-        self.written = written
-        self.flag = flag
-
-    def targets(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
-        if self.flag is not None:
-            i, name, default = self.flag
-            value = args[i] if i < len(args) else kwargs.get(name, default)
-            if value is None or value is False:
-                return []
-        return [args[i] if i < len(args) else kwargs.get(name) for i, name in self.written]
 
 
 #: Functions of ``torch.nn.functional`` that write an argument their parameters do not name as
@@ -629,7 +621,7 @@ _FLAGGED_WRITES = {
 }
 
 
-def _functional_writes(func: types.FunctionType) -> tuple[tuple[int, ...], frozenset[str]] | _Writes | None:
+def _functional_writes(func: types.FunctionType) -> _Writes | None:
     """What a function of ``torch.nn.functional`` (written in Python) writes, from its parameters.
 
     Such a function writes only arguments it is handed, and only as its parameters say: an
@@ -640,8 +632,6 @@ def _functional_writes(func: types.FunctionType) -> tuple[tuple[int, ...], froze
     ``F.dropout``, ``F.silu``, ``F.softmax``, ``F.pad`` of a call with a non-differentiable
     input ran under the dispatch watch: a Python call per operator, 15-40 us per call on CPU.
     """
-    import inspect
-
     name = func.__name__
     if getattr(torch.nn.functional, name, None) is not func:
         return None
@@ -651,27 +641,29 @@ def _functional_writes(func: types.FunctionType) -> tuple[tuple[int, ...], froze
         return None
     position = {p.name: i for i, p in enumerate(parameters) if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)}
 
-    def at(parameter: str) -> tuple[int, str]:
-        return (position.get(parameter, len(parameters) + 1_000), parameter)  # (keyword-only: never positional)
-
-    def flag(parameter: str) -> tuple[int, str, Any]:
-        default = next(p.default for p in parameters if p.name == parameter)
-        return (*at(parameter), None if default is inspect.Parameter.empty else default)
+    def writes(*written: str, flag: str | None = None) -> _Writes:
+        positions = tuple(position[w] for w in written if w in position)  # (keyword-only ones: by name only)
+        if flag is None:
+            return _Writes(positions, frozenset(written))
+        default = next(p.default for p in parameters if p.name == flag)
+        at = position.get(flag, len(parameters) + 1_000)  # (a keyword-only flag: never positional)
+        switch = (at, flag, None if default is inspect.Parameter.empty else default)
+        return _Writes(positions, frozenset(written), switch)
 
     names = {p.name for p in parameters}
     if name in _FLAGGED_WRITES:
         written, switch = _FLAGGED_WRITES[name]
         if not set(written) | {switch} <= names:
             return None  # (another torch's signature than the one this table describes)
-        return _Writes(tuple(at(w) for w in written), flag(switch))
+        return writes(*written, flag=switch)
     first = parameters[0].name if parameters and parameters[0].name in position else None
     if "inplace" in names and first is not None:
-        return _Writes((at(first),), flag("inplace"))
+        return writes(first, flag="inplace")
     if name.endswith("_") and not name.endswith("__"):
-        return _Writes((at(first),), None) if first is not None else None
+        return writes(first) if first is not None else None
     if "out" in names:
-        return _Writes((at("out"),), None)
-    return (), _OUT
+        return writes("out")
+    return _WRITES_OUT
 
 
 class Recorder(OnThreadStack, WriteWatch):  # type: ignore[no-untyped-call]  # torch's untyped __init_subclass__
