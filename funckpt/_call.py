@@ -753,7 +753,7 @@ class UserRegion(Region):
             raise _in_place_error(self.name)
         # Non-differentiable inputs (buffers such as BatchNorm's running statistics)
         # are updated once, by the forward run; the write watch snapshotted them
-        # before the first write and recomputations start from that (see _restorable_in_place).
+        # before the first write and recomputations start from a copy of that.
         # (In-place views such as unsqueeze_ and resize_ are snapshotted before they run too.)
         # One changed without a snapshot (through a storage the watch cannot see) cannot be restored.
         missed = [i for i in indices if i not in self.snapshots]

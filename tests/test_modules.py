@@ -165,8 +165,7 @@ def test_remat_of_a_sequential_reads_like_the_sequential():
 @pytest.mark.parametrize("how", ["remat(bn)", "closure", "argument", "segments"])
 @pytest.mark.parametrize("backwards", [1, 2])
 def test_remat_d_batch_norm_updates_its_statistics_once_per_forward(how, backwards):
-    """The recomputation's updates of the running statistics do not stay: after each backward the
-    module holds what one forward pass left, as without remat."""
+    """The recomputation writes copies of the running statistics, never the module's own."""
     torch.manual_seed(0)
     plain = nn.BatchNorm1d(3, dtype=torch.float64)
     bn = nn.BatchNorm1d(3, dtype=torch.float64)
