@@ -96,7 +96,6 @@ from ._internals import (
     unwrap_batched,
     unwrap_for_grad,
     unwrap_if_dead,
-    unversioned_alias,
     wrap_for_grad,
 )
 
@@ -729,7 +728,7 @@ class _RematFunction(torch.autograd.Function):
             # So is a plain forward-mode dual: an alias would drop its tangent, which a backward
             # with create_graph inside the dual level must see.
             keep_itself = t.requires_grad or t.is_inference() or has_tangent(t)
-            alias = None if keep_itself else unversioned_alias(t)
+            alias = None if keep_itself else _unversioned_alias(t)
             if alias is None:  # kept as it is, outside the version check
                 ctx.unsaved[i] = t
             saved.append(alias)
@@ -917,6 +916,18 @@ def _saved_primals(ctx: Any) -> Tensors:
     if not ctx.unsaved:
         return cast(Tensors, saved)
     return tuple(ctx.unsaved.get(i, t) for i, t in enumerate(saved))
+
+
+def _unversioned_alias(t: torch.Tensor) -> torch.Tensor | None:
+    """``t``'s data under a new tensor with its own version counter (``None`` where that cannot be)."""
+    if type(t) not in (torch.Tensor, torch.nn.Parameter) or t.is_sparse or t.device.type == "meta":
+        return t if not t.requires_grad else None
+    try:
+        return torch.empty(0, dtype=t.dtype, device=t.device).set_(
+            t.untyped_storage(), t.storage_offset(), t.size(), t.stride()
+        )
+    except (RuntimeError, NotImplementedError, TypeError):  # functorch wrappers, exotic layouts
+        return None
 
 
 def _as_view_of(base: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:

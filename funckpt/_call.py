@@ -64,8 +64,6 @@ from ._errors import (
     tensor_meta,
 )
 from ._internals import (
-    clone_storage,
-    unversioned_alias,
     has_gradient_dtype,
     bottom,
     forward_ad_level,
@@ -339,39 +337,6 @@ def _restored(t: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
     return value
 
 
-def _same_storage_size(t: torch.Tensor, snapshot: torch.Tensor) -> bool:
-    """Does ``t``'s storage still have the size of ``snapshot``'s (a copy of it, taken before a write)?"""
-    try:
-        return bool(t.untyped_storage().nbytes() == snapshot.untyped_storage().nbytes())
-    except (RuntimeError, NotImplementedError, TypeError):  # (no storage: a batched or functorch tensor)
-        return False
-
-
-class _StoragesRestored:
-    """For the body: each ``(tensor, snapshot)``'s storage holds the snapshot's bytes; afterwards, its own again."""
-
-    __slots__ = ("now", "pairs")
-
-    def __init__(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        self.pairs = pairs
-        self.now: list[tuple[torch.UntypedStorage, torch.UntypedStorage]] = []
-
-    def __enter__(self) -> None:
-        try:
-            for t, snapshot in self.pairs:
-                storage = t.untyped_storage()
-                self.now.append((storage, clone_storage(storage)))
-                storage.copy_(snapshot.untyped_storage())
-        except BaseException:
-            self.__exit__()
-            raise
-
-    def __exit__(self, *exc: Any) -> None:
-        now, self.now = self.now, []
-        for storage, values in now:
-            storage.copy_(values)
-
-
 def _default_device() -> torch.device | None:
     """The device factory functions use now (``with torch.device(...)``), if torch can say.
 
@@ -571,8 +536,6 @@ class UserRegion(Region):
         self.planned = False  # did the forward run plan its outputs (_aliasing.plan)?
         self.default_device: torch.device | None = None
         self.snapshots: dict[int, torch.Tensor] = {}  # input index -> its value before the forward wrote it
-        # Snapshotted inputs a recomputation restores in their own storage (see _restorable_in_place).
-        self.restored_in_place: frozenset[int] = frozenset()
         self.written_without_grad: set[int] = set()  # differentiable inputs the forward run wrote under no_grad
         self.out_slots: TreeSlots | None = None
         self.out_meta: list[tuple[Any, ...]] = []
@@ -1068,8 +1031,6 @@ class UserRegion(Region):
         if grad_forward:
             self.moved_hooks = _move_input_hooks(flat, given)
             _move_retain_grad(flat, given, run.substitute)
-            if self.snapshots and self.recomputes_like_forward:
-                self.restored_in_place = self._restorable_in_place(given)
         tensors, slots = flatten(out)
         tensors = _substituted(tensors, run.substitute)
         self._refuse_hidden_tensors(slots.leaves, plain_autograd)
@@ -1162,7 +1123,7 @@ class UserRegion(Region):
             return True
         mapping = substitute.mapping
         for t, i in zip(self.captured.tensors, self.captured_index):
-            if (i in self.snapshots and i not in self.restored_in_place) or (self.differentiable[i] and id(t) not in mapping):
+            if i in self.snapshots or (self.differentiable[i] and id(t) not in mapping):
                 return True
         return False
 
@@ -1261,34 +1222,18 @@ class UserRegion(Region):
         """A later run (backward, jvp, double backward): the forward run again, checked against it."""
         self._check_captures_unchanged()
         flat = given
-        in_place: list[int] = []
         if self.snapshots:
-            # Recompute from the values the forward run started from: in the inputs' own storage
-            # for those restored in place, on copies that alias each other as the inputs did for
-            # the others (which the mode then stands in for where fn reaches them).
-            # (Each restored in place is given under a tensor of its own version counter: the
-            # recomputation's writes, undone after it, must not look like a change to the saved input.)
-            aliases = {
-                i: unversioned_alias(given[i])
-                for i in self.restored_in_place
-                if _same_storage_size(given[i], self.snapshots[i])
-            }
-            own = {i: alias for i, alias in aliases.items() if alias is not None}
-            in_place = list(own)
-            if len(in_place) < len(self.restored_in_place):  # (resized since the forward pass)
-                self.recompute_under_mode = True
-            copied = [i for i in self.snapshots if i not in own]
-            copies = dict(zip(copied, clone_together([self.snapshots[i] for i in copied])))
-            flat = tuple(_restored(t, copies[i]) if i in copies else own.get(i, t) for i, t in enumerate(flat))
+            # Recompute from the values the forward run started from, on copies
+            # that alias each other as the inputs did.
+            copies = dict(zip(self.snapshots, clone_together(list(self.snapshots.values()))))
+            flat = tuple(_restored(t, copies[i]) if i in copies else t for i, t in enumerate(flat))
         modes: list[Any] = []
         if self.saved is not None and not forward_mode_active():
             modes.append(self.saved.replayer(getattr(self.options.policy, "allow_cache_entry_mutation", False)))
         hooks_before = {i: _hook_keys(flat[i]) for i in self.moved_hooks}
         unsubstituted = failed = False
         try:
-            with _StoragesRestored([(given[i], self.snapshots[i]) for i in in_place]), self._running(
-                flat, forward=False, grad=False, modes=modes
-            ) as run:
+            with self._running(flat, forward=False, grad=False, modes=modes) as run:
                 unsubstituted = run.unsubstituted
                 if any(self._escapes_held()):
                     assert run.substitute is not None
@@ -1357,33 +1302,6 @@ class UserRegion(Region):
             if t is not None:
                 setattr(t, SPENT, True)
         return again
-
-    def _restorable_in_place(self, given: tuple[torch.Tensor, ...]) -> frozenset[int]:
-        """The snapshotted inputs a recomputation may start from in their own storage.
-
-        A module's buffer that the forward run writes (BatchNorm's running statistics, a
-        counter) was given to recomputations as a copy in its module's place; a use of the
-        buffer itself by another path would then read its later values, so the recomputation
-        ran under the substitution mode to stand the copy in there too, a Python call per
-        operator. Written back into the buffer's own storage for the recomputation, and its
-        values at the backward pass put back after it, every path reads the same values, and
-        no mode is needed. For captured, non-differentiable inputs whose storage no other
-        input shares, written by the forward run without being resized.
-        """
-        captured = set(self.captured_index)
-        storages: dict[int | None, int] = {}
-        for t in given:
-            key = storage_of(t)
-            storages[key] = storages.get(key, 0) + 1
-        return frozenset(
-            i
-            for i, snapshot in self.snapshots.items()
-            if i in captured
-            and not self.differentiable[i]
-            and storages.get(storage_of(given[i])) == 1
-            and _same_storage_size(given[i], snapshot)
-            and type(given[i]) in (torch.Tensor, torch.nn.Parameter)  # (see unversioned_alias)
-        )
 
     def _snapshot_viewed_inputs(self, flat: tuple[torch.Tensor, ...]) -> None:
         """Copy the inputs the caller gets views of: it may update them in place.

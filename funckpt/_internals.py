@@ -26,7 +26,6 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 __all__ = [
     "AccumulateGrad",
-    "unversioned_alias",
     "bind_forward_once",
     "torch_pytree_node",
     "torch_function_mode_enabled",
@@ -458,18 +457,6 @@ def bottom(x: torch.Tensor) -> torch.Tensor:
 #: ``UntypedStorage.clone()``, typed: a copy of ``storage`` on its device.
 def clone_storage(storage: torch.UntypedStorage) -> torch.UntypedStorage:
     return cast(torch.UntypedStorage, storage.clone())  # type: ignore[no-untyped-call]
-
-
-def unversioned_alias(t: torch.Tensor) -> torch.Tensor | None:
-    """``t``'s data under a new tensor with its own version counter (``None`` where that cannot be)."""
-    if type(t) not in (torch.Tensor, torch.nn.Parameter) or t.is_sparse or t.device.type == "meta":
-        return t if not t.requires_grad else None
-    try:
-        return torch.empty(0, dtype=t.dtype, device=t.device).set_(
-            t.untyped_storage(), t.storage_offset(), t.size(), t.stride()
-        )
-    except (RuntimeError, NotImplementedError, TypeError):  # functorch wrappers, exotic layouts
-        return None
 
 
 def storage_of(t: torch.Tensor) -> int | None:

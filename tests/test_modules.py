@@ -184,56 +184,6 @@ def test_remat_d_batch_norm_updates_its_statistics_once_per_forward(how, backwar
     assert_close(bn.state_dict(), plain.state_dict())
 
 
-def test_a_buffer_the_forward_updates_is_recomputed_from_its_old_value_however_it_is_read():
-    """The recomputation starts from the buffer's value at the call, through its module's
-    attribute and through another path to the same tensor alike (a list the module keeps), and
-    runs without the substitution mode (a Python call per operator) to get there; the buffer
-    is left as the forward pass left it."""
-
-    class Counting(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.register_buffer("count", torch.zeros((), dtype=torch.float64))
-            self.seen = [self.count]  # the same tensor, reached without the attribute
-            self.modes: list[int] = []
-
-        def forward(self, x):
-            self.modes.append(torch._C._len_torch_function_stack())
-            self.count.add_(1)
-            return x * self.count.clone() + x.sin() * self.seen[0].clone()
-
-    def program(m):
-        x = torch.linspace(0.1, 1, 4, dtype=torch.float64, requires_grad=True)
-        out = m(x).sum()
-        m.count.add_(10)  # (between forward and backward, as a later forward pass would)
-        return torch.autograd.grad(out, x), m.count.clone()
-
-    plain, module = Counting(), Counting()
-    assert_close(program(remat(module)), program(plain))
-    assert module.modes[0] > 0 and module.modes[1] == 0  # (the forward run's mode, none in the recomputation)
-
-
-def test_a_buffer_the_forward_updates_then_resized_before_the_backward_is_recomputed_from_its_old_value():
-    """Its storage no longer has the size it had: the recomputation starts from a copy instead."""
-
-    class Counting(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.register_buffer("count", torch.zeros(1, dtype=torch.float64))
-
-        def forward(self, x):
-            self.count.add_(1)
-            return x * self.count.clone()
-
-    def program(m):
-        x = torch.linspace(0.1, 1, 4, dtype=torch.float64, requires_grad=True)
-        out = m(x).sum()
-        m.count.resize_(3).fill_(5.0)
-        return torch.autograd.grad(out, x), m.count.clone()
-
-    assert_close(program(remat(Counting())), program(Counting()))
-
-
 def test_remat_module_reads_the_wrapped_modules_plain_attributes():
     """Models read their layers' attributes (HF ModernBERT's attention_type, Swin's downsample)."""
 
