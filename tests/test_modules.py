@@ -184,6 +184,49 @@ def test_remat_d_batch_norm_updates_its_statistics_once_per_forward(how, backwar
     assert_close(bn.state_dict(), plain.state_dict())
 
 
+def test_a_buffer_the_forward_updates_is_recomputed_from_its_old_value_however_it_is_read():
+    """The recomputation starts from the buffer's value at the call, through its module's
+    attribute and through another path to the same tensor alike (a list the module keeps);
+    the buffer is left as the forward pass left it, with the caller's update after it."""
+
+    class Counting(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.register_buffer("count", torch.zeros((), dtype=torch.float64))
+            self.seen = [self.count]  # the same tensor, reached without the attribute
+
+        def forward(self, x):
+            self.count.add_(1)
+            return x * self.count.clone() + x.sin() * self.seen[0].clone()
+
+    def program(m):
+        x = torch.linspace(0.1, 1, 4, dtype=torch.float64, requires_grad=True)
+        out = m(x).sum()
+        m.count.add_(10)  # (between forward and backward, as a later forward pass would)
+        return torch.autograd.grad(out, x), m.count.clone()
+
+    assert_close(program(remat(Counting())), program(Counting()))
+
+
+def test_a_buffer_the_forward_updates_then_resized_before_the_backward_is_recomputed_from_its_old_value():
+    class Counting(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.register_buffer("count", torch.zeros(1, dtype=torch.float64))
+
+        def forward(self, x):
+            self.count.add_(1)
+            return x * self.count.clone()
+
+    def program(m):
+        x = torch.linspace(0.1, 1, 4, dtype=torch.float64, requires_grad=True)
+        out = m(x).sum()
+        m.count.resize_(3).fill_(5.0)
+        return torch.autograd.grad(out, x), m.count.clone()
+
+    assert_close(program(remat(Counting())), program(Counting()))
+
+
 def test_remat_module_reads_the_wrapped_modules_plain_attributes():
     """Models read their layers' attributes (HF ModernBERT's attention_type, Swin's downsample)."""
 
@@ -658,3 +701,67 @@ def test_quantization_aware_training_steps_as_without_remat(make):
         wrapped(x).square().sum().backward()
         assert_close({n: p.grad for n, p in model.named_parameters()}, {n: p.grad for n, p in reference.named_parameters()})
         assert_close(model.state_dict(), reference.state_dict())
+
+
+def test_a_buffer_the_forward_transposes_in_place_is_recomputed_from_its_old_shape():
+    """An in-place view op (``t_``, ``unsqueeze_``) changes the buffer's shape, not its bytes: the
+    recomputation must start from the shape it had at the call, not the one the forward left."""
+
+    class Flipping(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.register_buffer("b", torch.arange(1.0, 7.0, dtype=torch.float64).view(2, 3))
+
+        def forward(self, x):
+            self.b.t_()
+            return x @ self.b
+
+    def program(m):
+        x = torch.linspace(0.1, 1, 12, dtype=torch.float64).view(4, 3).requires_grad_()
+        grads = torch.autograd.grad(m(x).pow(2).sum(), x)
+        return grads, m.b.clone(), m.b.stride()
+
+    assert_close(program(remat(Flipping())), program(Flipping()))
+
+
+class _SavingCounter(nn.Module):
+    """A counter buffer the forward updates, then multiplies by: ``x * self.count`` keeps the
+    buffer itself for the backward (``clone=True`` keeps a copy, which the program without
+    remat needs where the buffer is written again before its backward)."""
+
+    def __init__(self, clone: bool) -> None:
+        super().__init__()
+        self.register_buffer("count", torch.zeros((), dtype=torch.float64))
+        self.clone = clone
+
+    def forward(self, x):
+        self.count.add_(1)
+        return x * (self.count.clone() if self.clone else self.count)
+
+
+def test_a_buffer_the_forward_updates_and_keeps_for_the_backward_gives_each_call_its_own_value():
+    """Called twice (shared weights): each call's gradient is that of the value it multiplied by,
+    though the second call wrote the buffer before the first call's backward."""
+
+    def program(m, f):
+        x = torch.linspace(0.1, 1, 3, dtype=torch.float64, requires_grad=True)
+        return torch.autograd.grad(f(f(x).sin()).sum(), x), m.count.clone()
+
+    plain, module = _SavingCounter(clone=True), _SavingCounter(clone=False)
+    assert_close(program(module, remat(module)), program(plain, plain))
+
+
+@pytest.mark.parametrize("order", [(0, 1), (1, 0)])
+def test_a_buffer_the_forward_updates_and_keeps_with_two_forwards_before_their_backwards(order):
+    """Gradient accumulation, and the caller's update before the backward, with a buffer the
+    backward reads: each backward sees its own forward's value, and the caller's update stays."""
+
+    def program(m, f):
+        xs = [torch.linspace(0.1, 1, 4, dtype=torch.float64, requires_grad=True) for _ in range(2)]
+        outs = [f(x).pow(2).sum() for x in xs]
+        m.count.add_(10)
+        grads = [torch.autograd.grad(outs[k], xs[k]) for k in order]
+        return grads, m.count.clone()
+
+    plain, module = _SavingCounter(clone=True), _SavingCounter(clone=False)
+    assert_close(program(module, remat(module)), program(plain, plain))
