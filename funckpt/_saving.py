@@ -565,6 +565,8 @@ def _function_writes(func: Any) -> _Writes | None:
         # it writes, Python's protocols (``1 - x``, ``len(x)``) and those named after an ATen
         # operator (``x.split``, ``torch.einsum``) are known by name. (Each would otherwise run
         # with the dispatch watch, a Python call per operator again.)
+        if func is torch._assert:  # (timm's blocks call it per call: it reads a bool)
+            return _WRITES_OUT
         if getattr(func, "__module__", None) == "torch.nn.functional" and isinstance(func, types.FunctionType):
             return _functional_writes(func)
         if getattr(func, "__module__", None) not in _FOLLOWS_CONVENTIONS or not isinstance(name, str):

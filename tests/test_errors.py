@@ -536,15 +536,22 @@ def test_torch_functions_written_in_python_run_without_a_dispatch_mode(monkeypat
 
     watched = []
     original = _saving.WriteWatch.__torch_dispatch__
+    entered = _saving.WriteWatch.__enter__
 
     def spy(self, func, types, args=(), kwargs=None):
         watched.append(func)
         return original(self, func, types, args, kwargs)
 
+    def spy_enter(self):
+        watched.append("entered")
+        return entered(self)
+
     monkeypatch.setattr(_saving.WriteWatch, "__torch_dispatch__", spy)
+    monkeypatch.setattr(_saving.WriteWatch, "__enter__", spy_enter)
     running_mean, running_var = torch.zeros(2, dtype=D), torch.ones(2, dtype=D)
 
     def f(x, mask):
+        torch._assert(mask.shape[0] == 4, "four")  # (timm's blocks check their shapes so)
         h = F.layer_norm(x * mask, (4,))
         h = F.silu(F.dropout(h, 0.0, training=True))
         a, b = torch.split(F.pad(F.softmax(h, -1), (0, 1)), [2, 3], dim=-1)
