@@ -727,8 +727,7 @@ class UserRegion(Region):
                 "copies an input before a torch function or operator writes it, and this write announced "
                 "itself to neither, as x.set_(...), a complex tensor's .real or .imag setter, a C++ "
                 "extension's own binding or code under torch._C.DisableTorchFunction may write). "
-                "Compute out of place, or move the update "
-                "outside the remat'd function."
+                "Compute out of place, or move the update outside the remat'd function."
             )
 
     def _refuse_hidden_tensors(self, leaves: tuple[Any, ...], plain_autograd: bool) -> None:

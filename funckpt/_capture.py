@@ -91,9 +91,9 @@ _STDLIB_SERVICES = frozenset(
 
 @functools.lru_cache(maxsize=1024)
 def _stdlib_service(module: str) -> bool:
-    """Is a class of ``module`` one of :data:`_STDLIB_SERVICES`' (a logger, a lock, a file)?
+    """Is ``module``, where a class is defined, one of :data:`_STDLIB_SERVICES` (a logger's, a lock's, a file's)?
 
-    Its instances are not walked for tensors. A tensor that is reached only through
+    Instances of such classes are not walked for tensors. A tensor that is reached only through
     such an object is not routed; if it requires grad, the substitution mode refuses it
     as foreign (an error, never a missing gradient). Other standard-library objects are
     walked as any object is (a ``functools.lru_cache`` wrapper, a ``SimpleNamespace``).
