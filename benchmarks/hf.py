@@ -12,7 +12,8 @@ recorder. Variants, interleaved in each round, medians:
 * ``torch.func.grad`` of the loss through ``functional_call``, without checkpointing and
   with every layer ``remat``'d (HF's checkpointing cannot run there).
 
-    python -m benchmarks.hf
+    python -m benchmarks.hf                 # on the CPU (BENCHMARKS.md)
+    python -m benchmarks.hf --device cuda   # on a GPU: a launch-bound real model (.ci/gpu bench)
 """
 
 from __future__ import annotations
@@ -32,8 +33,8 @@ from ._common import table
 LAYERS, WIDTH, HEADS, TOKENS, BATCH = 6, 64, 4, 32, 2
 
 
-def steps() -> dict[str, Callable[[], object]]:
-    """name -> one gradient step."""
+def steps(device: torch.device = torch.device("cpu")) -> dict[str, Callable[[], object]]:
+    """name -> one gradient step (that waits for the device to finish it)."""
     import transformers
 
     torch.manual_seed(0)
@@ -42,8 +43,8 @@ def steps() -> dict[str, Callable[[], object]]:
         num_attention_heads=HEADS, num_key_value_heads=2, max_position_embeddings=TOKENS,
         bos_token_id=0, eos_token_id=0, pad_token_id=0, use_cache=False,
     )  # fmt: skip
-    base = transformers.LlamaForCausalLM(config).train()
-    ids = torch.randint(0, 128, (BATCH, TOKENS))
+    base = transformers.LlamaForCausalLM(config).to(device).train()
+    ids = torch.randint(0, 128, (BATCH, TOKENS), device=device)
     hf_checkpointing = copy.deepcopy(base)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)  # (the method's new name varies across versions)
@@ -53,8 +54,19 @@ def steps() -> dict[str, Callable[[], object]]:
     for i in range(len(layers)):
         layers[i] = remat(layers[i])
 
+    def finished(step: Callable[[], object]) -> Callable[[], object]:
+        if device.type != "cuda":
+            return step
+
+        def synchronized() -> object:
+            out = step()
+            torch.cuda.synchronize(device)
+            return out
+
+        return synchronized
+
     def backward(model: torch.nn.Module) -> Callable[[], object]:
-        return lambda: model(input_ids=ids, labels=ids).loss.backward()
+        return finished(lambda: model(input_ids=ids, labels=ids).loss.backward())
 
     def func_grad(model: torch.nn.Module) -> Callable[[], object]:
         params = {k: v.detach() for k, v in model.named_parameters()}
@@ -62,7 +74,7 @@ def steps() -> dict[str, Callable[[], object]]:
         def loss(p: dict[str, torch.Tensor]) -> torch.Tensor:
             return tf.functional_call(model, p, (), {"input_ids": ids, "labels": ids}).loss
 
-        return lambda: tf.grad(loss)(params)
+        return finished(lambda: tf.grad(loss)(params))
 
     return {
         ".backward(), no checkpointing": backward(base),
@@ -73,13 +85,14 @@ def steps() -> dict[str, Callable[[], object]]:
     }
 
 
-def run(rounds: int = 20) -> str:
-    med = overhead.measure(rounds, {name: ("", step) for name, step in steps().items()})
+def run(rounds: int = 20, device: torch.device = torch.device("cpu")) -> str:
+    med = overhead.measure(rounds, {name: ("", step) for name, step in steps(device).items()})
     torch_ckpt = med[".backward(), HF gradient checkpointing (torch.utils.checkpoint)"]
     rows = [[f"`{k}`", f"{v * 1e3:.2f}", f"{v / torch_ckpt:.2f}"] for k, v in med.items()]
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU proxy"
     return "\n".join(
         [
-            "## A real model: Hugging Face Llama, every decoder layer checkpointed (CPU proxy)",
+            f"## A real model: Hugging Face Llama, every decoder layer checkpointed ({where})",
             "",
             f"Command: `python -m benchmarks.hf`. `transformers.LlamaForCausalLM`, {LAYERS} layers, width {WIDTH},",
             f"{HEADS} heads, batch {BATCH} of {TOKENS} tokens, float32, random weights; one gradient step per",
@@ -92,4 +105,10 @@ def run(rounds: int = 20) -> str:
 
 
 if __name__ == "__main__":
-    print(run())
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cpu", help="where the model runs (cpu, cuda)")
+    parser.add_argument("--rounds", type=int, default=20)
+    arguments = parser.parse_args()
+    print(run(arguments.rounds, torch.device(arguments.device)))
