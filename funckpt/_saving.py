@@ -532,9 +532,10 @@ _FOLLOWS_CONVENTIONS = frozenset({"torch._tensor", "torch.functional"})
 #: Tensor methods that hand out the tensor's memory (a storage, a NumPy array, a DLPack capsule).
 _SHARES_MEMORY = frozenset({"untyped_storage", "storage", "numpy", "__array__", "__dlpack__"})
 #: ATen operators that write arguments their schemas do not mark as written: batch norm and
-#: instance norm update the running statistics they are handed (in training mode only).
+#: instance norm update the running statistics they are handed (in training mode only): the
+#: composites, and the operators the dispatch watch knows the writes of (_UNANNOTATED_WRITES).
 _UNMARKED_WRITES = frozenset(
-    {"batch_norm", "instance_norm", "_batch_norm_impl_index", "native_batch_norm", "cudnn_batch_norm", "miopen_batch_norm"}
+    {"batch_norm", "instance_norm", "_batch_norm_impl_index", *(packet.__name__ for packet in _UNANNOTATED_WRITES)}
 )
 
 
@@ -574,7 +575,7 @@ def _function_writes(func: Any) -> _Writes | None:
         wrapped = getattr(func, "__wrapped__", None)
         if wrapped is not None and not isinstance(wrapped, types.FunctionType):
             return _function_writes(wrapped)
-        if name == "backward" or not (name.startswith("__") and name.endswith("__") or _is_aten(name)):
+        if name == "backward" or not (name.startswith("__") and name.endswith("__") or _aten_packet(name) is not None):
             # (x.unique(): named otherwise; x.backward() runs the backward functions of a graph,
             # hooks and custom Functions among them, which may write anything)
             return None
@@ -586,10 +587,7 @@ def _function_writes(func: Any) -> _Writes | None:
         return _WRITES_FIRST if name in _INPLACE_DUNDERS or name in ("__set__", "__setstate__") else _WRITES_OUT
     if name in _UNMARKED_WRITES:
         return None
-    try:
-        packet = getattr(torch.ops.aten, name)
-    except (AttributeError, RuntimeError):
-        packet = None
+    packet = _aten_packet(name)
     if packet is None:
         return _WRITES_FIRST if name.endswith("_") and not name.endswith("__") else _WRITES_OUT
     written: set[int] = set()
@@ -606,11 +604,12 @@ def _function_writes(func: Any) -> _Writes | None:
     return _Writes(tuple(sorted(written)), frozenset(names))
 
 
-def _is_aten(name: str) -> bool:
+def _aten_packet(name: str) -> Any:
+    """The ATen operator packet named ``name``, or ``None``."""
     try:
-        return getattr(torch.ops.aten, name) is not None
+        return getattr(torch.ops.aten, name)
     except (AttributeError, RuntimeError):
-        return False
+        return None
 
 
 #: Functions of ``torch.nn.functional`` that write an argument their parameters do not name as
