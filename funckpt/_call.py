@@ -500,6 +500,21 @@ _FAST_PATH_MODULES = (torch.nn.MultiheadAttention, torch.nn.TransformerEncoderLa
 class UserRegion(Region):
     """The user's function as a region, with the state one call must replay."""
 
+    # What a region starts with, where a run may set its own value (class attributes: a
+    # region is made on every call, and each assignment in __init__ costs there).
+    values_reproducible = True  # false where the forward run read memory it allocated uninitialized
+    plan: _aliasing.Plan | None = None
+    planned = False  # did the forward run plan its outputs (_aliasing.plan)?
+    default_device: torch.device | None = None
+    out_slots: TreeSlots | None = None
+    forward_trace: list[str] | None = None
+    debug: bool | None = None  # decided by the forward run (see _Running.__enter__)
+    rng: _rng.RngState | None = None
+    _recompute_context: Any = None
+    autocast: Sequence[_autocast.AutocastState] = _autocast.OFF
+    recompute_under_mode = False  # set when a recomputation without the mode left its inputs
+    escapes_live: list[bool] | None = None  # per escaped output: held after the call? (settle_escapes)
+
     def __init__(
         self,
         fn: Callable[..., Any],
@@ -524,42 +539,30 @@ class UserRegion(Region):
         # Like torch.utils.checkpoint, the forward run executes with the caller's grad mode.
         self.caller_grad_enabled = torch.is_grad_enabled()
         self.out_digest: list[Digest | None] = []
-        self.values_reproducible = True
         self.constant: set[int] = set()  # outputs that did not require grad in the forward run's graph
         self.moved_hooks: set[int] = set()  # inputs whose hooks fn registered went to the caller's tensors
-        self.unchecked: set[int] = set()
-        self.used_constants: set[int] = set()  # non-differentiable inputs the forward run read  # inputs saved without a version check (see _autograd.setup_context)
+        self.unchecked: set[int] = set()  # inputs saved without a version check (see _autograd.setup_context)
+        self.used_constants: set[int] = set()  # non-differentiable inputs the forward run read
         # Outputs aliasing inputs or each other are rebuilt as views by the caller
         # (_aliasing.py), except inside vmap, whose batched tensors have no storage.
         self.views_outside = not (transforms_active() and vmap_active())
-        self.plan: _aliasing.Plan | None = None
-        self.planned = False  # did the forward run plan its outputs (_aliasing.plan)?
-        self.default_device: torch.device | None = None
         self.snapshots: dict[int, torch.Tensor] = {}  # input index -> its value before the forward wrote it
         self.written_without_grad: set[int] = set()  # differentiable inputs the forward run wrote under no_grad
-        self.out_slots: TreeSlots | None = None
         self.out_meta: list[tuple[Any, ...]] = []
-        self.forward_trace: list[str] | None = None
-        self.debug: bool | None = None  # decided by the forward run (see _Running.__enter__)
-        self.rng: _rng.RngState | None = None
         policy = options.policy
         self.saved = None if policy is None or policy is nothing_saveable else Saved(policy, name)
-        self._recompute_context: Any = None
-        self.autocast: Sequence[_autocast.AutocastState] = _autocast.OFF
         self.generators = [] if argspec.dynamic.plain else [leaf for leaf in argspec.dynamic.leaves if is_generator(leaf)]
         self.generators += captured.generators
         # Does a recomputation need the substitution mode (set by the forward run)? And the
         # forward run's substitutes, which must not outlive it where it does not.
         self.substitutes_again = True
         self.forward_substitutes: list[weakref.ref[torch.Tensor]] = []
-        self.recompute_under_mode = False  # set when a recomputation without the mode left its inputs
         # Tensors that escape the forward run (see _escaped_tensors) become outputs of the region,
         # the last ones, where the region's Function is applied by plain autograd: they are found
         # again in a recomputation at their position among what its operators return.
         self.escapes_allowed = self.escapes_become_outputs and not transforms_active()
         self.escaped_at: list[int] = []
         self.escape_doubts: list[str | None] = []  # per escaped output (see _doubt)
-        self.escapes_live: list[bool] | None = None  # per escaped output: held after the call? (settle_escapes)
 
     def _user_context(self, forward: bool) -> Any:
         """``context_fn``'s first context for the forward run, its second for a recomputation.
@@ -1024,7 +1027,7 @@ class UserRegion(Region):
         with self._running(flat, forward=True, grad=grad_forward, modes=modes, watch=watch) as run:
             if grad_forward and run.substitute is not None:
                 run.substitute.made = []
-            containers = _container_snapshot(run.args, run.kwargs)
+            containers = None if self.argspec.tensors_only else _container_snapshot(run.args, run.kwargs)
             out = self._call_fn(run.args, run.kwargs, True, grad_forward)
             self._refuse_container_writes(containers, run.args, run.kwargs)
         if grad_forward:

@@ -243,7 +243,10 @@ def find_captured(fn: Callable[..., Any] | tuple[Any, ...], modules_too: bool = 
             training.extend(state.training)
             for g in state.generators:  # generators held as attributes (self.gen) are replayed too
                 generators.setdefault(id(g), g)
-            return [type(obj).forward]
+            forward = type(obj).forward
+            if type(forward) is types.FunctionType and _reaches_nothing(forward):
+                return []  # (what walking it would find, told without the walk: see _reaches_nothing)
+            return [forward]
         if isinstance(obj, functools.partial):
             return [obj.func, *obj.args, *obj.keywords.values()]
         if isinstance(obj, types.MethodType):
@@ -448,8 +451,11 @@ def _module_state(module: torch.nn.Module) -> _ModuleState:
         if first:
             training.append((m, m.training))
             edges += [(m, k, c) for k, c in m._modules.items()]
-        for key, value in vars(m).items():
-            if type(value) in _PLAIN_TYPES:  # most of a module's attributes
+        attributes = vars(m)
+        if _PLAIN_TYPES.issuperset(map(type, attributes.values())):  # most modules: nothing but plain values
+            continue
+        for key, value in attributes.items():
+            if type(value) in _PLAIN_TYPES:
                 continue
             if isinstance(value, torch.Tensor):
                 if not key.startswith("_") and not spent_escape(value):
@@ -1167,10 +1173,16 @@ class Substitute(OnThreadStack, TorchFunctionMode):
         # (One loop for a tensor and a tuple alike: on torch 2.11, Dynamo tracing this handler
         # guards id(out) taken directly on the output's source, a fresh tensor, and fails.)
         outs = out if isinstance(out, (tuple, list)) else (out,)
+        made = self.made
         if compiling or _active.internal:  # (inline where Dynamo traces this: torch 2.11 fails on the call)
             for o in outs:
                 if isinstance(o, torch.Tensor):
                     inside.add(id(o))
+        elif made is not None:  # (note_made's forward-run case, inline: it runs for every operator)
+            for o in outs:
+                if isinstance(o, torch.Tensor):
+                    inside.add(id(o))
+                    made.append(weakref.ref(o))
         else:
             self.note_made(outs)
         return out

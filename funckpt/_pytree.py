@@ -167,6 +167,11 @@ class ArgSpec:
     static: dict[int, Any]
     nargs: int
 
+    @property
+    def tensors_only(self) -> bool:
+        """Are the arguments positional plain tensors and nothing else (no container, no static argument)?"""
+        return self.dynamic.plain == "args" and not self.static
+
     def rebuild(self, tensors: Sequence[torch.Tensor]) -> tuple[tuple[Any, ...], dict[str, Any]]:
         dyn_args, kwargs = self.dynamic.fill(tensors)
         if not self.static:
