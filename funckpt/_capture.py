@@ -52,7 +52,7 @@ from torch.overrides import TorchFunctionMode
 
 from ._errors import CheckpointError
 from ._naming import OnThreadStack
-from ._saving import FUNCTION_WRITES, WriteWatch
+from ._saving import WriteWatch
 from ._internals import (
     AccumulateGrad,
     TransformType,
@@ -1165,11 +1165,7 @@ class Substitute(OnThreadStack, TorchFunctionMode):
         # (funckpt's own work for a region nested in this run, such as reading its inputs'
         # storages, writes none of them: only the user's code is watched.)
         if watch is not None and not compiling and not _active.internal:
-            rule = FUNCTION_WRITES.get(func)
-            if rule is not None and not rule.positions and not kwargs and rule.flag is None:
-                out = func(*(args if swapped is None else swapped))  # (it writes no argument: nothing to watch)
-            else:
-                out = watch.call(func, args if swapped is None else tuple(swapped), kwargs or {})
+            out = watch.call(func, args if swapped is None else tuple(swapped), kwargs or {})
         else:
             out = func(*(args if swapped is None else swapped), **(kwargs or {}))
         # Every tensor made here is the run's own, whatever it becomes later: a leaf

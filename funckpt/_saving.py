@@ -461,9 +461,9 @@ class WriteWatch(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's
         if type(func) is OpOverload:
             self._watch(func, args, kwargs)
             return func(*args, **kwargs)
-        known = FUNCTION_WRITES.get(func, _UNCLASSIFIED)
+        known = _FUNCTION_WRITES.get(func, _UNCLASSIFIED)
         if known is _UNCLASSIFIED:
-            known = FUNCTION_WRITES[func] = _function_writes(func)
+            known = _FUNCTION_WRITES[func] = _function_writes(func)
         rule = cast("_Writes | None", known)
         if rule is None:
             with self:
@@ -515,7 +515,7 @@ class _Writes:
 
 
 #: Torch function -> which arguments it writes, or ``None``: not known beforehand.
-FUNCTION_WRITES: dict[Any, _Writes | None] = {}
+_FUNCTION_WRITES: dict[Any, _Writes | None] = {}
 #: The keywords of a function's first argument where it is written: ``self`` in its schema,
 #: ``input`` in the Python binding of a function (``torch.relu_(input=c)``).
 _FIRST = frozenset({"out", "self", "input"})
