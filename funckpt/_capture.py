@@ -1173,16 +1173,10 @@ class Substitute(OnThreadStack, TorchFunctionMode):
         # (One loop for a tensor and a tuple alike: on torch 2.11, Dynamo tracing this handler
         # guards id(out) taken directly on the output's source, a fresh tensor, and fails.)
         outs = out if isinstance(out, (tuple, list)) else (out,)
-        made = self.made
         if compiling or _active.internal:  # (inline where Dynamo traces this: torch 2.11 fails on the call)
             for o in outs:
                 if isinstance(o, torch.Tensor):
                     inside.add(id(o))
-        elif made is not None:  # (note_made's forward-run case, inline: it runs for every operator)
-            for o in outs:
-                if isinstance(o, torch.Tensor):
-                    inside.add(id(o))
-                    made.append(weakref.ref(o))
         else:
             self.note_made(outs)
         return out
