@@ -213,6 +213,19 @@ def find_captured(fn: Callable[..., Any] | tuple[Any, ...], modules_too: bool = 
         forward = type(fn).forward
         if type(forward) is types.FunctionType and _reaches_nothing(forward):
             return _NOTHING  # the walk would look at the forward's code only, and find nothing
+    if modules_too and isinstance(fn, torch.nn.Module):
+        forward = type(fn).forward
+        if type(forward) is types.FunctionType and _reaches_nothing(forward):
+            # The walk would read the module's state and stop (a GPT block, a decoder layer).
+            state = _module_state(fn)
+            return Captured(
+                list({id(t): t for t in state.named.values()}.values()),
+                list({id(g): g for g in state.generators}.values()),
+                [(fn, state.named)],
+                state.training,
+                [state.places],
+                state.edges,
+            )
     found: dict[int, torch.Tensor] = {}
     generators: dict[int, torch.Generator] = {}
     modules: list[tuple[torch.nn.Module, dict[str, torch.Tensor]]] = []
@@ -432,7 +445,10 @@ def _module_state(module: torch.nn.Module) -> _ModuleState:
     ``named_parameters``, then ``named_buffers``, then attributes give them), where each sits,
     the training flags and the generators, in one walk of the submodules (the three walks of
     ``named_parameters``, ``named_buffers`` and ``modules`` cost more than the rest of a call)."""
-    params: list[tuple[str, torch.nn.Module, str, torch.Tensor]] = []
+    # Built in plain loops (a comprehension is a call of its own, per submodule): parameters
+    # straight into the result, buffers and attributes after them, in that order.
+    named: dict[str, torch.Tensor] = {}
+    where: dict[str, tuple[torch.nn.Module, str, torch.Tensor]] = {}
     buffers: list[tuple[str, torch.nn.Module, str, torch.Tensor]] = []
     attrs: list[tuple[str, torch.nn.Module, str, torch.Tensor]] = []
     training: list[tuple[torch.nn.Module, bool]] = []
@@ -444,13 +460,21 @@ def _module_state(module: torch.nn.Module) -> _ModuleState:
         if sharded and isinstance(m, sharded) and _fsdp_hooks_would_run(m):
             _refuse_sharded(m, prefix)
         dot = f"{prefix}." if prefix else ""
-        params += [(dot + k, m, k, p) for k, p in m._parameters.items() if p is not None]
-        buffers += [(dot + k, m, k, b) for k, b in m._buffers.items() if b is not None]
+        for k, p in m._parameters.items():
+            if p is not None:
+                name = dot + k
+                named[name] = p
+                where[name] = (m, k, p)
+        if m._buffers:
+            for k, b in m._buffers.items():
+                if b is not None:
+                    buffers.append((dot + k, m, k, b))
         first = id(m) not in visited
-        visited.add(id(m))
         if first:
+            visited.add(id(m))
             training.append((m, m.training))
-            edges += [(m, k, c) for k, c in m._modules.items()]
+            for k, c in m._modules.items():
+                edges.append((m, k, c))
         attributes = vars(m)
         if _PLAIN_TYPES.issuperset(map(type, attributes.values())):  # most modules: nothing but plain values
             continue
@@ -462,9 +486,7 @@ def _module_state(module: torch.nn.Module) -> _ModuleState:
                     attrs.append((dot + key, m, key, value))
             elif first and is_generator(value):
                 generators.append(value)
-    named: dict[str, torch.Tensor] = {}
-    where: dict[str, tuple[torch.nn.Module, str, torch.Tensor]] = {}
-    for name, owner, key, t in (*params, *buffers, *attrs):
+    for name, owner, key, t in (*buffers, *attrs):
         named[name] = t
         where[name] = (owner, key, t)
     return _ModuleState(named, list(where.values()), training, generators, edges)
