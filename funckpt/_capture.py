@@ -744,23 +744,23 @@ def _recomputed_at_every_call(owner: torch.nn.Module, key: str) -> bool:
 
 def _held(owner: torch.nn.Module, key: str) -> Any:
     """What ``owner``'s parameter, buffer or attribute ``key`` holds (``_ABSENT`` where nothing)."""
-    for entries in (owner._parameters, owner._buffers):
-        if key in entries:
-            return entries[key]
+    entries = owner._parameters
+    if key in entries or key in (entries := owner._buffers):
+        return entries[key]
     return owner.__dict__.get(key, _ABSENT)
 
 
 def _swap_tensor(owner: torch.nn.Module, key: str, value: Any) -> Any:
     """Set ``owner``'s parameter, buffer or attribute ``key`` to ``value``; return what it held
     (``_ABSENT`` where it held nothing, and setting ``_ABSENT`` removes it)."""
-    for entries in (owner._parameters, owner._buffers):
-        if key in entries:
-            before = entries[key]
-            if value is _ABSENT:
-                del entries[key]
-            else:
-                entries[key] = value
-            return before
+    entries = owner._parameters
+    if key in entries or key in (entries := owner._buffers):
+        before = entries[key]
+        if value is _ABSENT:
+            del entries[key]
+        else:
+            entries[key] = value
+        return before
     before = owner.__dict__.get(key, _ABSENT)
     if value is _ABSENT:
         owner.__dict__.pop(key, None)
