@@ -744,7 +744,7 @@ def _recomputed_at_every_call(owner: torch.nn.Module, key: str) -> bool:
 
 def _held(owner: torch.nn.Module, key: str) -> Any:
     """What ``owner``'s parameter, buffer or attribute ``key`` holds (``_ABSENT`` where nothing)."""
-    entries = owner._parameters
+    entries: dict[str, Any] = owner._parameters
     if key in entries or key in (entries := owner._buffers):
         return entries[key]
     return owner.__dict__.get(key, _ABSENT)
@@ -753,7 +753,7 @@ def _held(owner: torch.nn.Module, key: str) -> Any:
 def _swap_tensor(owner: torch.nn.Module, key: str, value: Any) -> Any:
     """Set ``owner``'s parameter, buffer or attribute ``key`` to ``value``; return what it held
     (``_ABSENT`` where it held nothing, and setting ``_ABSENT`` removes it)."""
-    entries = owner._parameters
+    entries: dict[str, Any] = owner._parameters
     if key in entries or key in (entries := owner._buffers):
         before = entries[key]
         if value is _ABSENT:

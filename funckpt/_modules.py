@@ -19,6 +19,7 @@ are kept; the backward pass recomputes one segment at a time.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -47,12 +48,42 @@ class Remat(torch.nn.Module):
         _own_class_if_parametrized(self)
 
     def __reduce_ex__(self, protocol: Any) -> Any:
-        """Pickled (``torch.save(model)``) as its plain class, not the one of its own it may have."""
+        """Pickled (``torch.save(model)``) as its plain class, not the one of its own it may have.
+
+        Made by :func:`_new_instance` of its type, not by ``copyreg.__newobj__``, which pickle
+        refuses for an object whose ``__class__`` (the class it poses as) is not its type.
+        """
         reduced = super().__reduce_ex__(protocol)
         cls = type(self)
-        if cls.__dict__.get("_funckpt_own_class") and isinstance(reduced, tuple) and len(reduced) > 1:
-            return (_new_instance, (cls.__bases__[0],), *reduced[2:])
+        if isinstance(reduced, tuple) and len(reduced) > 1:
+            plain = cls.__bases__[0] if cls.__dict__.get("_funckpt_own_class") else cls
+            return (_new_instance, (plain,), *reduced[2:])
         return reduced
+
+    def _poses_as(self) -> type:
+        """The class ``isinstance`` sees (``__class__``): a subclass of both the wrapper's type and
+        the wrapped module's class, so that ``isinstance(remat(layer), type(layer))`` holds.
+
+        Libraries find a model's layers by class: transformers installs the hooks that collect
+        ``output_hidden_states`` on every module that is an instance of the decoder layer's
+        class. A wrapper that is not one would be skipped, and its hidden states silently
+        missing. Only ``isinstance`` (and code reading ``__class__``) sees this class: the
+        wrapper's type, and so how its attributes resolve, stays its own.
+        """
+        cls = type(self)
+        wrapped = self.__dict__.get("wrapped")
+        if wrapped is None or (cls is not Remat and cls is not RematSequential):
+            return cls  # (a class of its own, parametrized or sharded: code that reads it may change it)
+        pair: Any = (cls, type(wrapped))  # (Any: mypy takes a class with a __class__ property for unhashable)
+        return _posing_class(*pair)
+
+    def _set_class(self, cls: type) -> None:
+        """Code that gives a module a subclass of its ``__class__`` (torch's ``register_parametrization``,
+        FSDP's ``fully_shard``) subclassed the posing class: the wrapper gets the same class with the
+        wrapper's type in its place, so its attributes resolve as before."""
+        _OBJECT_CLASS.__set__(self, _unposed(cls))
+
+    __class__ = property(_poses_as, _set_class)
 
     def __setstate__(self, state: Any) -> None:
         super().__setstate__(state)  # type: ignore[no-untyped-call]
@@ -139,6 +170,30 @@ class Remat(torch.nn.Module):
 
 def _new_instance(cls: type[torch.nn.Module]) -> torch.nn.Module:
     return cls.__new__(cls)
+
+
+_OBJECT_CLASS = object.__dict__["__class__"]  # (the descriptor Remat's __class__ property stands in front of)
+
+
+@functools.lru_cache(maxsize=1024)  # (bounded: torch's parametrize makes a class per module)
+def _posing_class(cls: type, wrapped: type) -> type:
+    """A subclass of ``cls`` (a wrapper's type) and ``wrapped`` (the wrapped module's class), named as
+    ``cls``, for ``isinstance`` only (see :meth:`Remat._poses_as`); ``cls`` where none can be made."""
+    namespace = {"__module__": cls.__module__, "__qualname__": cls.__qualname__, "_funckpt_posing": True}
+    try:
+        return type(cls.__name__, (cls, wrapped), namespace)
+    except Exception:  # (a layout or metaclass conflict, a final class, an __init_subclass__ that refuses)
+        return cls
+
+
+@functools.lru_cache(maxsize=1024)
+def _unposed(cls: type) -> type:
+    """``cls`` with each posing base (:func:`_posing_class`) replaced by the wrapper type it poses for."""
+    bases = tuple(b.__bases__[0] if b.__dict__.get("_funckpt_posing") else b for b in cls.__bases__)
+    if bases == cls.__bases__:
+        return cls
+    namespace = {k: v for k, v in cls.__dict__.items() if k not in ("__dict__", "__weakref__")}
+    return type(cls.__name__, bases, namespace)
 
 
 def _own_class_if_parametrized(wrapper: Remat) -> None:

@@ -686,6 +686,24 @@ def test_peft_lora_backward(route, dora):
     assert_close(backward_grads(model), expected)
 
 
+def test_peft_lora_on_remat_projections():
+    """PEFT chooses its target layers by class: a remat'd ``q_proj`` (an ``nn.Linear`` to
+    ``isinstance``) gets its adapter as the plain one does, outside the checkpointed call."""
+    peft = pytest.importorskip("peft")
+    config = dict(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    torch.manual_seed(0)
+    base = _llama()
+    remat_projections = copy.deepcopy(base)
+    for layer in layers_of(remat_projections):
+        layer.self_attn.q_proj = funckpt.remat(layer.self_attn.q_proj)
+    models = []
+    for m in (base, remat_projections):
+        torch.manual_seed(1)
+        models.append(peft.get_peft_model(m, peft.LoraConfig(**config)).train())
+    reference, model = models
+    assert_close(backward_grads(model), backward_grads(reference))
+
+
 @pytest.mark.parametrize("route", ["hf_non_reentrant", "remat"])
 def test_peft_lora_torch_func(route):
     reference = _peft_model(dropout=0.0)

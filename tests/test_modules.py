@@ -25,6 +25,44 @@ def test_wrapper_is_a_module_with_the_original_keys():
     assert_close(wrapped.state_dict(), net.state_dict())
 
 
+def test_wrapper_is_an_instance_of_the_wrapped_modules_class():
+    """Code that finds layers by class (transformers' output collection, an init function passed
+    to ``model.apply``) finds a remat'd one; its type, and how its attributes resolve, stay the wrapper's."""
+    import copy
+    import io
+    import pickle
+
+    from funckpt._modules import Remat, RematSequential
+
+    wrapper, seq = remat(nn.Linear(3, 2, dtype=D)), remat(_net())
+    assert isinstance(wrapper, nn.Linear) and isinstance(wrapper, Remat) and type(wrapper) is Remat
+    assert isinstance(seq, nn.Sequential) and type(seq) is RematSequential
+    assert not isinstance(wrapper, nn.Conv1d)
+    assert repr(wrapper).startswith("Remat(")
+    x = torch.randn(4, 3, dtype=D)
+    for copied in (copy.deepcopy(wrapper), pickle.loads(pickle.dumps(wrapper))):
+        assert type(copied) is Remat and isinstance(copied, nn.Linear)
+        assert_close(copied(x), wrapper(x))
+    buffer = io.BytesIO()
+    torch.save(nn.Sequential(wrapper), buffer)
+    buffer.seek(0)
+    assert_close(torch.load(buffer, weights_only=False)(x), wrapper(x))
+
+
+def test_an_init_function_applied_by_class_reaches_remat_layers_as_plain_ones():
+    def init(m):
+        if isinstance(m, nn.Linear):
+            nn.init.normal_(m.weight)
+            nn.init.zeros_(m.bias)
+
+    reference = _net()
+    model = nn.Sequential(*(remat(m) for m in _net()))
+    for m in (reference, model):
+        torch.manual_seed(0)
+        m.apply(init)
+    assert_close(model.state_dict(), reference.state_dict())
+
+
 def test_wrapper_as_submodule_keeps_prefixed_keys_and_gradients():
     inner = _net()
     outer = torch.nn.Sequential(remat(inner), torch.nn.Tanh())

@@ -290,6 +290,24 @@ def test_remat_layers_in_eval_mode_match_outputs(name):
         assert_close(model(**_model_kwargs(inputs)).logits, reference(**_model_kwargs(inputs)).logits)
 
 
+@pytest.mark.parametrize("name", MODELS)
+def test_remat_layers_return_the_hidden_states_and_attentions_the_model_collects(name):
+    """``output_hidden_states`` and ``output_attentions`` with remat'd layers: every collected tensor
+    as without remat, and gradients through them. transformers finds the layers whose outputs
+    it collects by class (``isinstance(module, LlamaDecoderLayer)``): a wrapper that were not an
+    instance of its layer's class would be skipped, its hidden states silently missing."""
+    spec, reference, model = _pair(name)
+    _remat_layers(spec, model)
+    inputs = spec.inputs()
+    kwargs = dict(_model_kwargs(inputs), output_hidden_states=True, output_attentions=True)
+    outs = [torch.utils._pytree.tree_leaves(m(**kwargs)) for m in (reference, model)]
+    assert len(outs[1]) == len(outs[0])
+    assert_close(outs[1], outs[0])
+    for out in outs:
+        sum(t.square().sum() for t in out if t.is_floating_point()).backward()
+    assert_close(_grads(model), _grads(reference))
+
+
 # ---------------------------------------------------------------------------
 # 3. torch.func.grad through functional_call
 # ---------------------------------------------------------------------------
