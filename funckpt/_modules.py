@@ -68,14 +68,28 @@ class Remat(torch.nn.Module):
         ``output_hidden_states`` on every module that is an instance of the decoder layer's
         class. A wrapper that is not one would be skipped, and its hidden states silently
         missing. Only ``isinstance`` (and code reading ``__class__``) sees this class: the
-        wrapper's type, and so how its attributes resolve, stays its own.
+        wrapper's type, and so how its attributes resolve, stays its own. Not where the wrapper
+        or the wrapped module is parametrized: torch's parametrize adds a property to the class
+        it reads here, which must then be the wrapper's type.
         """
-        cls = type(self)
         wrapped = self.__dict__.get("wrapped")
-        if wrapped is None or (cls is not Remat and cls is not RematSequential):
-            return cls  # (a class of its own, parametrized or sharded: code that reads it may change it)
-        pair: Any = (cls, type(wrapped))  # (Any: mypy takes a class with a __class__ property for unhashable)
+        if wrapped is None:
+            return type(self)
+        if "parametrizations" in (self.__dict__.get("_modules") or ()):
+            # torch's parametrize adds a property to this class for each tensor parametrized: the
+            # wrapper's own (parametrized since the wrapping, it gets one now), which its type is.
+            _own_class_if_parametrized(self)
+            return type(self)
+        pair: Any = (type(self), type(wrapped))  # (Any: mypy takes a class with a __class__ property for unhashable)
         return _posing_class(*pair)
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """A posing class, or one built on it, is a ``Remat`` and nothing else: the wrapped class's
+        ``__init_subclass__`` (a registry of subclasses, transformers' checkpointing ``forward``
+        that ``GradientCheckpointingLayer`` gives each subclass) is not run for it."""
+        if any(c.__dict__.get("_funckpt_posing") for c in cls.__mro__):
+            return
+        super().__init_subclass__(**kwargs)
 
     def _set_class(self, cls: type) -> None:
         """Code that gives a module a subclass of its ``__class__`` (torch's ``register_parametrization``,
@@ -169,7 +183,15 @@ class Remat(torch.nn.Module):
 
 
 def _new_instance(cls: type[torch.nn.Module]) -> torch.nn.Module:
+    """A wrapper of type ``cls``, uninitialized: what unpickling a wrapper starts from (its state follows)."""
+    if not (isinstance(cls, type) and issubclass(cls, Remat)):
+        raise TypeError(f"funckpt: _new_instance makes remat wrappers only, not {cls!r}")
     return cls.__new__(cls)
+
+
+# A wrapper is pickled as _new_instance(its type) (see Remat.__reduce_ex__): loading one with
+# torch.load(weights_only=True) needs the same classes allowed as before, not this function too.
+torch.serialization.add_safe_globals([_new_instance])
 
 
 _OBJECT_CLASS = object.__dict__["__class__"]  # (the descriptor Remat's __class__ property stands in front of)
@@ -179,6 +201,8 @@ _OBJECT_CLASS = object.__dict__["__class__"]  # (the descriptor Remat's __class_
 def _posing_class(cls: type, wrapped: type) -> type:
     """A subclass of ``cls`` (a wrapper's type) and ``wrapped`` (the wrapped module's class), named as
     ``cls``, for ``isinstance`` only (see :meth:`Remat._poses_as`); ``cls`` where none can be made."""
+    if issubclass(cls, wrapped):
+        return cls
     namespace = {"__module__": cls.__module__, "__qualname__": cls.__qualname__, "_funckpt_posing": True}
     try:
         return type(cls.__name__, (cls, wrapped), namespace)

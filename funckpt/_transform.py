@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
-from typing import Any, TypeVar, overload
+from typing import Any, TypeVar, cast, overload
 
 import torch
 
@@ -146,13 +146,15 @@ def _decorate(fn: Callable[..., Any], *, options: RematOptions) -> Any:
             f"remat: fn is a {type(fn).__name__}, which has no forward to checkpoint: remat its "
             f"modules instead, for example [remat(m) for m in modules]"
         )
-    if options.segments is not None and not isinstance(fn, torch.nn.Sequential):
+    # (By type: a remat'd module is an instance of its module's class, and remat of a wrapper wraps it whole.)
+    sequential = issubclass(type(fn), torch.nn.Sequential)
+    if options.segments is not None and not sequential:
         raise ValueError(
             f"remat: segments applies to an nn.Sequential only, got segments={options.segments} "
             f"for {type(fn).__name__}"
         )
-    if isinstance(fn, torch.nn.Sequential):
-        return RematSequential(fn, options)
+    if sequential:
+        return RematSequential(cast(torch.nn.Sequential, fn), options)
     if isinstance(fn, torch.nn.Module):
         return Remat(fn, options)
 

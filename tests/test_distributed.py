@@ -126,6 +126,8 @@ def _fsdp2(model: Net, **options) -> nn.Module:
     model = _remat_blocks(model, **options)
     for block in model.blocks:
         fully_shard(block)
+        # A sharded wrapper is an instance of its block's class still (code finds layers by class).
+        assert isinstance(block, Block) and type(block).__name__ == "FSDPRemat", type(block).__mro__
     fully_shard(model)
     return model
 

@@ -49,6 +49,68 @@ def test_wrapper_is_an_instance_of_the_wrapped_modules_class():
     assert_close(torch.load(buffer, weights_only=False)(x), wrapper(x))
 
 
+def test_a_whole_model_with_wrappers_loads_with_weights_only_and_its_classes_allowed():
+    import io
+
+    from funckpt._modules import Remat
+    from funckpt._options import RematOptions
+
+    model = nn.Sequential(remat(nn.Linear(3, 2, dtype=D)), nn.ReLU())
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    with torch.serialization.safe_globals([Remat, RematOptions, nn.Linear, nn.Sequential, nn.ReLU]):
+        loaded = torch.load(buffer, weights_only=True)
+    x = torch.randn(4, 3, dtype=D)
+    assert_close(loaded(x), model(x))
+
+
+def test_posing_runs_none_of_the_wrapped_classes_subclass_hooks():
+    registry = {}
+
+    class Registered(nn.Module):
+        def __init_subclass__(cls, **kwargs):
+            super().__init_subclass__(**kwargs)
+            registry[cls.__name__] = cls
+
+    class Layer(Registered):
+        def forward(self, x):
+            return x.sin()
+
+    assert isinstance(remat(Layer()), Layer)
+    assert list(registry) == ["Layer"]
+
+
+def test_a_parametrization_on_the_wrapper_after_one_on_the_wrapped_module():
+    """The wrapped module parametrized after the wrapping, then the wrapper: both reach its forward."""
+    from torch.nn.utils import parametrizations, parametrize
+
+    class Double(nn.Module):
+        def forward(self, b):
+            return 2 * b
+
+    def build(wrap):
+        torch.manual_seed(0)
+        layer = nn.Linear(4, 4, dtype=D)
+        model = remat(layer) if wrap else layer
+        parametrizations.orthogonal(layer)
+        parametrize.register_parametrization(model, "bias", Double())
+        return model
+
+    x = torch.randn(2, 4, dtype=D)
+    assert_close(build(True)(x), build(False)(x))
+    assert isinstance(remat(nn.Linear(2, 2)).bias, nn.Parameter)  # (no property leaked to every wrapper)
+
+
+def test_remat_of_a_wrapper_wraps_it_whole():
+    from funckpt._modules import Remat, RematSequential
+
+    assert type(remat(remat(_net()))) is Remat
+    assert type(remat(remat(_net())).wrapped) is RematSequential
+    with pytest.raises(ValueError, match="segments"):
+        remat(remat(_net()), segments=2)
+
+
 def test_an_init_function_applied_by_class_reaches_remat_layers_as_plain_ones():
     def init(m):
         if isinstance(m, nn.Linear):
