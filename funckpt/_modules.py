@@ -178,6 +178,9 @@ class Remat(torch.nn.Module):
         super().train(mode)  # sets self.training, and so the wrapped module's (__setattr__)
         return self
 
+    def _get_name(self) -> str:
+        return type(self).__name__  # (in its repr: the wrapper's type, not the class it poses as)
+
     def extra_repr(self) -> str:
         return f"wrapped={type(self.wrapped).__name__}"
 
@@ -200,12 +203,16 @@ _OBJECT_CLASS = object.__dict__["__class__"]  # (the descriptor Remat's __class_
 @functools.lru_cache(maxsize=1024)  # (bounded: torch's parametrize makes a class per module)
 def _posing_class(cls: type, wrapped: type) -> type:
     """A subclass of ``cls`` (a wrapper's type) and ``wrapped`` (the wrapped module's class), named as
-    ``cls``, for ``isinstance`` only (see :meth:`Remat._poses_as`); ``cls`` where none can be made."""
+    ``wrapped``, for ``isinstance`` only (see :meth:`Remat._poses_as`); ``cls`` where none can be made.
+
+    Named as the wrapped class for the code that finds layers by class name (``transformers``'
+    ``fsdp_transformer_layer_cls_to_wrap``, ``accelerate``'s ``no_split_module_classes``).
+    """
     if issubclass(cls, wrapped):
         return cls
-    namespace = {"__module__": cls.__module__, "__qualname__": cls.__qualname__, "_funckpt_posing": True}
+    namespace = {"__module__": wrapped.__module__, "__qualname__": wrapped.__qualname__, "_funckpt_posing": True}
     try:
-        return type(cls.__name__, (cls, wrapped), namespace)
+        return type(wrapped.__name__, (cls, wrapped), namespace)
     except Exception:  # (a layout or metaclass conflict, a final class, an __init_subclass__ that refuses)
         return cls
 

@@ -123,11 +123,15 @@ def fully_shard(module: nn.Module) -> nn.Module:
 
 
 def _fsdp2(model: Net, **options) -> nn.Module:
+    from torch.distributed.fsdp import FSDPModule
+
+    from funckpt._modules import Remat
+
     model = _remat_blocks(model, **options)
     for block in model.blocks:
         fully_shard(block)
         # A sharded wrapper is an instance of its block's class still (code finds layers by class).
-        assert isinstance(block, Block) and type(block).__name__ == "FSDPRemat", type(block).__mro__
+        assert isinstance(block, Block) and isinstance(block, FSDPModule) and type(block).__mro__[2] is Remat
     fully_shard(model)
     return model
 

@@ -308,6 +308,21 @@ def test_remat_layers_return_the_hidden_states_and_attentions_the_model_collects
     assert_close(_grads(model), _grads(reference))
 
 
+@pytest.mark.parametrize("name", ["llama", "t5"])
+def test_the_trainer_finds_remat_layers_by_class_name_to_wrap_with_fsdp(name):
+    """``fsdp_transformer_layer_cls_to_wrap`` names the layer class; the Trainer finds it by name
+    among the model's modules, then wraps every instance of it."""
+    from transformers.trainer_pt_utils import get_module_class_from_name
+
+    spec, reference, model = _pair(name)
+    _remat_layers(spec, model)
+    layer_class = type(spec.layer_lists(reference)[0][0])
+    found = get_module_class_from_name(model, layer_class.__name__)
+    assert found is not None and issubclass(found, layer_class)
+    layers = [m for layers in spec.layer_lists(model) for m in layers]
+    assert [m for m in model.modules() if isinstance(m, found)] == layers
+
+
 # ---------------------------------------------------------------------------
 # 3. torch.func.grad through functional_call
 # ---------------------------------------------------------------------------
