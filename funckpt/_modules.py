@@ -336,11 +336,41 @@ def split(length: int, segments: int) -> list[tuple[int, int]]:
     return bounds + [((segments - 1) * size, length)]
 
 
+def _off_in_place_layers(ranges: list[tuple[int, int]], layers: Sequence[Any]) -> list[tuple[int, int]]:
+    """``ranges`` with each boundary moved past the layers that write their input in place
+    (``ReLU(inplace=True)``, the ``inplace`` flag of torch's activations and dropouts).
+
+    Such a layer first in a segment would write that segment's input, the previous segment's
+    output, which the recomputation must start from (remat refuses the write). Inside a
+    segment it writes an intermediate, as it does without remat. A segment left empty merges
+    into the one before it.
+    """
+    cuts: list[int] = []
+    for start, _ in ranges[1:]:
+        while start < len(layers) and getattr(layers[start], "inplace", False) is True:
+            start += 1
+        if start < len(layers) and (not cuts or start > cuts[-1]):
+            cuts.append(start)
+    return list(zip([0, *cuts], [*cuts, len(layers)]))
+
+
 def run_in_segments(
-    layers: Sequence[Any], segments: int, x: Any, options: RematOptions, *, checkpoint_last: bool
+    layers: Sequence[Any],
+    segments: int,
+    x: Any,
+    options: RematOptions,
+    *,
+    checkpoint_last: bool,
+    move_off_in_place: bool = False,
 ) -> Any:
-    """Run ``layers`` in order in ``segments`` remat'd chunks; the last one plainly unless ``checkpoint_last``."""
+    """Run ``layers`` in order in ``segments`` remat'd chunks; the last one plainly unless ``checkpoint_last``.
+
+    ``move_off_in_place``: no segment but the first starts with a layer that writes its input
+    (:func:`_off_in_place_layers`); ``checkpoint_sequential`` cuts where torch's does.
+    """
     ranges = split(len(layers), segments)
+    if move_off_in_place:
+        ranges = _off_in_place_layers(ranges, layers)
     remat_ranges = ranges if checkpoint_last else ranges[:-1]
     for a, b in remat_ranges:
         x = call(_Chain(list(layers[a:b])), options, (x,), {})
@@ -397,7 +427,12 @@ class RematSequential(Remat):
             # One region around the Sequential's own call keeps them.
             return call(self.wrapped, self._remat_options, (x,), {})
         return run_in_segments(
-            list(self.wrapped), self.num_segments or 1, x, self._remat_options, checkpoint_last=True
+            list(self.wrapped),
+            self.num_segments or 1,
+            x,
+            self._remat_options,
+            checkpoint_last=True,
+            move_off_in_place=True,
         )
 
     # Read like the Sequential it wraps: len(m), m[i], for layer in m.

@@ -126,6 +126,25 @@ def test_an_init_function_applied_by_class_reaches_remat_layers_as_plain_ones():
     assert_close(model.state_dict(), reference.state_dict())
 
 
+@pytest.mark.parametrize("segments", [None, 1, 2, 3, 4, 5, 7])
+def test_segments_never_start_with_a_layer_that_writes_its_input(segments):
+    """torchvision's AlexNet and VGG features: ``ReLU(inplace=True)`` after each layer. Where an equal
+    split would put one first in a segment, it would write the segment's input (the previous
+    segment's output, which the recomputation starts from): the boundary moves past it."""
+    def features():
+        torch.manual_seed(0)
+        layers = []
+        for _ in range(3):
+            layers += [nn.Linear(4, 4, dtype=D), nn.ReLU(inplace=True), nn.Dropout(0.0, inplace=True)]
+        return nn.Sequential(*layers, nn.Linear(4, 2, dtype=D))
+
+    reference, model = features(), remat(features(), segments=segments)
+    x = torch.randn(3, 4, dtype=D)
+    for m in (reference, model):
+        m(x).square().sum().backward()
+    assert_close([p.grad for p in model.parameters()], [p.grad for p in reference.parameters()])
+
+
 def test_wrapper_as_submodule_keeps_prefixed_keys_and_gradients():
     inner = _net()
     outer = torch.nn.Sequential(remat(inner), torch.nn.Tanh())
