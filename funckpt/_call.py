@@ -1119,9 +1119,7 @@ class UserRegion(Region):
         makes leaves of its own, HF T5's position bias: the graph check after a
         recomputation without the mode takes any leaf but its inputs for one it reached.)
         """
-        if substitute.hit or not grad_forward or not self.recomputes_like_forward:
-            return True
-        if any(isinstance(m, _FAST_PATH_MODULES) for m, _ in self.captured.training):
+        if substitute.hit or not grad_forward or not self.recomputes_like_forward or self._has_fast_path():
             return True
         mapping = substitute.mapping
         for t, i in zip(self.captured.tensors, self.captured_index):
@@ -1140,7 +1138,7 @@ class UserRegion(Region):
         any tensor it cannot route), the places were found as at the call, and the
         result's graph can be checked (``checkable``: :meth:`graph_checkable`).
         """
-        if self.recompute_under_mode or any(self._escapes_held()):
+        if self.recompute_under_mode or any(self._escapes_held()) or self._has_fast_path():
             return True
         if not mapping:
             return False
@@ -1152,6 +1150,16 @@ class UserRegion(Region):
             or not checkable
             or any(ref() is not None for ref in self.forward_substitutes)
         )
+
+    def _has_fast_path(self) -> bool:
+        """Does the function reach a module with torch's eval-mode fast path (:data:`_FAST_PATH_MODULES`)?
+
+        The forward run, under the substitution mode, never takes it; a recomputation without
+        the mode could (a recomputation with nothing to substitute, under torch.func transforms),
+        and would then run other operators: values that differ at padded positions, a policy's
+        kept values given to the wrong operators, a fused kernel forward-mode AD cannot go through.
+        """
+        return any(isinstance(m, _FAST_PATH_MODULES) for m, _ in self.captured.training)
 
     def graph_checkable(self, flat: tuple[torch.Tensor, ...]) -> bool:
         """Can a recomputation's graph be walked back to its inputs: plain autograd, recording, from fresh leaves?"""

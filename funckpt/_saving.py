@@ -403,6 +403,15 @@ def _detached(out: Any) -> Any:
     return type(out)(t.detach() if isinstance(t, torch.Tensor) else t for t in out)
 
 
+def _cloned(out: Any) -> Any:
+    """``out`` (a tensor, or a tuple or list of them and other values) with its tensors copied,
+    aliasing each other as they did (:func:`clone_together`)."""
+    copies = iter(clone_together(list(_tensors(out))))
+    if isinstance(out, torch.Tensor):
+        return next(copies)
+    return type(out)(next(copies) if isinstance(t, torch.Tensor) else t for t in out)
+
+
 def _versions(out: Any) -> list[int]:
     return [t._version for t in _tensors(out)]
 
@@ -718,6 +727,8 @@ class Replayer(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's u
         self.fetched = fetched or {}  # offloaded values, back on their devices for this run
         self.position = 0
         self.diverged = False
+        # Storages of the kept values this run was handed (an alias of each), by position: see _copy_before_write.
+        self.handed: dict[int | None, int] = {}
 
     def __torch_dispatch__(
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
@@ -744,5 +755,33 @@ class Replayer(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's u
                         "wrong. Do not modify saved values in place (clone them first), or use a policy that "
                         "does not keep this operator."
                     )
+                for t in _tensors(out):
+                    self.handed[storage_of(t)] = position
                 return _detached(out)
+        if self.handed:
+            self._copy_before_write(func, args, kwargs)
         return func(*args, **kwargs)
+
+    def _copy_before_write(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """A kept value this run was handed is about to be written: it gets a copy of its own first.
+
+        The run holds an alias of the kept value, and may write it in place where the forward
+        run did not (under torch.func transforms a linear's bias is added in place to the
+        replayed matmul, out of place in the forward run). Written through the alias, the kept
+        value would hand those new values to the next recomputation (``jacrev(jacrev(f))``
+        recomputes twice): silently wrong. The alias here takes the write, as it must; the
+        kept value stays as the forward run made it.
+        """
+        saved = self.saved
+        for i in _written_args(func):
+            target = args[i] if i < len(args) else kwargs.get(func._schema.arguments[i].name)
+            for t in _tensors(target):
+                position = self.handed.pop(storage_of(t), None)
+                if position is None or position not in saved.kept:
+                    continue
+                out = saved.kept[position]
+                for other in _tensors(out):
+                    self.handed.pop(storage_of(other), None)
+                copy = _cloned(out)
+                saved.kept[position] = copy
+                saved.versions[position] = _versions(copy)

@@ -9,7 +9,7 @@ import torch
 import torch.func as tf
 from torch.testing import assert_close
 
-from funckpt import CheckpointError, remat
+from funckpt import CheckpointError, policies, remat
 
 D = torch.float64
 X = torch.randn(3, 4, dtype=D, generator=torch.Generator().manual_seed(3))
@@ -951,6 +951,28 @@ def test_frozen_eval_transformer_encoder_with_a_padding_mask_raises_no_false_ala
         expected = torch.autograd.grad(model(x, pad).sum(), list(model.head.parameters()))
     got = torch.autograd.grad(remat(model)(x, pad).sum(), list(model.head.parameters()))
     assert_close(got, expected)
+
+
+def test_an_eval_transformer_encoder_layer_under_hessian_of_its_input():
+    """Under torch.func.hessian with respect to the layer's input, a recomputation has nothing to
+    substitute (the parameters are the module's own): it still runs under the substitution mode,
+    so the eval-mode layer takes its regular path as in the forward run, not the fused fast-path
+    kernel, which forward-mode AD cannot go through (and whose operators a policy's kept values
+    would not match)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    torch.manual_seed(0)
+    layer = torch.nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True, dtype=D).eval()
+    x = torch.randn(2, 3, 8, dtype=D)
+    b = torch.randn(8, dtype=D)
+
+    def loss(model):
+        return lambda b: model(x + b).tanh().sum()
+
+    with sdpa_kernel(SDPBackend.MATH):  # (twice differentiable without remat too)
+        expected = tf.hessian(loss(layer))(b)
+        for policy in (None, policies.dots_saveable):
+            assert_close(tf.hessian(loss(remat(layer, policy=policy)))(b), expected)
 
 
 def test_submodule_replaced_between_forward_and_backward():

@@ -96,6 +96,26 @@ def test_dots_saveable_recomputes_no_matmul(transform):
     assert dots.count(aten.tanh) == nothing.count(aten.tanh)  # the elementwise work still is
 
 
+@pytest.mark.parametrize("check", ["default", "none"])
+def test_a_recomputation_writing_a_kept_value_in_place_leaves_it_for_the_next(check):
+    """A recomputation may write a replayed value in place where the forward run did not (under
+    torch.func transforms a linear's bias is added in place to the kept matmul): the write goes
+    to that run's value only, and the next recomputation (a second backward, ``jacrev(jacrev)``)
+    is handed the forward run's."""
+    runs = []
+
+    def f(x, w, b):
+        y = x @ w
+        runs.append(1)
+        return torch.tanh(y + b if len(runs) == 1 else y.add_(b))  # the same values, in place after the first run
+
+    w, b = W1.clone().requires_grad_(), torch.randn(12, dtype=D).requires_grad_()
+    expected = torch.autograd.grad(torch.tanh(X @ w + b).sum(), (w, b))
+    out = remat(f, policy=policies.dots_saveable, determinism_check=check)(X, w, b).sum()
+    for _ in range(3):
+        assert_close(torch.autograd.grad(out, (w, b), retain_graph=True), expected)
+
+
 def test_everything_saveable_recomputes_nothing():
     _, plain = grads_and_counts(block, "backward")
     _, everything = grads_and_counts(remat(block, policy=policies.everything_saveable), "backward")
