@@ -121,6 +121,9 @@ class Region:
     """A function of a flat tuple of tensors returning a flat tuple of tensors."""
 
     name: str = "region"
+    #: Did the forward run go under a vmap that draws per example, its inputs all unbatched there
+    #: (:func:`_batch_probe`)? Its vjp then recomputes under that vmap too.
+    drew_per_example: bool = False
 
     def run(self, flat: Tensors, phase: Phase) -> Tensors:
         raise NotImplementedError
@@ -233,6 +236,9 @@ def apply(region: Region, flat: Sequence[torch.Tensor]) -> Tensors:
 def _apply(region: Region, flat: Sequence[torch.Tensor]) -> Tensors:
     if transforms_active():
         top = peek_interpreter_stack()
+        probe = _batch_probe(top, flat)
+        if probe is not None:
+            return cast(Tensors, custom_function_call(_RematFunction, _WithBatchProbe(region, len(flat)), *flat, probe))
         if (
             top is not None
             and top.key() in (TransformType.Grad, TransformType.Jvp)
@@ -243,6 +249,42 @@ def _apply(region: Region, flat: Sequence[torch.Tensor]) -> Tensors:
         return cast(Tensors, custom_function_call(_RematFunction, region, *flat))
     flat = tuple(unwrap_if_dead(t) for t in flat)  # as Function.apply does
     return cast(Tensors, apply_function(_RematFunction, region, *flat))
+
+
+def _batch_probe(top: Any, flat: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    """A tensor batched at ``top``'s level, where ``top`` is a vmap whose random operators draw per
+    example (``randomness="different"``) or must raise (``"error"``) and no input is batched there.
+
+    torch.func runs a Function with no input batched at a vmap level below that level, as if it
+    were not there: a random operator inside would draw one sample for the whole batch (where
+    the function without remat draws one per example) and escape the ``"error"`` check. Given
+    as one more input, the probe makes torch.func take the Function's vmap rule, which runs the
+    region under that vmap (the region itself does not see it: :class:`_WithBatchProbe`).
+    """
+    if top is None or top.key() != TransformType.Vmap:
+        return None
+    vmap = VmapInterpreter(top)
+    if vmap.randomness() == "same" or any(_batched_at(t, top.level()) for t in flat):
+        return None
+    return add_batch_dim(torch.zeros(()).expand(vmap.batch_size()), 0, top.level())
+
+
+class _WithBatchProbe(Region):
+    """``base``, given a :func:`_batch_probe` as one more input, last, which it ignores."""
+
+    def __init__(self, base: Region, n: int) -> None:
+        self.base, self.n, self.name = base, n, base.name
+
+    def run(self, flat: Tensors, phase: Phase) -> Tensors:
+        if phase is Phase.FORWARD:
+            self.base.drew_per_example = True
+        return self.base.run(flat[: self.n], phase)
+
+    def note_mutated_inputs(self, indices: list[int]) -> None:
+        self.base.note_mutated_inputs([i for i in indices if i < self.n])
+
+    def release_kept(self) -> None:
+        self.base.release_kept()
 
 
 class _AtLevel:
@@ -626,6 +668,19 @@ def _vjp_of_batched_cotangents(
     wrt = [i for i, need in enumerate(needs) if need]
     differentiable: list[bool] = []
     f = _recompute_of(region, primals, wrt, differentiable)
+    if region.drew_per_example and interpreter.randomness() != "same":
+        # The forward run drew its random values per example, under this vmap (see _batch_probe):
+        # so does the recomputation, one vjp per example.
+        def per_example(_probe: torch.Tensor, *cs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            vjp_fn = cast("tuple[Any, Callable[..., Any]]", torch.func.vjp(f, *(primals[i] for i in wrt)))[1]
+            return tuple(vjp_fn(tuple(c for c, d in zip(cs, differentiable) if d)))
+
+        probe = torch.zeros(()).expand(interpreter.batch_size())
+        with interpreter.lower():
+            grads = torch.func.vmap(
+                per_example, in_dims=(0, *(b for _, b in unwrapped)), randomness=interpreter.randomness()
+            )(probe, *(c for c, _ in unwrapped))
+        return _at_positions(len(primals), wrt, [add_batch_dim(g, 0, level) for g in grads])
     with interpreter.lower():
         outs, vjp_fn = cast("tuple[Any, Callable[..., Any]]", torch.func.vjp(f, *(primals[i] for i in wrt)))
         cts = tuple(c for (c, _), d in zip(unwrapped, differentiable) if d)
@@ -640,6 +695,14 @@ def _vjp_of_batched_cotangents(
     result: list[Any] = [None] * len(primals)
     for i, g in zip(wrt, grads):
         result[i] = add_batch_dim(g, 0, level) if batched else g
+    return result
+
+
+def _at_positions(n: int, positions: Sequence[int], values: Sequence[Any]) -> list[Any]:
+    """``n`` entries, ``values`` at ``positions`` and ``None`` elsewhere."""
+    result: list[Any] = [None] * n
+    for i, v in zip(positions, values):
+        result[i] = v
     return result
 
 

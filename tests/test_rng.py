@@ -61,6 +61,38 @@ def test_vmap_randomness_error_raises_as_torch_func_does():
         tf.vmap(remat(noisy), in_dims=(None, 0))(W, X)
 
 
+def _dropout_of(w):
+    return torch.nn.functional.dropout(w, p=0.5)
+
+
+@pytest.mark.parametrize("randomness", ["different", "same"])
+def test_vmap_of_a_call_whose_inputs_are_all_unbatched_draws_as_without_remat(randomness):
+    """Under ``vmap(randomness="different")`` a random operator on unbatched tensors draws per
+    example: torch.func runs a Function none of whose inputs is batched below the vmap, so remat
+    takes the vmap's rule itself, forward (the values) and backward (per-example gradients)."""
+    w = W[0]
+
+    def forward(fn):
+        return tf.vmap(lambda x: x * fn(w), randomness=randomness)(X)
+
+    def per_example_grads(fn):
+        return tf.vmap(tf.grad(lambda w, x: (x * fn(w)).sum()), in_dims=(None, 0), randomness=randomness)(w, X)
+
+    def jacobian(fn):
+        return tf.jacfwd(lambda w: fn(w) * w, randomness=randomness)(w)
+
+    for run in (forward, per_example_grads, jacobian):
+        expected, state_expected = seeded(lambda: run(_dropout_of))
+        got, state_got = seeded(lambda: run(remat(_dropout_of)))
+        assert_close(got, expected)
+        assert torch.equal(state_got, state_expected)
+
+
+def test_vmap_randomness_error_raises_on_a_call_whose_inputs_are_all_unbatched():
+    with pytest.raises(RuntimeError, match="randomness"):
+        tf.vmap(lambda x: x * remat(_dropout_of)(W[0]))(X)
+
+
 def test_preserve_rng_state_false_does_not_replay():
     expected, _ = seeded(lambda: tf.grad(loss(noisy))(W, X))
     got, _ = seeded(lambda: tf.grad(loss(remat(noisy, preserve_rng_state=False)))(W, X))
