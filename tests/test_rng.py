@@ -27,6 +27,14 @@ def seeded(run):
     return out, torch.get_rng_state()
 
 
+def assert_as_without_remat(run, fn):
+    """``run(remat(fn))`` gives ``run(fn)``'s result and leaves the CPU generator where it does."""
+    expected, state_expected = seeded(lambda: run(fn))
+    got, state_got = seeded(lambda: run(remat(fn)))
+    assert_close(got, expected)
+    assert torch.equal(state_got, state_expected)
+
+
 @pytest.mark.parametrize("mode", ["grad", "vjp", "backward"])
 def test_random_ops_replay_and_rng_state_after_equals_unremat(mode):
     def run(fn):
@@ -39,10 +47,7 @@ def test_random_ops_replay_and_rng_state_after_equals_unremat(mode):
         loss(fn)(w, X).backward()
         return w.grad
 
-    expected, state_expected = seeded(lambda: run(noisy))
-    got, state_got = seeded(lambda: run(remat(noisy)))
-    assert_close(got, expected)
-    assert torch.equal(state_got, state_expected)
+    assert_as_without_remat(run, noisy)
 
 
 @pytest.mark.parametrize("randomness", ["different", "same"])
@@ -50,10 +55,7 @@ def test_vmap_randomness_modes(randomness):
     def run(fn):
         return tf.vmap(tf.grad(lambda w, x: fn(w, x).sum()), in_dims=(None, 0), randomness=randomness)(W, X)
 
-    expected, state_expected = seeded(lambda: run(noisy))
-    got, state_got = seeded(lambda: run(remat(noisy)))
-    assert_close(got, expected)
-    assert torch.equal(state_got, state_expected)
+    assert_as_without_remat(run, noisy)
 
 
 def test_vmap_randomness_error_raises_as_torch_func_does():
@@ -82,10 +84,7 @@ def test_vmap_of_a_call_whose_inputs_are_all_unbatched_draws_as_without_remat(ra
         return tf.jacfwd(lambda w: fn(w) * w, randomness=randomness)(w)
 
     for run in (forward, per_example_grads, jacobian):
-        expected, state_expected = seeded(lambda: run(_dropout_of))
-        got, state_got = seeded(lambda: run(remat(_dropout_of)))
-        assert_close(got, expected)
-        assert torch.equal(state_got, state_expected)
+        assert_as_without_remat(run, _dropout_of)
 
 
 def test_vmap_randomness_error_raises_on_a_call_whose_inputs_are_all_unbatched():
