@@ -62,6 +62,7 @@ from ._errors import (
     debug_enabled,
     digest,
     tensor_meta,
+    the_recomputation,
 )
 from ._internals import (
     has_gradient_dtype,
@@ -660,7 +661,7 @@ class UserRegion(Region):
         except TypeError:  # incompatible layouts: a plain CheckpointError, chained to e
             kind = CheckpointError
         return kind(
-            f"remat({self.name}): the recomputation during the backward pass raised {type(e).__name__}: {e} "
+            f"remat({self.name}): {the_recomputation()} raised {type(e).__name__}: {e} "
             "where the forward pass did not. The function must compute the same thing when called again "
             "with the same inputs: it may depend on state that changed between the forward and the backward "
             "pass (an exhausted iterator or generator, a counter, a global, a module attribute). Pass such "
@@ -1299,7 +1300,7 @@ class UserRegion(Region):
         if missing:
             meta = self.out_meta[start + self.escaped_at.index(missing[0])]
             raise CheckpointError(
-                f"remat({self.name}): the recomputation during the backward pass did not compute again a "
+                f"remat({self.name}): {the_recomputation()} did not compute again a "
                 f"tensor (shape {tuple(meta[0])}) that the forward pass computed and kept outside the call "
                 "(a forward hook, a list, a global or a module attribute), whose gradient is asked for: it "
                 "ran fewer operators than the forward pass." + KEPT_HINT

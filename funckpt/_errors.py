@@ -209,7 +209,7 @@ def check_same_outputs(
     if not problems:
         return
     message = (
-        f"remat({name}): the recomputation during the backward pass did not reproduce the forward pass:\n  "
+        f"remat({name}): {the_recomputation()} did not reproduce the forward pass:\n  "
         + "\n  ".join(problems)
         + "\nThe function must compute the same thing when called again with the same inputs "
         "(no dependence on global state that changes between forward and backward)."
@@ -462,6 +462,14 @@ _deferred_lock = threading.Lock()
 DEFER_ON_CPU = False
 
 
+def the_recomputation() -> str:
+    """How an error names a recomputation: one runs in a backward pass, or in a forward-mode
+    rule (``jvp``, ``jacfwd``), where no backward pass is running."""
+    if current_graph_task_id() >= 0:
+        return "the recomputation during the backward pass"
+    return "the recomputation for forward-mode differentiation"
+
+
 def check_same_values(
     name: str,
     forward: Sequence[Digest | None],
@@ -527,7 +535,7 @@ def _compare(
     assert a is not None and b is not None
     (s_f, n_f), (s_r, n_r) = a.read(), b.read()
     message = (
-        f"remat({name}): the recomputation during the backward pass did not reproduce the forward pass: "
+        f"remat({name}): {the_recomputation()} did not reproduce the forward pass: "
         f"{_output_words(i, kept_from)} has other values (sum {s_f:.6g}, norm {n_f:.6g} in the forward pass; "
         f"sum {s_r:.6g}, norm {n_r:.6g} in the recomputation)"
         + (f", and {len(differing) - 1} more output(s) differ" if len(differing) > 1 else "")

@@ -842,3 +842,15 @@ def test_a_nondeterministic_function_around_a_nested_remat_of_a_new_arity_still_
     y = remat(outer)(x)
     with pytest.raises(CheckpointError, match="has other values"):
         y.sum().backward()
+
+
+def test_a_recomputation_for_forward_mode_is_not_said_to_run_in_a_backward_pass():
+    """Under jvp the recomputation runs in the Function's forward-mode rule: the message says so."""
+    runs = []
+
+    def f(x):
+        runs.append(1)
+        return x.sin() * len(runs)  # other values at each run
+
+    with pytest.raises(CheckpointError, match="recomputation for forward-mode differentiation"):
+        tf.jvp(remat(f), (torch.randn(3, dtype=torch.float64),), (torch.randn(3, dtype=torch.float64),))
