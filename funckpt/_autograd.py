@@ -692,10 +692,7 @@ def _vjp_of_batched_cotangents(
             grads = torch.func.vmap(vjp_fn, in_dims=(dims,), randomness=interpreter.randomness())(cts)
         else:
             grads = vjp_fn(cts)
-    result: list[Any] = [None] * len(primals)
-    for i, g in zip(wrt, grads):
-        result[i] = add_batch_dim(g, 0, level) if batched else g
-    return result
+    return _at_positions(len(primals), wrt, [add_batch_dim(g, 0, level) if batched else g for g in grads])
 
 
 def _at_positions(n: int, positions: Sequence[int], values: Sequence[Any]) -> list[Any]:
