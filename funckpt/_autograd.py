@@ -83,6 +83,7 @@ from ._internals import (
     level_lift,
     make_dual,
     maybe_get_level,
+    interpreter_stack,
     peek_interpreter_stack,
     set_fwd_grad_enabled,
     set_fwd_grad_mode,
@@ -122,7 +123,7 @@ class Region:
 
     name: str = "region"
     #: Did the forward run go under a vmap that draws per example, its inputs all unbatched there
-    #: (:func:`_batch_probe`)? Its vjp then recomputes under that vmap too.
+    #: (:func:`_batch_probes`)? Its vjp then recomputes under that vmap too.
     drew_per_example: bool = False
 
     def run(self, flat: Tensors, phase: Phase) -> Tensors:
@@ -236,9 +237,9 @@ def apply(region: Region, flat: Sequence[torch.Tensor]) -> Tensors:
 def _apply(region: Region, flat: Sequence[torch.Tensor]) -> Tensors:
     if transforms_active():
         top = peek_interpreter_stack()
-        probe = _batch_probe(top, flat)
-        if probe is not None:
-            return cast(Tensors, custom_function_call(_RematFunction, _WithBatchProbe(region, len(flat)), *flat, probe))
+        probes = _batch_probes(top, flat)
+        if probes:
+            return cast(Tensors, custom_function_call(_RematFunction, _WithBatchProbe(region, len(flat)), *flat, *probes))
         if (
             top is not None
             and top.key() in (TransformType.Grad, TransformType.Jvp)
@@ -251,26 +252,34 @@ def _apply(region: Region, flat: Sequence[torch.Tensor]) -> Tensors:
     return cast(Tensors, apply_function(_RematFunction, region, *flat))
 
 
-def _batch_probe(top: Any, flat: Sequence[torch.Tensor]) -> torch.Tensor | None:
-    """A tensor batched at ``top``'s level, where ``top`` is a vmap whose random operators draw per
-    example (``randomness="different"``) or must raise (``"error"``) and no input is batched there.
+def _batch_probes(top: Any, flat: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """One tensor batched at each vmap level whose random operators draw per example
+    (``randomness="different"``) or must raise (``"error"``) and at which no input is batched
+    (none where ``top``, the innermost transform, is not a vmap: a grad or jvp level's rule
+    applies the region again below it, where this is asked again).
 
     torch.func runs a Function with no input batched at a vmap level below that level, as if it
     were not there: a random operator inside would draw one sample for the whole batch (where
     the function without remat draws one per example) and escape the ``"error"`` check. Given
-    as one more input, the probe makes torch.func take the Function's vmap rule, which runs the
-    region under that vmap (the region itself does not see it: :class:`_WithBatchProbe`).
+    as more inputs, the probes make torch.func take the Function's vmap rule at those levels,
+    which runs the region under that vmap (the region itself does not see them:
+    :class:`_WithBatchProbe`).
     """
     if top is None or top.key() != TransformType.Vmap:
-        return None
-    vmap = VmapInterpreter(top)
-    if vmap.randomness() == "same" or any(_batched_at(t, top.level()) for t in flat):
-        return None
-    return add_batch_dim(torch.zeros(()).expand(vmap.batch_size()), 0, top.level())
+        return []
+    probes = []
+    for interpreter in reversed(interpreter_stack()):  # (innermost first, down to the first that is not a vmap)
+        if interpreter.key() != TransformType.Vmap:
+            break
+        vmap = VmapInterpreter(interpreter)
+        if vmap.randomness() == "same" or any(_batched_at(t, interpreter.level()) for t in flat):
+            continue
+        probes.append(add_batch_dim(torch.zeros(()).expand(vmap.batch_size()), 0, interpreter.level()))
+    return probes
 
 
 class _WithBatchProbe(Region):
-    """``base``, given a :func:`_batch_probe` as one more input, last, which it ignores."""
+    """``base``, given :func:`_batch_probes` as more inputs, last, which it ignores."""
 
     def __init__(self, base: Region, n: int) -> None:
         self.base, self.n, self.name = base, n, base.name
@@ -669,7 +678,7 @@ def _vjp_of_batched_cotangents(
     differentiable: list[bool] = []
     f = _recompute_of(region, primals, wrt, differentiable)
     if region.drew_per_example and interpreter.randomness() != "same":
-        # The forward run drew its random values per example, under this vmap (see _batch_probe):
+        # The forward run drew its random values per example, under this vmap (see _batch_probes):
         # so does the recomputation, one vjp per example.
         def per_example(_probe: torch.Tensor, *cs: torch.Tensor) -> tuple[torch.Tensor, ...]:
             vjp_fn = cast("tuple[Any, Callable[..., Any]]", torch.func.vjp(f, *(primals[i] for i in wrt)))[1]

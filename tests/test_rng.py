@@ -87,6 +87,21 @@ def test_vmap_of_a_call_whose_inputs_are_all_unbatched_draws_as_without_remat(ra
         assert_as_without_remat(run, _dropout_of)
 
 
+@pytest.mark.parametrize("inner, outer", [("same", "different"), ("different", "different"), ("different", "same")])
+def test_nested_vmaps_of_a_call_whose_inputs_are_all_unbatched_draw_as_without_remat(inner, outer):
+    w, xs = W[0], torch.randn(3, 2, 6, dtype=D)
+
+    def forward(fn):
+        return tf.vmap(tf.vmap(lambda x: x * fn(w), randomness=inner), randomness=outer)(xs)
+
+    def per_example_grads(fn):
+        grad = tf.grad(lambda w, x: (x * fn(w)).sum())
+        return tf.vmap(tf.vmap(grad, in_dims=(None, 0), randomness=inner), in_dims=(None, 0), randomness=outer)(w, xs)
+
+    for run in (forward, per_example_grads):
+        assert_as_without_remat(run, _dropout_of)
+
+
 def test_vmap_randomness_error_raises_on_a_call_whose_inputs_are_all_unbatched():
     with pytest.raises(RuntimeError, match="randomness"):
         tf.vmap(lambda x: x * remat(_dropout_of)(W[0]))(X)
