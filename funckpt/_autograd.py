@@ -54,6 +54,7 @@ from typing import Any, cast
 import torch
 
 from ._capture import has_tangent, made_by_nested_region, set_internal
+from . import _rng
 from ._errors import CheckpointError
 from ._internals import (
     has_gradient_dtype,
@@ -122,9 +123,9 @@ class Region:
     """A function of a flat tuple of tensors returning a flat tuple of tensors."""
 
     name: str = "region"
-    #: Did the forward run go under a vmap that draws per example, its inputs all unbatched there
-    #: (:func:`_batch_probes`)? Its vjp then recomputes under that vmap too.
-    drew_per_example: bool = False
+    #: The vmap level its forward run drew random numbers at, per example (see
+    #: :func:`_forward_alone_at_vmap`): its vjp at that level recomputes per example.
+    drew_at_level: int | None = None
 
     def run(self, flat: Tensors, phase: Phase) -> Tensors:
         raise NotImplementedError
@@ -237,9 +238,6 @@ def apply(region: Region, flat: Sequence[torch.Tensor]) -> Tensors:
 def _apply(region: Region, flat: Sequence[torch.Tensor]) -> Tensors:
     if transforms_active():
         top = peek_interpreter_stack()
-        probes = _batch_probes(top, flat)
-        if probes:
-            return cast(Tensors, custom_function_call(_RematFunction, _WithBatchProbe(region, len(flat)), *flat, *probes))
         if (
             top is not None
             and top.key() in (TransformType.Grad, TransformType.Jvp)
@@ -247,53 +245,78 @@ def _apply(region: Region, flat: Sequence[torch.Tensor]) -> Tensors:
             and not has_torch_function(tuple(flat))
         ):
             return _apply_at_level(top, region, flat)
+        drawing = _unbatched_under_drawing_vmap(top, flat)
+        if drawing is not None:
+            if not _records_below_the_top(flat):
+                # Nothing below these vmaps would record the Function's node: its forward alone, at
+                # them, where random operators draw per example (or raise) as without remat.
+                return _forward_alone_at_vmap(region, flat, top)
+            return _refusing_one_draw_for_the_batch(region, flat, drawing)
         return cast(Tensors, custom_function_call(_RematFunction, region, *flat))
     flat = tuple(unwrap_if_dead(t) for t in flat)  # as Function.apply does
     return cast(Tensors, apply_function(_RematFunction, region, *flat))
 
 
-def _batch_probes(top: Any, flat: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """One tensor batched at each vmap level whose random operators draw per example
-    (``randomness="different"``) or must raise (``"error"``) and at which no input is batched
-    (none where ``top``, the innermost transform, is not a vmap: a grad or jvp level's rule
-    applies the region again below it, where this is asked again).
-
-    torch.func runs a Function with no input batched at a vmap level below that level, as if it
-    were not there: a random operator inside would draw one sample for the whole batch (where
-    the function without remat draws one per example) and escape the ``"error"`` check. Given
-    as more inputs, the probes make torch.func take the Function's vmap rule at those levels,
-    which runs the region under that vmap (the region itself does not see them:
-    :class:`_WithBatchProbe`).
-    """
+def _unbatched_under_drawing_vmap(top: Any, flat: Sequence[torch.Tensor]) -> Any:
+    """The innermost vmap, among those nested around this call (``top`` and the vmaps right below
+    it), whose random operators draw per example (``randomness="different"``) or raise
+    (``"error"``), with no input batched at its level; ``None`` if there is none."""
     if top is None or top.key() != TransformType.Vmap:
-        return []
-    probes = []
-    for interpreter in reversed(interpreter_stack()):  # (innermost first, down to the first that is not a vmap)
+        return None
+    for interpreter in reversed(interpreter_stack()):
         if interpreter.key() != TransformType.Vmap:
-            break
+            return None
         vmap = VmapInterpreter(interpreter)
-        if vmap.randomness() == "same" or any(_batched_at(t, interpreter.level()) for t in flat):
-            continue
-        probes.append(add_batch_dim(torch.zeros(()).expand(vmap.batch_size()), 0, interpreter.level()))
-    return probes
+        if vmap.randomness() != "same" and not any(_batched_at(t, interpreter.level()) for t in flat):
+            return vmap
+    return None
 
 
-class _WithBatchProbe(Region):
-    """``base``, given :func:`_batch_probes` as more inputs, last, which it ignores."""
+def _forward_alone_at_vmap(region: Region, flat: Sequence[torch.Tensor], top: Any) -> Tensors:
+    """:func:`_forward_alone` at the vmap ``top``; where it drew random numbers (per example),
+    the region notes that vmap's level: its vjp there recomputes per example too."""
+    generators = getattr(region, "generators", ())
+    before = _rng.capture(flat, generators)
+    outs = _forward_alone(region, flat)
+    if not _rng.same(before, _rng.capture(flat, generators)):
+        region.drew_at_level = top.level()
+    return outs
 
-    def __init__(self, base: Region, n: int) -> None:
-        self.base, self.n, self.name = base, n, base.name
 
-    def run(self, flat: Tensors, phase: Phase) -> Tensors:
-        if phase is Phase.FORWARD:
-            self.base.drew_per_example = True
-        return self.base.run(flat[: self.n], phase)
+def _records_below_the_top(flat: Sequence[torch.Tensor]) -> bool:
+    """Would a Function applied below the innermost transform record a node: a grad or jvp level
+    below it, or an input that requires grad or carries a plain forward-mode tangent?"""
+    below = interpreter_stack()[:-1]
+    return any(i.key() in (TransformType.Grad, TransformType.Jvp) for i in below) or any(
+        t.requires_grad or has_tangent(t) for t in flat
+    )
 
-    def note_mutated_inputs(self, indices: list[int]) -> None:
-        self.base.note_mutated_inputs([i for i in indices if i < self.n])
 
-    def release_kept(self) -> None:
-        self.base.release_kept()
+def _refusing_one_draw_for_the_batch(region: Region, flat: Sequence[torch.Tensor], vmap: Any) -> Tensors:
+    """The region applied as usual, refused if it drew random numbers.
+
+    torch.func runs a Function none of whose inputs is batched at a vmap level below that
+    level, once for the whole batch: a random operator inside draws one sample where the
+    function without remat draws one per example (``"different"``), or raises (``"error"``).
+    Where a level below records the Function's node (``grad(vmap(f))``), it must be applied;
+    running it under that vmap instead would batch every output, random or not, and change
+    what the caller's code may do with them (write them in place, read ``.item()``). So the
+    call runs as torch.func runs it, and the generators tell whether it drew.
+    """
+    generators = getattr(region, "generators", ())
+    before = _rng.capture(flat, generators)
+    outs = cast(Tensors, custom_function_call(_RematFunction, region, *flat))
+    if not _rng.same(before, _rng.capture(flat, generators)):
+        randomness = vmap.randomness()
+        raise CheckpointError(
+            f"remat({region.name}): the function drew random numbers under torch.func.vmap("
+            f"randomness={randomness!r}) with none of its inputs batched there. torch.func runs such a call "
+            "once for the whole batch: it would draw one sample where the function without remat "
+            + ("draws one per example" if randomness == "different" else "raises")
+            + ". Pass the remat'd function an input that is batched there (the vmapped tensor, or one computed "
+            "from it), or use randomness='same' if one sample for the whole batch is what you want."
+        )
+    return outs
 
 
 class _AtLevel:
@@ -670,26 +693,27 @@ def _vjp_of_batched_cotangents(
     def step_vjp(r: Region, p: Tensors, c: Tensors, n: Sequence[bool]) -> list[Any]:
         return _vjp_of_batched_cotangents(r, p, c, n, interpreter)
 
-    own = region.own_vjp(primals, cotangents, needs, create_graph=create_graph, advancing=advancing, step_vjp=step_vjp)
-    if own is not None:
-        return own
     unwrapped = [unwrap_batched(c, level) for c in cotangents]
     wrt = [i for i, need in enumerate(needs) if need]
     differentiable: list[bool] = []
     f = _recompute_of(region, primals, wrt, differentiable)
-    if region.drew_per_example and interpreter.randomness() != "same":
-        # The forward run drew its random values per example, under this vmap (see _batch_probes):
-        # so does the recomputation, one vjp per example.
-        def per_example(_probe: torch.Tensor, *cs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    if region.drew_at_level == level:
+        # The forward run drew its random values per example, at this vmap: so does the
+        # recomputation, one vjp per example under this vmap (of a checkpointed loop too, whole:
+        # its steps' own vjps would recompute them below it).
+        def per_example(_size: torch.Tensor, *cs: torch.Tensor) -> tuple[torch.Tensor, ...]:
             vjp_fn = cast("tuple[Any, Callable[..., Any]]", torch.func.vjp(f, *(primals[i] for i in wrt)))[1]
             return tuple(vjp_fn(tuple(c for c, d in zip(cs, differentiable) if d)))
 
-        probe = torch.zeros(()).expand(interpreter.batch_size())
+        size = torch.zeros(()).expand(interpreter.batch_size())  # (gives the vmap its size)
         with interpreter.lower():
             grads = torch.func.vmap(
                 per_example, in_dims=(0, *(b for _, b in unwrapped)), randomness=interpreter.randomness()
-            )(probe, *(c for c, _ in unwrapped))
+            )(size, *(c for c, _ in unwrapped))
         return _at_positions(len(primals), wrt, [add_batch_dim(g, 0, level) for g in grads])
+    own = region.own_vjp(primals, cotangents, needs, create_graph=create_graph, advancing=advancing, step_vjp=step_vjp)
+    if own is not None:
+        return own
     with interpreter.lower():
         outs, vjp_fn = cast("tuple[Any, Callable[..., Any]]", torch.func.vjp(f, *(primals[i] for i in wrt)))
         cts = tuple(c for (c, _), d in zip(unwrapped, differentiable) if d)
@@ -902,16 +926,8 @@ class _RematAtLevel(SingleLevelFunction):  # type: ignore[misc]  # torch's priva
         with torch.enable_grad(), set_fwd_grad_enabled(True), at.interpreter.lower():
             if _nothing_records_below(unwrapped):
                 # The Function one level lower would make no node (no input requires grad
-                # there, no transform or dual below): its forward alone, as Function.apply
-                # runs it (grad and forward-mode AD off), without its setup_context.
-                grad_was, fwd_was = torch.is_grad_enabled(), fwd_grad_enabled()
-                set_grad_enabled(False)  # (no_grad and set_fwd_grad_enabled, without their Python objects)
-                set_fwd_grad_mode(False)
-                try:
-                    outs = _RematFunction.forward(at.region, *unwrapped)
-                finally:
-                    set_fwd_grad_mode(fwd_was)
-                    set_grad_enabled(grad_was)
+                # there, no transform or dual below).
+                outs = _forward_alone(at.region, unwrapped)
             else:
                 outs = apply(at.region, unwrapped)
         # An output that is an input, unwrapped, is returned as the input itself (as
@@ -934,6 +950,19 @@ class _RematAtLevel(SingleLevelFunction):  # type: ignore[misc]  # torch's priva
     @staticmethod
     def jvp(ctx: Any, *tangents: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
         return _RematFunction.jvp(ctx, *tangents)
+
+
+def _forward_alone(region: Region, flat: Sequence[torch.Tensor]) -> Tensors:
+    """The Function's forward alone, as ``Function.apply`` runs it (grad and forward-mode AD
+    off), without its setup_context: where nothing would record its node."""
+    grad_was, fwd_was = torch.is_grad_enabled(), fwd_grad_enabled()
+    set_grad_enabled(False)  # (no_grad and set_fwd_grad_enabled, without their Python objects)
+    set_fwd_grad_mode(False)
+    try:
+        return _RematFunction.forward(region, *flat)
+    finally:
+        set_fwd_grad_mode(fwd_was)
+        set_grad_enabled(grad_was)
 
 
 def _nothing_records_below(flat: Tensors) -> bool:

@@ -5,7 +5,7 @@ import torch
 import torch.func as tf
 from torch.testing import assert_close
 
-from funckpt import remat
+from funckpt import CheckpointError, remat
 
 D = torch.float64
 W = torch.randn(6, 6, dtype=D, generator=torch.Generator().manual_seed(7))
@@ -100,6 +100,52 @@ def test_nested_vmaps_of_a_call_whose_inputs_are_all_unbatched_draw_as_without_r
 
     for run in (forward, per_example_grads):
         assert_as_without_remat(run, _dropout_of)
+
+
+def test_vmap_of_jacrev_and_of_a_checkpointed_loop_drawing_per_example():
+    import funckpt
+
+    w = W[0]
+
+    def jacobians(fn):
+        return tf.vmap(tf.jacrev(lambda w, x: x * fn(w)), in_dims=(None, 0), randomness="different")(w, X)
+
+    def loop_grads(fn):
+        step = lambda c, _: (fn(c.sin()), None)  # noqa: E731
+        loop = lambda c: funckpt.scan(step, c, None, length=4)[0]  # noqa: E731
+        return tf.vmap(tf.grad(lambda w, x: (x * loop(w)).sum()), in_dims=(None, 0), randomness="different")(w, X)
+
+    assert_as_without_remat(jacobians, _dropout_of)
+    expected, _ = seeded(lambda: loop_grads(_dropout_of))
+    got, _ = seeded(lambda: loop_grads(lambda c: remat(_dropout_of)(c)))
+    assert_close(got, expected)
+
+
+def test_a_call_whose_inputs_are_all_unbatched_returns_what_the_function_does_under_vmap():
+    """Without random operators the call's outputs are the function's: unbatched inside the vmap,
+    so the caller may write them in place, read them as numbers, return them unbatched."""
+    w = W[0]
+
+    def f(w):
+        return w.sin() * 2
+
+    def run(fn):
+        def body(x):
+            out = fn(w)
+            out.mul_(2)
+            return out * float(out.sum()) if bool(out.any()) else out, x.sum()
+
+        return tf.vmap(body, out_dims=(None, 0))(X)
+
+    assert_as_without_remat(run, f)
+
+
+def test_a_random_call_whose_inputs_are_unbatched_under_vmap_inside_grad_is_refused():
+    """``grad(vmap(f, randomness="different"))``: the call must be recorded for the enclosing grad,
+    and torch.func runs it once for the whole batch: one sample where the function without remat
+    draws one per example. remat says so rather than return one draw for all."""
+    with pytest.raises(CheckpointError, match="batched there"):
+        tf.grad(lambda w: tf.vmap(lambda x: x * remat(_dropout_of)(w), randomness="different")(X).sum())(W[0])
 
 
 def test_vmap_randomness_error_raises_on_a_call_whose_inputs_are_all_unbatched():
