@@ -53,8 +53,8 @@ from typing import Any, cast
 
 import torch
 
-from ._capture import has_tangent, made_by_nested_region, set_internal
 from . import _rng
+from ._capture import has_tangent, made_by_nested_region, set_internal
 from ._errors import CheckpointError
 from ._internals import (
     has_gradient_dtype,
@@ -275,12 +275,18 @@ def _unbatched_under_drawing_vmap(top: Any, flat: Sequence[torch.Tensor]) -> Any
 def _forward_alone_at_vmap(region: Region, flat: Sequence[torch.Tensor], top: Any) -> Tensors:
     """:func:`_forward_alone` at the vmap ``top``; where it drew random numbers (per example),
     the region notes that vmap's level: its vjp there recomputes per example too."""
-    generators = getattr(region, "generators", ())
-    before = _rng.capture(flat, generators)
-    outs = _forward_alone(region, flat)
-    if not _rng.same(before, _rng.capture(flat, generators)):
+    outs, drew = _drawing(region, flat, lambda: _forward_alone(region, flat))
+    if drew:
         region.drew_at_level = top.level()
     return outs
+
+
+def _drawing(region: Region, flat: Sequence[torch.Tensor], run: Callable[[], Tensors]) -> tuple[Tensors, bool]:
+    """``run()``'s outputs, and whether it drew random numbers (moved a generator the call reaches)."""
+    generators = getattr(region, "generators", ())
+    before = _rng.capture(flat, generators)
+    outs = run()
+    return outs, not _rng.same(before, _rng.capture(flat, generators))
 
 
 def _records_below_the_top(flat: Sequence[torch.Tensor]) -> bool:
@@ -303,10 +309,8 @@ def _refusing_one_draw_for_the_batch(region: Region, flat: Sequence[torch.Tensor
     what the caller's code may do with them (write them in place, read ``.item()``). So the
     call runs as torch.func runs it, and the generators tell whether it drew.
     """
-    generators = getattr(region, "generators", ())
-    before = _rng.capture(flat, generators)
-    outs = cast(Tensors, custom_function_call(_RematFunction, region, *flat))
-    if not _rng.same(before, _rng.capture(flat, generators)):
+    outs, drew = _drawing(region, flat, lambda: cast(Tensors, custom_function_call(_RematFunction, region, *flat)))
+    if drew:
         randomness = vmap.randomness()
         raise CheckpointError(
             f"remat({region.name}): the function drew random numbers under torch.func.vmap("
