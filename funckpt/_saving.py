@@ -154,6 +154,11 @@ def _cacheable(op: Any) -> bool:
     return verdict
 
 
+def _argument(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any], i: int) -> Any:
+    """ATen operator ``op``'s argument at position ``i`` of its schema, given by position or keyword."""
+    return args[i] if i < len(args) else kwargs.get(op._schema.arguments[i].name)
+
+
 def _tensors(out: Any) -> tuple[torch.Tensor, ...]:
     """The tensors an operator returned (a tensor, or a tuple or list of them)."""
     if isinstance(out, torch.Tensor):
@@ -438,7 +443,7 @@ class WriteWatch(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's
         if positions and _is_batch_norm_with_stats(func) and _evaluating(func, args, kwargs):
             positions = tuple(i for i in positions if i not in (3, 4))  # batch norm in eval mode reads them
         for i in positions:
-            target = args[i] if i < len(args) else kwargs.get(func._schema.arguments[i].name)
+            target = _argument(func, args, kwargs, i)
             for t in _tensors(target):
                 storage = storage_of(t)
                 written.append(storage)
@@ -446,7 +451,7 @@ class WriteWatch(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's
                 if index is not None:
                     self.before_write(index, t)
         for i in _reshaped_args(func):
-            self._before_writing(args[i] if i < len(args) else kwargs.get(func._schema.arguments[i].name))
+            self._before_writing(_argument(func, args, kwargs, i))
         return written
 
     def __torch_dispatch__(
@@ -774,7 +779,7 @@ class Replayer(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's u
         """
         saved = self.saved
         for i in _written_args(func):
-            target = args[i] if i < len(args) else kwargs.get(func._schema.arguments[i].name)
+            target = _argument(func, args, kwargs, i)
             for t in _tensors(target):
                 position = self.handed.pop(storage_of(t), None)
                 if position is None or position not in saved.kept:
