@@ -82,6 +82,7 @@ from ._internals import (
     legacy_vmap_depth,
     legacy_vmap_increment,
     level_lift,
+    lowered,
     make_dual,
     maybe_get_level,
     interpreter_stack,
@@ -689,7 +690,7 @@ def _vjp_of_batched_cotangents(
 
     def advancing() -> contextlib.AbstractContextManager[Any]:
         stack = contextlib.ExitStack()
-        stack.enter_context(interpreter.lower())
+        stack.enter_context(lowered(interpreter))
         if not create_graph:
             stack.enter_context(torch.no_grad())
         return stack
@@ -710,7 +711,7 @@ def _vjp_of_batched_cotangents(
             return tuple(vjp_fn(tuple(c for c, d in zip(cs, differentiable) if d)))
 
         size = torch.zeros(()).expand(interpreter.batch_size())  # (gives the vmap its size)
-        with interpreter.lower():
+        with lowered(interpreter):
             grads = torch.func.vmap(
                 per_example, in_dims=(0, *(b for _, b in unwrapped)), randomness=interpreter.randomness()
             )(size, *(c for c, _ in unwrapped))
@@ -718,7 +719,7 @@ def _vjp_of_batched_cotangents(
     own = region.own_vjp(primals, cotangents, needs, create_graph=create_graph, advancing=advancing, step_vjp=step_vjp)
     if own is not None:
         return own
-    with interpreter.lower():
+    with lowered(interpreter):
         outs, vjp_fn = cast("tuple[Any, Callable[..., Any]]", torch.func.vjp(f, *(primals[i] for i in wrt)))
         cts = tuple(c for (c, _), d in zip(unwrapped, differentiable) if d)
         dims = tuple(b for (_, b), d in zip(unwrapped, differentiable) if d)
@@ -878,7 +879,7 @@ class _RematFunction(torch.autograd.Function):
         level = interpreter.level()
         lowered_p = tuple(unwrap_for_grad(p, level) for p in primals)
         lowered_c = tuple(unwrap_for_grad(c, level) for c in cotangents)
-        with interpreter.lower():
+        with lowered(interpreter):
             grads = _vjp_here(region, lowered_p, lowered_c, needs)
         ctx.region.release_kept()  # this level's backward runs once
         if not graph_task_keeps_graph():
@@ -906,7 +907,7 @@ class _RematFunction(torch.autograd.Function):
             level = interpreter.level()
             lowered_p = tuple(unwrap_for_grad(p, level) for p in primals)
             lowered_t = tuple(unwrap_for_grad(t, level) for t in filled)
-            with interpreter.lower(), set_fwd_grad_enabled(True):
+            with lowered(interpreter), set_fwd_grad_enabled(True):
                 lowered_out = _jvp_here(region, lowered_p, lowered_t, with_tangent)
             out = tuple(wrap_for_grad(t, level) for t in lowered_out)
         # Outputs marked non-differentiable (integer tensors) take no tangent.
@@ -926,14 +927,21 @@ class _RematAtLevel(SingleLevelFunction):  # type: ignore[misc]  # torch's priva
         level = at.interpreter.level()
         unwrapped = tuple(unwrap_for_grad(x, level) for x in operands)
         # As functorch's rule: grad and forward-mode AD on (a single-level Function's
-        # forward runs with both off), the level popped.
-        with torch.enable_grad(), set_fwd_grad_enabled(True), at.interpreter.lower():
-            if _nothing_records_below(unwrapped):
-                # The Function one level lower would make no node (no input requires grad
-                # there, no transform or dual below).
-                outs = _forward_alone(at.region, unwrapped)
-            else:
-                outs = apply(at.region, unwrapped)
+        # forward runs with both off), the level popped (set directly: this runs per call).
+        grad_was, fwd_was = torch.is_grad_enabled(), fwd_grad_enabled()
+        set_grad_enabled(True)
+        set_fwd_grad_mode(True)
+        try:
+            with lowered(at.interpreter):
+                if _nothing_records_below(unwrapped):
+                    # The Function one level lower would make no node (no input requires grad
+                    # there, no transform or dual below).
+                    outs = _forward_alone(at.region, unwrapped)
+                else:
+                    outs = apply(at.region, unwrapped)
+        finally:
+            set_fwd_grad_mode(fwd_was)
+            set_grad_enabled(grad_was)
         # An output that is an input, unwrapped, is returned as the input itself (as
         # functorch's wrap_outputs_maintaining_identity does); the others are wrapped.
         given = {id(u): x for u, x in zip(unwrapped, operands)}

@@ -68,6 +68,7 @@ __all__ = [
     "is_dead_tensor_wrapper",
     "is_functorch_wrapped",
     "jvp_levels_active",
+    "lowered",
     "legacy_vmap_decrement",
     "legacy_vmap_depth",
     "legacy_vmap_increment",
@@ -132,6 +133,60 @@ from torch._functorch.pyfunctorch import GradInterpreter, JvpInterpreter, VmapIn
 from torch._functorch.pyfunctorch import (  # noqa: E402
     temporarily_clear_interpreter_stack as outside_functorch,  # since 2.0: run a block with no transform active
 )
+
+class lowered:
+    """``interpreter.lower()`` without its Python context managers: run the body one level down.
+
+    torch's ``lower()`` (``pyfunctorch``) pops the interpreter off the stack and, for a
+    grad (jvp) level entered under ``no_grad`` (forward grad off), turns grad mode
+    (forward grad) off for the body, mirroring the C++ ``sendToNextInterpreter``. It
+    builds that from ``contextlib`` generators, about 3 us per use; a remat'd call under
+    ``torch.func.grad`` lowers twice (its forward and its backward). Same order: the
+    mode is set, then the level popped; the level pushed back, then the mode restored.
+    """
+
+    __slots__ = ("interpreter", "mode_was", "saved")
+
+    def __init__(self, interpreter: Any) -> None:
+        self.interpreter = interpreter
+        self.mode_was: bool | None = None  # grad (or forward grad) mode to restore, where lower() sets it
+        self.saved: Any = None
+
+    def __enter__(self) -> None:
+        interpreter = self.interpreter
+        if interpreter.key() == TransformType.Grad:
+            if not interpreter._cptr.prevGradMode():
+                self.mode_was = torch.is_grad_enabled()
+                torch._C._set_grad_enabled(False)
+        elif interpreter.key() == TransformType.Jvp:
+            if not interpreter._cptr.prevFwdGradMode():
+                self.mode_was = torch._C._is_fwd_grad_enabled()
+                torch._C._set_fwd_grad_enabled(False)
+        try:
+            self.saved = _pop_layer()
+        except BaseException:
+            self._restore_mode()
+            raise
+
+    def __exit__(self, *exc: Any) -> None:
+        try:
+            _push_layer(self.saved)
+        finally:
+            self._restore_mode()
+
+    def _restore_mode(self) -> None:
+        if self.mode_was is None:
+            return
+        if self.interpreter.key() == TransformType.Grad:
+            torch._C._set_grad_enabled(self.mode_was)
+        else:
+            torch._C._set_fwd_grad_enabled(self.mode_was)
+        self.mode_was = None
+
+
+_pop_layer = torch._C._functorch.pop_dynamic_layer_stack
+_push_layer = torch._C._functorch.push_dynamic_layer_stack
+
 
 def level_lift(interpreter: Any) -> Callable[[torch.Tensor], torch.Tensor]:
     """The interpreter's lift of a tensor to its level (what its ``process()`` applies to every argument)."""
