@@ -65,6 +65,7 @@ from ._errors import (
     the_recomputation,
 )
 from ._internals import (
+    call_with_own_hooks,
     has_gradient_dtype,
     bottom,
     forward_ad_level,
@@ -96,31 +97,41 @@ from .policies import nothing_saveable
 __all__ = ["UserRegion", "call", "finish", "nothing_to_differentiate", "prepare", "run_prepared"]
 
 
-def call(fn: Callable[..., Any], options: RematOptions, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+def call(
+    fn: Callable[..., Any],
+    options: RematOptions,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    *,
+    wrapped: bool = False,
+) -> Any:
     """One checkpointed call of ``fn(*args, **kwargs)``.
 
     Under ``torch.compile`` the call becomes the compiler's checkpoint region
     where it can, and otherwise a graph break around the eager call below
-    (``_compile.py`` says which and why).
+    (``_compile.py`` says which and why). ``wrapped``: ``fn`` is the module a
+    ``remat`` wrapper wraps, called with its own hooks only (see :class:`WrappedModuleRegion`).
     """
     if torch.compiler.is_compiling() and can_lower(options):
-        return lowered_call(fn, options, args, kwargs)
-    return _call_eagerly(fn, options, args, kwargs)
+        return lowered_call(functools.partial(call_with_own_hooks, fn) if wrapped else fn, options, args, kwargs)
+    return _call_eagerly(fn, options, args, kwargs, wrapped)
 
 
 skip_as_frame(call)
 
 
 @eager_under_compile
-def _call_eagerly(fn: Callable[..., Any], options: RematOptions, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+def _call_eagerly(
+    fn: Callable[..., Any], options: RematOptions, args: tuple[Any, ...], kwargs: dict[str, Any], wrapped: bool = False
+) -> Any:
     if nothing_to_differentiate():
         # Under no_grad or inference_mode with no transform: nothing will be
         # recomputed, so remat is fn itself (a function that enables grad inside
         # then records its graph, as it would without remat).
         check_static_argnums(callable_name(fn), options, args)
-        return fn(*args, **kwargs)
+        return call_with_own_hooks(fn, args, kwargs) if wrapped else fn(*args, **kwargs)
     _initialize_if_lazy(fn, args, kwargs)
-    return run_prepared(*prepare(fn, options, args, kwargs))
+    return run_prepared(*prepare(fn, options, args, kwargs, make_region=WrappedModuleRegion if wrapped else None))
 
 
 def run_prepared(region: UserRegion, routed: list[torch.Tensor]) -> Any:
@@ -1331,3 +1342,17 @@ class UserRegion(Region):
         """Compare output values too? Not when random operators are allowed to draw anew,
         nor when the forward run read memory it allocated uninitialized."""
         return self.options.determinism_check == "default" and self.options.preserve_rng_state and self.values_reproducible
+
+
+class WrappedModuleRegion(UserRegion):
+    """The module a ``remat(module)`` wrapper wraps, called with its own hooks but not the global ones.
+
+    torch runs the global hooks (``register_module_forward_hook``, ...) on the wrapper's own
+    call, which stands for the module's (it poses as the module's class and sits where the
+    module sat): run on the module's call again, a hook would apply twice to one layer (a
+    hook scaling a ``Linear``'s output would scale it twice, silently).
+    """
+
+    def run_fn(self, *args: Any, **kwargs: Any) -> Any:
+        return call_with_own_hooks(self.fn, args, kwargs)
+

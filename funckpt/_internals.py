@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import types
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar, cast
 
@@ -69,6 +70,7 @@ __all__ = [
     "is_functorch_wrapped",
     "jvp_levels_active",
     "lowered",
+    "call_with_own_hooks",
     "legacy_vmap_decrement",
     "legacy_vmap_depth",
     "legacy_vmap_increment",
@@ -405,6 +407,58 @@ def parametrization_cache() -> dict[Any, torch.Tensor] | None:
     tensor once computed (keyed by module and name), while it is on; ``None`` when off.
     (``_cache`` and ``_cache_enabled``: torch >= 1.9.)"""
     return cast("dict[Any, torch.Tensor]", _parametrize._cache) if _parametrize._cache_enabled else None
+
+
+import torch.nn.modules.module as _module_module  # noqa: E402
+
+
+class _WithoutGlobalHooks(dict):  # type: ignore[type-arg]
+    """The globals ``nn.Module._call_impl`` reads, with the global hook registries empty.
+
+    Holds only those; every other name is looked up in torch's module when read
+    (``__missing__``), so what torch patches there later is still seen."""
+
+    def __missing__(self, name: str) -> Any:
+        return vars(_module_module)[name]  # (a KeyError falls through to the builtins)
+
+
+def _code_names(code: Any) -> set[str]:
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if hasattr(const, "co_names"):
+            names |= _code_names(const)
+    return names
+
+
+def _own_hooks_call_impl() -> Callable[..., Any]:
+    impl = torch.nn.Module._call_impl
+    empty = _WithoutGlobalHooks()
+    for name in _code_names(impl.__code__):
+        value = vars(_module_module).get(name)
+        if name.startswith("_global_") and isinstance(value, dict):
+            empty[name] = type(value)()
+    return types.FunctionType(impl.__code__, empty, impl.__name__, impl.__defaults__, impl.__closure__)
+
+
+#: ``nn.Module._call_impl``, torch's own code, seeing no global hooks (``register_module_forward_hook``...).
+_call_impl_own_hooks = _own_hooks_call_impl()
+
+
+def call_with_own_hooks(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``module(*args, **kwargs)`` running the module's own hooks but not the global ones.
+
+    For the module a ``remat`` wrapper wraps: the wrapper's own call, which torch runs
+    with the global hooks, is this module's call for every hook that sees it (it
+    poses as its class), and a global hook must not apply twice to one layer's call.
+    The module's own full backward hooks still bring the global backward hooks with them
+    (``_get_backward_hooks`` reads them directly): only where both are registered.
+    """
+    if module._compiled_call_impl is not None:  # (module.compile(): torch's compiled call, hooks and all)
+        return module(*args, **kwargs)
+    if not (module._forward_hooks or module._forward_pre_hooks or module._backward_hooks or module._backward_pre_hooks):
+        forward = module._slow_forward if torch._C._get_tracing_state() else module.forward
+        return forward(*args, **kwargs)
+    return _call_impl_own_hooks(module, *args, **kwargs)
 
 
 def fsdp2_training_state(module: Any) -> str:

@@ -106,7 +106,7 @@ class Remat(torch.nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         _resync(self)
         _share_parametrizations(self)
-        return call(self.wrapped, self._remat_options, args, kwargs)
+        return call(self.wrapped, self._remat_options, args, kwargs, wrapped=True)
 
     def state_dict(self, *args: Any, **kwargs: Any) -> Any:
         """The wrapped module's own ``state_dict``: its entries under the same keys, and also its
@@ -175,7 +175,21 @@ class Remat(torch.nn.Module):
             delattr(wrapped, name)
 
     def train(self, mode: bool = True) -> Remat:
-        super().train(mode)  # sets self.training, and so the wrapped module's (__setattr__)
+        """The wrapped module's own ``train``: its class's override runs (a block that keeps its
+        BatchNorm frozen, ``super().train(mode); self.bn.eval()``), on the layers, which it shares."""
+        if not isinstance(mode, bool):
+            raise ValueError("training mode is expected to be boolean")  # (nn.Module.train's error)
+        _resync(self)
+        self.wrapped.train(mode)
+        torch.nn.Module.__setattr__(self, "training", self.wrapped.training)  # type: ignore[arg-type]  # (whatever the override set)
+        return self
+
+    def _apply(self, fn: Any, recurse: bool = True) -> Remat:
+        """The wrapped module's own ``_apply``, which ``to``, ``half``, ``cuda``, ``to_empty`` go
+        through: its class's override runs (a buffer kept in float32, an LSTM's flat weights)."""
+        _resync(self)
+        self.wrapped._apply(fn, recurse)  # type: ignore[no-untyped-call]
+        _resync(self)
         return self
 
     def _get_name(self) -> str:
@@ -293,22 +307,24 @@ def _share_parametrizations(wrapper: Remat) -> None:
     from the wrapper since (``remove_parametrizations``) is removed from it too.
     """
     wrapped = wrapper.wrapped
-    cls = type(wrapper)
     state = wrapped.__dict__.get("_funckpt_shared_parametrizations")
     plist = wrapper._modules.get("parametrizations")
     if plist is None and not state:
         return  # nothing parametrized: the usual case
-    names = list(plist.keys()) if isinstance(plist, torch.nn.ModuleDict) else []
-    on_wrapper = set(_own_properties(cls, names))
+    # The parametrizations are one ModuleDict, shared by the module and all its wrappers: what
+    # it holds is what is parametrized, whichever of them it was registered or removed through
+    # (another wrapper of the same module has none of the properties on its class).
+    names = set(plist.keys()) if isinstance(plist, torch.nn.ModuleDict) else set()
     if state is None:
         state = wrapped.__dict__["_funckpt_shared_parametrizations"] = {"names": set(), "new_class": False}
-    for name in sorted(state["names"] - on_wrapper):  # removed from the wrapper since
-        delattr(type(wrapped), name)
+    for name in sorted(state["names"] - names):  # removed since (remove_parametrizations)
+        if isinstance(type(wrapped).__dict__.get(name), property):
+            delattr(type(wrapped), name)
         state["names"].discard(name)
     if state["new_class"] and not state["names"]:
         wrapped.__class__ = type(wrapped).__bases__[0]
         state["new_class"] = False
-    missing = [n for n in sorted(on_wrapper) if not isinstance(type(wrapped).__dict__.get(n), property)]
+    missing = [n for n in sorted(names) if not isinstance(type(wrapped).__dict__.get(n), property)]
     if missing and not _own_properties(type(wrapped), names):  # not parametrized itself: its own class
         parametrize._inject_new_class(wrapped)
         state["new_class"] = True
@@ -337,8 +353,10 @@ def split(length: int, segments: int) -> list[tuple[int, int]]:
 
 
 def _off_in_place_layers(ranges: list[tuple[int, int]], layers: Sequence[Any]) -> list[tuple[int, int]]:
-    """``ranges`` with each boundary moved past the layers that write their input in place
-    (``ReLU(inplace=True)``, the ``inplace`` flag of torch's activations and dropouts).
+    """``ranges`` with each boundary moved past the layers that would write the segment's input
+    in place: a layer with ``inplace=True`` (torch's activations and dropouts), reached from the
+    boundary through layers that may hand on their input itself or a view of it (``Identity``,
+    a dropout in eval mode, ``Flatten``), or first in a nested ``Sequential``.
 
     Such a layer first in a segment would write that segment's input, the previous segment's
     output, which the recomputation must start from (remat refuses the write). Inside a
@@ -347,11 +365,43 @@ def _off_in_place_layers(ranges: list[tuple[int, int]], layers: Sequence[Any]) -
     """
     cuts: list[int] = []
     for start, _ in ranges[1:]:
-        while start < len(layers) and getattr(layers[start], "inplace", False) is True:
-            start += 1
+        start = _past_input_writers(layers, start)
         if start < len(layers) and (not cuts or start > cuts[-1]):
             cuts.append(start)
     return list(zip([0, *cuts], [*cuts, len(layers)]))
+
+
+#: Layers that may return their input itself or a view of it (a dropout in eval mode or with
+#: p=0, a flatten of a contiguous tensor): a write by the next layer reaches their input.
+_PASS_THROUGH = (
+    torch.nn.Identity,
+    torch.nn.modules.dropout._DropoutNd,
+    torch.nn.Flatten,
+    torch.nn.Unflatten,
+)
+
+
+def _past_input_writers(layers: Sequence[Any], start: int) -> int:
+    """The first position at or after ``start`` where a segment can begin without its layers
+    writing its input (``start`` itself unless a layer from there may: see :func:`_off_in_place_layers`)."""
+    j = start
+    while j < len(layers) and _passes_through(layers[j]):
+        j += 1
+    if j < len(layers) and _writes_its_input(layers[j]):
+        return _past_input_writers(layers, j + 1)
+    return start
+
+
+def _passes_through(layer: Any) -> bool:
+    if isinstance(layer, torch.nn.Sequential):
+        return all(_passes_through(inner) for inner in layer)
+    return isinstance(layer, _PASS_THROUGH) and getattr(layer, "inplace", False) is not True
+
+
+def _writes_its_input(layer: Any) -> bool:
+    if isinstance(layer, torch.nn.Sequential):
+        return _past_input_writers(list(layer), 0) > 0
+    return getattr(layer, "inplace", False) is True
 
 
 def run_in_segments(
@@ -373,7 +423,7 @@ def run_in_segments(
         ranges = _off_in_place_layers(ranges, layers)
     remat_ranges = ranges if checkpoint_last else ranges[:-1]
     for a, b in remat_ranges:
-        x = call(_Chain(list(layers[a:b])), options, (x,), {})
+        x = call(_Chain(list(layers[a:b]), a), options, (x,), {})
     if not checkpoint_last:
         for f in layers[ranges[-1][0] :] if ranges else ():
             x = f(x)
@@ -383,9 +433,9 @@ def run_in_segments(
 class _Chain:
     """Calls its layers in order; remat finds their parameters through ``layers``."""
 
-    def __init__(self, layers: list[Any]) -> None:
+    def __init__(self, layers: list[Any], start: int) -> None:
         self.layers = layers
-        self.__name__ = "segment"
+        self.__name__ = f"segment of layers {start} to {start + len(layers) - 1}"  # (named in remat's errors)
 
     def __call__(self, x: Any) -> Any:
         for f in self.layers:
@@ -425,7 +475,7 @@ class RematSequential(Remat):
         if _has_hooks(self.wrapped):
             # Segments would call the layers, not the Sequential: its own hooks would not run.
             # One region around the Sequential's own call keeps them.
-            return call(self.wrapped, self._remat_options, (x,), {})
+            return call(self.wrapped, self._remat_options, (x,), {}, wrapped=True)
         return run_in_segments(
             list(self.wrapped),
             self.num_segments or 1,

@@ -145,6 +145,139 @@ def test_segments_never_start_with_a_layer_that_writes_its_input(segments):
     assert_close([p.grad for p in model.parameters()], [p.grad for p in reference.parameters()])
 
 
+@pytest.mark.parametrize("segments", [None, 2, 3, 4, 5])
+@pytest.mark.parametrize(
+    "before",
+    [
+        lambda: [nn.Identity()],
+        lambda: [nn.Dropout(0.5).eval()],
+        lambda: [nn.Flatten(), nn.Identity()],
+        lambda: [nn.Sequential(nn.Identity())],
+    ],
+    ids=["Identity", "eval Dropout", "Flatten", "nested pass-through"],
+)
+def test_segments_never_start_where_a_later_layer_writes_their_input(before, segments):
+    """A layer that hands on its input itself or a view of it (``Identity``, a dropout in eval mode,
+    ``Flatten``) before ``ReLU(inplace=True)``: the in-place layer writes the segment's input just
+    as if it came first. So does one first in a nested ``Sequential``."""
+    def features():
+        torch.manual_seed(0)
+        return nn.Sequential(
+            nn.Linear(4, 4, dtype=D), *before(), nn.ReLU(inplace=True), nn.Linear(4, 4, dtype=D),
+            nn.Sequential(nn.ReLU(inplace=True), nn.Linear(4, 2, dtype=D)),
+        )
+
+    reference, model = features(), remat(features(), segments=segments)
+    x = torch.randn(3, 4, dtype=D, requires_grad=True)
+    x2 = x.detach().clone().requires_grad_()
+    reference(x).square().sum().backward()
+    model(x2).square().sum().backward()
+    assert_close(x2.grad, x.grad)
+    assert_close([p.grad for p in model.parameters()], [p.grad for p in reference.parameters()])
+
+
+def test_global_module_hooks_apply_once_to_a_remat_layer():
+    """The wrapper's call stands for the layer's (it poses as its class): a global hook runs on it,
+    not again on the wrapped layer's call inside, so one that changes a Linear's output or
+    gradient changes it once, as without remat."""
+    from torch.nn.modules import module as torch_module
+
+    seen = []
+
+    def forward_hook(m, args, out):
+        seen.append(type(m).__name__)
+        return 2 * out if isinstance(m, nn.Linear) else None
+
+    def backward_hook(m, grad_input, grad_output):
+        return tuple(None if g is None else g / 4 for g in grad_input) if isinstance(m, nn.Linear) else None
+
+    def run(model):
+        x = torch.randn(3, 4, dtype=D, generator=torch.Generator().manual_seed(1), requires_grad=True)
+        handles = [torch_module.register_module_forward_hook(forward_hook), torch_module.register_module_full_backward_hook(backward_hook)]
+        try:
+            seen.clear()
+            out = model(x)
+            forward_calls = list(seen)
+            out.square().sum().backward()
+        finally:
+            for h in handles:
+                h.remove()
+        return out, x.grad, forward_calls
+
+    torch.manual_seed(0)
+    layer = nn.Linear(4, 4, dtype=D)
+    out, grad, calls = run(remat(layer))
+    reference_out, reference_grad, reference_calls = run(layer)
+    assert_close(out, reference_out)
+    assert_close(grad, reference_grad)
+    assert len(calls) == len(reference_calls) == 1
+
+
+def test_the_wrapped_class_own_train_and_apply_run():
+    """``remat(block).train()`` and ``.half()``/``.to()`` run the block's class's overrides: a
+    block that keeps its BatchNorm frozen in training, and one buffer in float32 under conversions."""
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin, self.bn = nn.Linear(4, 4, dtype=D), nn.BatchNorm1d(4, dtype=D)
+            self.register_buffer("scale", torch.arange(4.0, dtype=torch.float32))
+
+        def train(self, mode=True):
+            super().train(mode)
+            self.bn.eval()
+            return self
+
+        def _apply(self, fn, recurse=True):
+            scale = self.scale
+            out = super()._apply(fn, recurse)
+            self.scale = fn(scale).float()
+            return out
+
+        def forward(self, x):
+            return self.bn(self.lin(x)) * self.scale.to(x.dtype)
+
+    torch.manual_seed(0)
+    reference = Block()
+    model = remat(Block())
+    model.load_state_dict(reference.state_dict())
+    reference.train(), model.train()
+    assert not model.bn.training and model.training
+    x = torch.randn(8, 4, dtype=D)
+    reference(x).sum().backward()
+    model(x).sum().backward()
+    assert_close(model.state_dict(), reference.state_dict())
+    assert_close([p.grad for p in model.parameters()], [p.grad for p in reference.parameters()])
+    reference.to(torch.float32), model.to(torch.float32)
+    assert model.scale.dtype == torch.float32 and model.lin.weight.dtype == torch.float32
+
+
+def test_a_second_wrapper_of_a_module_parametrized_through_the_first():
+    """A parametrization registered on one wrapper is the module's: another wrapper of the same
+    module reads it too, and does not take its missing property for a removal."""
+    from torch.nn.utils import parametrize
+
+    class Double(nn.Module):
+        def forward(self, b):
+            return 2 * b
+
+    torch.manual_seed(0)
+    layer = nn.Linear(4, 4, dtype=D)
+    reference = nn.Linear(4, 4, dtype=D)
+    reference.load_state_dict(layer.state_dict())
+    first = remat(layer)
+    parametrize.register_parametrization(first, "bias", Double())
+    parametrize.register_parametrization(reference, "bias", Double())
+    x = torch.randn(3, 4, dtype=D)
+    assert_close(first(x), reference(x))
+    assert_close(remat(layer)(x), reference(x))
+    assert_close(layer(x), reference(x))
+    parametrize.remove_parametrizations(first, "bias")
+    parametrize.remove_parametrizations(reference, "bias")
+    assert_close(remat(layer)(x), reference(x))
+    assert_close(layer(x), reference(x))
+
+
 def test_wrapper_as_submodule_keeps_prefixed_keys_and_gradients():
     inner = _net()
     outer = torch.nn.Sequential(remat(inner), torch.nn.Tanh())
