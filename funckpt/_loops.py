@@ -444,6 +444,9 @@ class LoopRegion(UserRegion):
         self.n_carry = 0
         self._forward = False
         self._inputs: tuple[torch.Tensor, ...] = ()
+        # The run's stand-ins for the captured tensors (id of one to its stand-in), for the
+        # steps that return a captured tensor as it is (see _call_step).
+        self._stand_ins: dict[int, torch.Tensor] = {}
         self._online: _schedule.Online | EveryStep | None = None
         self._last_rng: _rng.RngState | None = None
 
@@ -454,6 +457,13 @@ class LoopRegion(UserRegion):
     def _call_fn(self, args: tuple[Any, ...], kwargs: dict[str, Any], forward: bool, grad_forward: bool) -> Any:
         self._forward = forward
         return super()._call_fn(args, kwargs, forward, grad_forward)
+
+    def run(self, flat: Tensors, phase: Phase) -> Tensors:
+        self._stand_ins = self.replacements([flat[i] for i in self.captured_index])[1]
+        try:
+            return super().run(flat, phase)
+        finally:
+            self._stand_ins = {}
 
     def forward_run(self, flat: Tensors) -> Tensors:
         self._inputs = flat
@@ -493,14 +503,19 @@ class LoopRegion(UserRegion):
         x = None if xs is None else _slice(xs, self.loop.index(k))
         new, y = self.loop.step(k, carry, x)
         assert self.carry_slots is not None
-        _, slots = flatten(new)
+        tensors, slots = flatten(new)
         if (slots.treespec, slots.tensor_positions) != (self.carry_slots.treespec, self.carry_slots.tensor_positions):
             raise TypeError(
                 f"{self.name}: a step returned a carry of structure {slots.treespec}, but the loop's initial "
                 f"carry has structure {self.carry_slots.treespec} (with tensors at the same places): a loop's "
                 "carry keeps its structure"
             )
-        return new, _tensor_leaves(y)
+        y = _tensor_leaves(y)
+        if self._stand_ins:  # a captured tensor returned as it is: its stand-in, as an operator would get
+            new = slots.fill(_stood_in(tensors, self._stand_ins))
+            y_tensors, y_slots = flatten(y)
+            y = y_slots.fill(_stood_in(y_tensors, self._stand_ins))
+        return new, y
 
     def _forward_sweep(self, init: Any, xs: Any) -> tuple[Any, Any]:
         loop = self.loop
@@ -613,15 +628,21 @@ class LoopRegion(UserRegion):
     # ---------------------------------------------------------------- the vjp
 
     @contextlib.contextmanager
-    def substituted(self, captured: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor]) -> Iterator[None]:
-        """The step function sees ``captured`` where it reaches the tensors captured at the call."""
+    def substituted(
+        self, captured: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor]
+    ) -> Iterator[dict[int, torch.Tensor]]:
+        """The step function sees ``captured`` where it reaches the tensors captured at the call.
+
+        Yields the substitution (``id`` of a captured tensor to what stands in for it): a step
+        that returns a captured tensor as it is (``lambda c, x: (c * w, w)``) hands back the
+        tensor itself, which no operator received; :func:`_stood_in` puts the stand-in there."""
         replace, mapping = self.replacements(captured)
         with contextlib.ExitStack() as stack:
             if self.captured.modules:
                 stack.enter_context(reparametrized(self.captured, replace))
             if mapping:
                 stack.enter_context(Substitute(mapping, tuple(inputs), False, self.name, 0))
-            yield
+            yield mapping
 
     def own_vjp(
         self,
@@ -671,11 +692,11 @@ class StepRegion(Region):
         nc, nx = self.n_carry, self.n_x
         carry = self.carry_slots.fill(flat[:nc])
         x = None if self.x_slots is None else self.x_slots.fill(flat[nc : nc + nx])
-        with self.region.substituted(flat[nc + nx :], flat):
+        with self.region.substituted(flat[nc + nx :], flat) as mapping:
             new, y = self.region.run_step_again(self.k, carry, x)
         if self.checks:
             self.carry_digest = digest(flatten(new)[0])
-        tensors, _ = flatten((new, _tensor_leaves(y)))
+        tensors = _stood_in(flatten((new, _tensor_leaves(y)))[0], mapping)
         for t, (shape, dtype) in zip(tensors, self.expected):
             if t.shape != shape or (has_gradient_dtype(t) and t.dtype != dtype):
                 raise CheckpointError(
@@ -686,6 +707,12 @@ class StepRegion(Region):
                     "iterator). Pass such values in the carry or xs."
                 )
         return tuple(tensors)
+
+
+def _stood_in(tensors: list[torch.Tensor], mapping: dict[int, torch.Tensor]) -> list[torch.Tensor]:
+    """``tensors`` with each captured tensor a step returned as it is replaced by its stand-in, as an
+    operator receiving it would have it: the stand-in is the input the step is differentiated at."""
+    return [mapping.get(id(t), t) for t in tensors] if mapping else tensors
 
 
 class Reversal:
@@ -819,12 +846,12 @@ class Reversal:
         if start == stop:
             return state
         carry = state.carry
-        with self.advancing(), self.region.substituted(self.captured, self.primals):
+        with self.advancing(), self.region.substituted(self.captured, self.primals) as mapping:
             for k in range(start, stop):
                 x = None if self.x_slots is None else self.x_slots.fill(self._x(k))
                 carry, _ = self.region.run_step_again(k, carry, x)
         tensors, slots = flatten(carry)
-        return _State.of(tensors, slots, None)
+        return _State.of(_stood_in(tensors, mapping), slots, None)
 
     def _check_step(self, step: StepRegion, k: int) -> None:
         """Did the step's recomputation give the carry kept (or returned) after it?"""

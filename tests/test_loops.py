@@ -98,6 +98,37 @@ def test_scan_under_every_transform_equals_python_loop(transform, checkpoints):
     assert_close(TRANSFORMS[transform](with_scan, args), TRANSFORMS[transform](without, args))
 
 
+@pytest.mark.parametrize("checkpoints", CHECKPOINTS)
+@pytest.mark.parametrize("transform", ["backward", "grad", "vmap_of_grad", "hessian"])
+def test_a_closed_over_tensor_a_step_returns_as_it_is_gets_its_gradient(transform, checkpoints):
+    """``lambda c, x: (c @ w, w)``: the step hands back the captured tensor itself (no operator
+    receives it), as ``y`` and, in a fori_loop, as the carry; its gradient flows as without remat."""
+    w, b, xs, c0 = make(n=4)
+
+    def losses_of(loop):
+        def with_loop(w, c0):
+            carry, ys = loop(lambda c, x: (torch.tanh(c @ w + x), w), c0, xs)
+            kept = funckpt.fori_loop(0, 3, lambda i, c: w * 1 if i == 0 else w, torch.zeros_like(w), checkpoints=checkpoints)
+            return (carry**2).sum() + (ys**2).sum() + (kept * w).sum()
+
+        return with_loop
+
+    scan = functools.partial(funckpt.scan, checkpoints=checkpoints)
+    ours = losses_of(lambda f, c0, xs: scan(f, c0, xs))
+    plain = losses_of(python_scan)
+    if transform == "backward":
+        args = [w.requires_grad_(), c0.requires_grad_()]
+        got, expected = torch.autograd.grad(ours(*args), args), torch.autograd.grad(plain(*args), args)
+    elif transform == "grad":
+        got, expected = tf.grad(ours, argnums=(0, 1))(w, c0), tf.grad(plain, argnums=(0, 1))(w, c0)
+    elif transform == "vmap_of_grad":
+        c0s = torch.stack([c0, -c0])
+        got, expected = (tf.vmap(tf.grad(L), in_dims=(None, 0))(w, c0s) for L in (ours, plain))
+    else:
+        got, expected = tf.hessian(ours, argnums=1)(w, c0), tf.hessian(plain, argnums=1)(w, c0)
+    assert_close(got, expected)
+
+
 @pytest.mark.parametrize("checkpoints", [None, 2])
 def test_second_backward_with_retain_graph_and_create_graph(checkpoints):
     args = [t.requires_grad_() for t in make()]
