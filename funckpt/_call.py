@@ -35,6 +35,7 @@ from ._autograd import Phase, Region, apply, eager_under_compile
 from ._capture import (
     SPENT,
     Captured,
+    Roots,
     stored_attributes,
     Substitute,
     changed_captures,
@@ -221,8 +222,8 @@ def prepare(
         for leaf in (*argspec.dynamic.leaves, *argspec.static.values())
         if leaf is not None and not isinstance(leaf, (str, bytes, int, float, complex))
     ]
-    root = fn if reaches is None else reaches
-    captured = find_captured((root, *objects) if objects else root)
+    roots = [*(reaches if isinstance(reaches, Roots) else [fn if reaches is None else reaches]), *objects]
+    captured = find_captured(Roots(roots) if len(roots) > 1 else roots[0])
     refuse_other_threads_stand_ins(name, captured.tensors)
     captured_index = [slot(t) for t in captured.tensors]
     _refuse_uninitialized(name, captured, flat)
@@ -279,6 +280,17 @@ def _substituted(tensors: list[torch.Tensor], substitute: Substitute | None) -> 
     if any(s is not t for s, t in zip(swapped, tensors)):
         substitute.hit = True
     return swapped
+
+
+_SUPPRESSED: Any = object()  # (what a run's output is until fn returns: still so after the with, a context suppressed fn's error)
+
+
+def _suppressed(name: str) -> CheckpointError:
+    return CheckpointError(
+        f"remat({name}): a context that context_fn returned suppressed an error the function raised, so "
+        "the function returned nothing for remat to differentiate. Let the error through (__exit__ "
+        "returning a false value)."
+    )
 
 
 def _container_snapshot(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, list[Any]] | None:
@@ -360,12 +372,16 @@ def _default_device() -> torch.device | None:
 
 def _two_contexts(context_fn: Callable[[], tuple[Any, Any]], name: str) -> tuple[Any, Any]:
     contexts = context_fn()
-    if not (isinstance(contexts, tuple) and len(contexts) == 2):
+    if not (
+        isinstance(contexts, (tuple, list))
+        and len(contexts) == 2
+        and all(hasattr(type(c), "__enter__") and hasattr(type(c), "__exit__") for c in contexts)
+    ):
         raise TypeError(
             f"remat({name}): context_fn must return a tuple of two context managers "
             f"(forward, recomputation), got {contexts!r}"
         )
-    return contexts
+    return contexts[0], contexts[1]
 
 
 @dataclass
@@ -451,7 +467,15 @@ class _Running:
                 places = reparametrized(region.captured, replace, keep_rebound=forward, loop=loop, first_node=run_starts)
                 self._enter(places)
             if region.options.context_fn is not None:
+                recording = torch.is_grad_enabled() and not torch.is_inference_mode_enabled()
                 self._enter(region._user_context(forward))
+                if not forward and recording and not (torch.is_grad_enabled() and not torch.is_inference_mode_enabled()):
+                    raise CheckpointError(
+                        f"remat({region.name}): the recomputation context that context_fn returned turned "
+                        "gradient recording off (torch.no_grad, inference_mode): the recomputation records the "
+                        "graph the gradient is computed from, which would then be missing. Return a "
+                        "recomputation context that leaves grad mode as it is (contextlib.nullcontext())."
+                    )
             if self.grad:
                 grad_was = torch.is_grad_enabled()
                 set_grad_enabled(True)
@@ -1036,12 +1060,15 @@ class UserRegion(Region):
                 modes.append(watch)
                 watch = None
         marks = recording_marks() if grad_forward else []  # before this region's own recorder starts
+        out: Any = _SUPPRESSED
         with self._running(flat, forward=True, grad=grad_forward, modes=modes, watch=watch) as run:
             if grad_forward and run.substitute is not None:
                 run.substitute.made = []
             containers = None if self.argspec.tensors_only else _container_snapshot(run.args, run.kwargs)
             out = self._call_fn(run.args, run.kwargs, True, grad_forward)
             self._refuse_container_writes(containers, run.args, run.kwargs)
+        if out is _SUPPRESSED:
+            raise _suppressed(self.name)
         if grad_forward:
             self.moved_hooks = _move_input_hooks(flat, given)
             _move_retain_grad(flat, given, run.substitute)
@@ -1253,7 +1280,9 @@ class UserRegion(Region):
         if self.saved is not None and not forward_mode_active():
             modes.append(self.saved.replayer(getattr(self.options.policy, "allow_cache_entry_mutation", False)))
         hooks_before = {i: _hook_keys(flat[i]) for i in self.moved_hooks}
-        unsubstituted = failed = False
+        unsubstituted = False
+        failed: Exception | None = None
+        out: Any = _SUPPRESSED
         try:
             with self._running(flat, forward=False, grad=False, modes=modes) as run:
                 unsubstituted = run.unsubstituted
@@ -1266,16 +1295,23 @@ class UserRegion(Region):
             # rebound to one of another shape) fails inside fn: under it, the mode names it.
             if not unsubstituted or isinstance(e, torch.OutOfMemoryError):
                 raise
-            failed = True
+            failed = e
         # Hooks fn registers on its inputs were moved to the caller's tensors by the forward
         # run; registered again here, they would apply a second time to this part.
         for i, before in hooks_before.items():
             _remove_hooks_since(flat[i], before)
-        if not failed:
+        if failed is None:
+            if out is _SUPPRESSED:
+                raise _suppressed(self.name)
             tensors, slots = flatten(out)
-        if failed or (unsubstituted and self._left_its_inputs(tensors, flat, run.first_node)):
+        if failed is not None or (unsubstituted and self._left_its_inputs(tensors, flat, run.first_node)):
             self.recompute_under_mode = True
-            return self.recompute(given)
+            again = self.recompute(given)
+            if failed is not None:
+                # Under the mode it ran: what it raised came from the function itself (a flaky
+                # call, state that changed), not from a tensor reached another way.
+                raise failed
+            return again
         tensors = _aliasing.owned_outputs(self.plan, _substituted(tensors, run.substitute))
         if self.escaped_at:
             tensors += self._escaped_again(run.substitute)

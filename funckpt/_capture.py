@@ -156,7 +156,10 @@ def _walk(
     visits in the order a recursive walk would.
     """
     seen: dict[int, Any] = {}
-    pending: collections.deque[tuple[Any, int]] = collections.deque([(root, 0)])
+    # A tuple of roots (what a call reaches: its function and its non-tensor arguments, a while
+    # loop's body and condition) puts each at depth 0, as each alone would be.
+    roots = list(root) if type(root) is Roots else [root]
+    pending: collections.deque[tuple[Any, int]] = collections.deque((r, 0) for r in (roots[::-1] if depth_first else roots))
     while pending:
         if budget is not None:
             budget -= 1
@@ -195,7 +198,11 @@ def spent_escape(t: torch.Tensor) -> bool:
 SPENT = "_funckpt_spent"
 
 
-def find_captured(fn: Callable[..., Any] | tuple[Any, ...], modules_too: bool = True) -> Captured:
+class Roots(tuple):  # type: ignore[type-arg]
+    """Several objects a call reaches, walked each from depth 0 (see :func:`find_captured`)."""
+
+
+def find_captured(fn: Callable[..., Any] | Roots, modules_too: bool = True) -> Captured:
     """Tensors reachable from ``fn`` other than through its call arguments.
 
     Walks modules (parameters, buffers and plain tensor attributes), bound

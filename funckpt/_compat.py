@@ -136,9 +136,15 @@ def checkpoint_sequential(
         raise ValueError(f"checkpoint_sequential: unexpected keyword arguments: {', '.join(sorted(unknown))}")
     if isinstance(segments, bool) or not isinstance(segments, int) or segments < 1:
         raise ValueError(f"checkpoint_sequential: segments must be a positive int, got {segments!r}")
-    layers = list(functions.children()) if isinstance(functions, torch.nn.Sequential) else list(functions)
+    layers: list[Any] = [None]  # (refused below, unless one of the kinds accepted)
+    if isinstance(functions, torch.nn.Sequential):
+        layers = list(functions.children())
+    elif isinstance(functions, (list, tuple, torch.nn.ModuleList)):
+        layers = list(functions)
     if not all(callable(f) for f in layers):
-        raise TypeError("checkpoint_sequential: functions must be an nn.Sequential or a list of callables")
+        raise TypeError(
+            f"checkpoint_sequential: functions must be an nn.Sequential or a list of callables, got {functions!r}"
+        )
     options = _options(
         use_reentrant,
         kwargs.get("context_fn", noop_context_fn),

@@ -41,7 +41,7 @@ import torch
 from . import _autocast, _rng, _schedule
 from ._autograd import Phase, Region, StepVjp, Tensors, apply, eager_under_compile
 from ._call import UserRegion, finish, nothing_to_differentiate, prepare, run_prepared
-from ._capture import Substitute, changed_captures, reparametrized
+from ._capture import Roots, Substitute, changed_captures, reparametrized
 from ._errors import CheckpointError, Digest, check_same_values, digest
 from ._internals import (
     forward_mode_active,
@@ -164,7 +164,7 @@ def while_loop(
 
     options = RematOptions(policy=policy)
     carry, _ = _run(
-        step, callable_name(body), body, init, None, None, False, checkpoints, options, go_on, reaches=(body, cond)
+        step, callable_name(body), body, init, None, None, False, checkpoints, options, go_on, reaches=Roots((body, cond))
     )
     return carry
 
@@ -239,7 +239,16 @@ def _tensor_leaves(y: Any) -> Any:
     if y is None:
         return None
     leaves, treespec = tree_flatten(y)
-    return optree.tree_unflatten(treespec, [v if isinstance(v, torch.Tensor) else torch.as_tensor(v) for v in leaves])
+    return optree.tree_unflatten(treespec, [v if isinstance(v, torch.Tensor) else _number_as_tensor(v) for v in leaves])
+
+
+def _number_as_tensor(v: Any) -> torch.Tensor:
+    if isinstance(v, (bool, int, float, complex)):
+        return torch.as_tensor(v)
+    raise TypeError(
+        f"scan: f returned a y with a leaf of type {type(v).__name__} ({v!r}): each leaf of y is stacked "
+        "along a new first dimension, so it must be a tensor or a number (or y None)"
+    )
 
 
 def _distinct(out: Any) -> Any:
@@ -268,7 +277,18 @@ def _stack(ys: Sequence[Any]) -> Any:
                 f"scan: f returned y of different structures in different steps: {spec} and "
                 f"{optree.tree_structure(y, namespace=NAMESPACE)}"
             )
-    return optree.tree_map(lambda *leaves: torch.stack([torch.as_tensor(v) for v in leaves]), *ys, namespace=NAMESPACE)
+    return optree.tree_map(_stacked_leaf, *ys, namespace=NAMESPACE)
+
+
+def _stacked_leaf(*leaves: Any) -> torch.Tensor:
+    tensors = [torch.as_tensor(v) for v in leaves]
+    shapes = {tuple(t.shape) for t in tensors}
+    if len(shapes) > 1:
+        raise TypeError(
+            f"scan: f returned a y whose leaf changes shape from step to step ({sorted(shapes)}): each leaf "
+            "of y is stacked along a new first dimension, so it must have the same shape at every step"
+        )
+    return torch.stack(tensors)
 
 
 @eager_under_compile

@@ -110,6 +110,34 @@ def _differentiated_again_at_the_same_level() -> None:
     tf.grad(inner)(x.detach())
 
 
+class _Suppressing:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> bool:
+        return True
+
+
+class _Flaky(nn.Module):
+    """Raises on its second call only: in the recomputation."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.calls = nn.Linear(3, 3), 0
+
+    def forward(self, t: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        if self.calls == 2:
+            raise ValueError("transient failure")
+        return self.lin(t).tanh()
+
+
+def _recomputation_raising_where_the_forward_did_not() -> None:
+    with torch.random.fork_rng():  # (its initialization draws: not what is checked)
+        module = _Flaky()
+    remat(module)(x).sum().backward()
+
+
 def _random_op_under_vmap_randomness_error() -> None:
     tf.vmap(remat(lambda t: torch.nn.functional.dropout(t, 0.5)), randomness="error")(torch.ones(2, 3))
 
@@ -136,6 +164,27 @@ ROWS: dict[str, Row] = {
     # --- at the call
     "static_argnums out of range": Row(lambda: remat(sin, static_argnums=1)(x), ValueError, r"static_argnums=\(1,\) names argument 1"),
     "context_fn returning one context": Row(lambda: remat(sin, context_fn=lambda: None)(x), TypeError, r"context_fn must return a tuple of two"),
+    "context_fn returning a non-context": Row(
+        lambda: remat(sin, context_fn=lambda: (torch.enable_grad(), 1))(x), TypeError, r"context_fn must return a tuple of two"
+    ),
+    "context_fn's recomputation context turning grad off": Row(
+        lambda: remat(sin, context_fn=lambda: (torch.enable_grad(), torch.no_grad()))(x).sum().backward(),
+        CheckpointError,
+        r"turned gradient recording off",
+    ),
+    "context_fn's recomputation context turning grad off, under torch.func.grad": Row(
+        lambda: tf.grad(lambda t: remat(sin, context_fn=lambda: (torch.enable_grad(), torch.no_grad()))(t).sum())(x),
+        CheckpointError,
+        r"turned gradient recording off",
+    ),
+    "context_fn's context suppressing fn's error": Row(
+        lambda: remat(lambda t: 1 / 0, context_fn=lambda: (_Suppressing(), _Suppressing()))(x),
+        CheckpointError,
+        r"suppressed an error the function raised",
+    ),
+    "recomputation raising where the forward run did not": Row(
+        _recomputation_raising_where_the_forward_did_not, CheckpointError, r"raised ValueError: transient failure"
+    ),
     "policy returning None": Row(
         lambda: remat(sin, policy=lambda op, *a, **k: None)(x), CheckpointError, r"returned None .* returns True \(keep\) or False"
     ),
@@ -199,6 +248,17 @@ ROWS: dict[str, Row] = {
     ),
     "checkpoint_sequential with zero segments": Row(
         lambda: checkpoint_sequential(nn.Sequential(nn.Tanh()), 0, x, use_reentrant=False), ValueError, r"segments must be a positive int"
+    ),
+    "checkpoint_sequential of a module that is not a Sequential": Row(
+        lambda: checkpoint_sequential(nn.Tanh(), 2, x, use_reentrant=False), TypeError, r"functions must be an nn.Sequential"
+    ),
+    "scan with a y leaf that is not a number": Row(
+        lambda: funckpt.scan(lambda c, t: (c * t, "tag"), x, torch.ones(2, 3)), TypeError, r"y with a leaf of type str"
+    ),
+    "scan with a y leaf changing shape": Row(
+        lambda: funckpt.scan(lambda c, t: (c * t, c[: 1 + int(t[0] > 0)]), x, torch.tensor([[1.0] * 3, [-1.0] * 3])),
+        TypeError,
+        r"y whose leaf changes shape",
     ),
     "checkpoint_name of a non-tensor": Row(lambda: checkpoint_name(3, "a"), TypeError, r"x must be a tensor"),
     "checkpoint_name with a non-string name": Row(lambda: checkpoint_name(x, 3), TypeError, r"name must be a string"),

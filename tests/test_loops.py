@@ -596,3 +596,44 @@ def test_scan_over_and_into_containers_registered_with_torchs_pytree_only(checkp
         c, y = step(c, _TorchOnlyBox(x))
         total = total + y.h.square().sum()
     assert_close(got, torch.autograd.grad(c.sum() + total, w))
+
+
+_HOLDER = {"lin": None}
+
+
+def _deep(h):  # the module is five functions and a dict away from the loop's body: the walk's last level
+    return _deeper(h)
+
+
+def _deeper(h):
+    return _deeper_still(h)
+
+
+def _deeper_still(h):
+    return _deepest(h)
+
+
+def _deepest(h):
+    return torch.tanh(_HOLDER["lin"](h))
+
+
+def test_while_loop_finds_what_its_body_reaches_as_deep_as_fori_loop_does():
+    """A while loop's body and condition are each walked from the top for captured tensors, as a
+    fori_loop's body is (walked as one pair, the body lost a level of the walk's depth)."""
+    torch.manual_seed(0)
+    _HOLDER["lin"] = lin = torch.nn.Linear(3, 3, dtype=D)
+    c0 = torch.randn(3, dtype=D)
+    grads = []
+    for run in (
+        lambda: funckpt.fori_loop(0, 3, lambda i, h: _deep(h), c0),
+        lambda: funckpt.while_loop(lambda c: c[1] < 3, lambda c: (_deep(c[0]), c[1] + 1), (c0, 0))[0],
+    ):
+        lin.zero_grad()
+        run().sum().backward()
+        grads.append(lin.weight.grad.clone())
+    h = c0
+    for _ in range(3):
+        h = _deep(h)
+    lin.zero_grad()
+    h.sum().backward()
+    assert_close(grads, [lin.weight.grad, lin.weight.grad])
