@@ -251,7 +251,7 @@ class Digest:
     does not read, converted piece by piece), they are read as they are.
     """
 
-    __slots__ = ("moments", "numel", "rtol", "stats", "values")
+    __slots__ = ("moments", "numel", "rtol", "sampled", "stats", "values", "weighted", "weighted_sum")
 
     def __init__(
         self,
@@ -261,8 +261,15 @@ class Digest:
         values: tuple[float, float] | None = None,
         *,
         moments: bool = False,
+        weighted: tuple[float | torch.Tensor | None, int] = (None, 0),
+        weighted_sum: bool = False,
     ) -> None:
         self.stats, self.numel, self.rtol, self.values, self.moments = stats, numel, rtol, values, moments
+        # The first of ``values`` is the position-weighted sum of all the values, not their sum (a
+        # small output on the CPU: one reduction where the sum and a weighted sample would take two).
+        self.weighted_sum = weighted_sum
+        # The position-weighted sum (see _weighted), a number or a tensor not read yet, and of how many values.
+        self.weighted, self.sampled = weighted
 
     def from_stats(self, first: float, second: float) -> tuple[float, float]:
         """Sum and L2 norm of the values, from ``stats`` as read: ``(std, mean)`` where they are moments."""
@@ -278,6 +285,10 @@ class Digest:
         assert self.stats is not None
         first, second = (float(n) for n in torch.stack(self.stats).tolist())
         return self.from_stats(first, second)
+
+    def read_weighted(self) -> float | None:
+        """The position-weighted sum as a number, if taken (a host synchronisation on an accelerator)."""
+        return float(self.weighted.item()) if isinstance(self.weighted, torch.Tensor) else self.weighted
 
     def comparable(self, other: Digest) -> bool:
         """Taken of as many values, in the same place (both on the CPU, read or not, or both on one device)?"""
@@ -303,11 +314,81 @@ def _read_at_once(t: torch.Tensor) -> bool:
 
 
 def _on_cpu(t: torch.Tensor) -> Digest:
-    """:func:`_one` for a tensor :func:`_read_at_once` accepts, with none of its other cases."""
-    total, norm = torch.sum(t).item(), torch.linalg.vector_norm(t).item()
+    """:func:`_one` for a tensor :func:`_read_at_once` accepts, with none of its other cases.
+
+    A small contiguous one (the host-bound case, where each operator's call is the cost) gets
+    the position-weighted sum of all its values in place of their sum (:func:`_weighted`)."""
+    n = t.numel()
+    small = n <= _WEIGHTED_AT_MOST and t.is_contiguous()
+    if small:
+        total = torch.dot(t.view(-1), _weights_for(n, t.dtype)).item()
+    else:
+        total = torch.sum(t).item()
+    norm = torch.linalg.vector_norm(t).item()
     if t.dtype is torch.float32 and not (math.isfinite(total) and math.isfinite(norm)):
         return _one(t)  # overflowed float32 (see _one)
-    return Digest(None, t.numel(), _CPU_RTOL[t.dtype], (total, norm))
+    if small:
+        return Digest(None, n, _CPU_RTOL[t.dtype], (total, norm), weighted_sum=True)
+    weighted, sampled = _weighted(t, t.dtype)
+    return Digest(None, n, _CPU_RTOL[t.dtype], (total, norm), weighted=(None if weighted is None else weighted.item(), sampled))
+
+
+#: Values the position-weighted sum reads at most: a larger output's are sampled with a stride.
+_WEIGHTED_AT_MOST = 4096
+
+
+def _weighted(v: torch.Tensor, acc: torch.dtype) -> tuple[torch.Tensor | None, int]:
+    """``sum(w_i * v_i)`` over ``v``'s values in order (a strided sample of at most
+    :data:`_WEIGHTED_AT_MOST` of them), in dtype ``acc``, and how many values it read.
+
+    The weights (:func:`_weights`) are fixed and vary with the position. The sum and the norm do
+    not change when values move (a roll or a permutation by a counter) or when they change while
+    keeping both (a LayerNorm's output, whose rows keep sum 0 and norm sqrt(n) whatever its
+    input); this does. ``None`` for a tensor not contiguous (sampled in order, it would be copied
+    whole) and under a dispatch mode (the weights would be made under it).
+    """
+    if not v.is_contiguous() or dispatch_modes_active():
+        return None, 0
+    flat = v.view(-1)
+    if flat.numel() > _WEIGHTED_AT_MOST:
+        flat = flat[:: -(-flat.numel() // _WEIGHTED_AT_MOST)]
+    if flat.dtype is not acc:
+        flat = flat.to(acc)
+    return torch.dot(flat, _weights(acc, flat.device)[: flat.numel()]), flat.numel()
+
+
+def _make_weights(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``1 + sin(i * golden ratio) / 2`` for ``i`` < :data:`_WEIGHTED_AT_MOST`: in [0.5, 1.5], positive
+    (a change of all values alike changes their weighted sum, as it does their sum), unlike at every position."""
+    with torch.inference_mode(False), torch.no_grad():
+        w = torch.arange(_WEIGHTED_AT_MOST, dtype=torch.float64, device=device) * 1.6180339887498949
+        return w.sin_().mul_(0.5).add_(1).to(dtype)
+
+
+#: The weights, made once per dtype and device (for the CPU's two at import: 48 KB).
+_weights_made: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {
+    (dtype, torch.device("cpu")): _make_weights(dtype, torch.device("cpu")) for dtype in (torch.float32, torch.float64)
+}
+
+
+def _weights(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    w = _weights_made.get((dtype, device))
+    if w is None:
+        w = _weights_made[(dtype, device)] = _make_weights(dtype, device)
+    return w
+
+
+_weights_of_length: dict[tuple[int, torch.dtype], torch.Tensor] = {}
+
+
+def _weights_for(n: int, dtype: torch.dtype) -> torch.Tensor:
+    """The CPU's first ``n`` weights (a view, kept: slicing is an operator call of its own)."""
+    w = _weights_of_length.get((n, dtype))
+    if w is None:
+        if len(_weights_of_length) >= 256:  # (bounded: outputs of many sizes)
+            _weights_of_length.pop(next(iter(_weights_of_length)))
+        w = _weights_of_length[(n, dtype)] = _weights(dtype, torch.device("cpu"))[:n]
+    return w
 
 
 #: Dtypes that ``std_mean`` reads as they are (on an accelerator); any other is converted first.
@@ -329,21 +410,24 @@ def _one(b: torch.Tensor) -> Digest:
         numel *= 2
     acc = torch.float64 if exact or v.dtype is torch.float64 else torch.float32
     if not b.is_cpu:
+        pending = _weighted(v, acc)
         if v.dtype in _MOMENTS_READ:
-            return Digest(torch.std_mean(v, correction=0), numel, rtol, moments=True)
-        return Digest(_sum_and_norm(v, acc), numel, rtol)  # integers, booleans, 8-bit floats
+            return Digest(torch.std_mean(v, correction=0), numel, rtol, moments=True, weighted=pending)
+        return Digest(_sum_and_norm(v, acc), numel, rtol, weighted=pending)  # integers, booleans, 8-bit floats
     # Read now, unless a dispatch mode traces this run (linearize's make_fx): reading
     # a traced value would be a data-dependent operation. Such a digest is taken in
     # float64: it cannot be looked at to see whether float32 overflowed (below).
     if DEFER_ON_CPU or dispatch_modes_active():
-        return Digest(_sum_and_norm(v, torch.float64), numel, rtol)
+        return Digest(_sum_and_norm(v, torch.float64), numel, rtol, weighted=_weighted(v, torch.float64))
     total, norm = (n.item() for n in _sum_and_norm(v, acc))
     if acc is not torch.float64 and not (math.isfinite(total) and math.isfinite(norm)):
         # The sum of squares overflows float32 for finite values beyond about 1e19 (1e16
         # for a million of them): both would then be inf, whatever the values, and the
         # comparison would see nothing. std_mean never overflowed there; float64 does not.
         total, norm = (n.item() for n in _sum_and_norm(v, torch.float64))
-    return Digest(None, numel, rtol, (total, norm))
+        acc = torch.float64
+    weighted, sampled = _weighted(v, acc)
+    return Digest(None, numel, rtol, (total, norm), weighted=(None if weighted is None else weighted.item(), sampled))
 
 
 def _sum_and_norm(v: torch.Tensor, acc: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -393,8 +477,16 @@ def _differing(forward: Sequence[Digest | None], recomputed: Sequence[Digest | N
     """Indices of the outputs whose digests differ beyond tolerance (one host sync on an accelerator)."""
     if len(forward) == 1 and len(recomputed) == 1:  # one output, both read (the common case)
         a, b = forward[0], recomputed[0]
-        if a is not None and b is not None and a.values is not None and b.values is not None and a.numel == b.numel:
-            return [] if _agree(a, a.values, b.values) else [0]
+        if (
+            a is not None
+            and b is not None
+            and a.values is not None
+            and b.values is not None
+            and a.numel == b.numel
+            and not isinstance(a.weighted, torch.Tensor)
+            and not isinstance(b.weighted, torch.Tensor)
+        ):
+            return [] if _agree(a, a.values, b.values, b, a.weighted, b.weighted) else [0]
     pairs = [
         (i, a, b)
         for i, (a, b) in enumerate(zip(forward, recomputed))
@@ -409,6 +501,8 @@ def _differing(forward: Sequence[Digest | None], recomputed: Sequence[Digest | N
         for d in (a, b):
             if d.values is None and d.stats is not None:
                 on.setdefault(d.stats[0].device, []).extend(d.stats)
+            if isinstance(d.weighted, torch.Tensor):
+                on.setdefault(d.weighted.device, []).append(d.weighted)
     read: dict[int, float] = {}
     with torch.no_grad(), DisableFuncTorch():
         for stats in on.values():
@@ -421,15 +515,34 @@ def _differing(forward: Sequence[Digest | None], recomputed: Sequence[Digest | N
         first, second = (float(read[id(s)]) for s in d.stats)
         return d.from_stats(first, second)
 
-    return [i for i, a, b in pairs if not _agree(a, sum_and_norm(a), sum_and_norm(b))]
+    def weighted(d: Digest) -> float | None:
+        return float(read[id(d.weighted)]) if isinstance(d.weighted, torch.Tensor) else d.weighted
+
+    return [
+        i for i, a, b in pairs if not _agree(a, sum_and_norm(a), sum_and_norm(b), b, weighted(a), weighted(b))
+    ]
 
 
-def _agree(a: Digest, forward: tuple[float, float], recomputed: tuple[float, float]) -> bool:
-    """Do the forward run's ``(sum, norm)`` and the recomputation's agree within ``a``'s tolerance?"""
+def _agree(
+    a: Digest,
+    forward: tuple[float, float],
+    recomputed: tuple[float, float],
+    b: Digest | None = None,
+    weighted_f: float | None = None,
+    weighted_r: float | None = None,
+) -> bool:
+    """Do the forward run's ``(sum, norm)`` and position-weighted sum and the recomputation's
+    (digest ``b``) agree within ``a``'s tolerance?"""
     (sum_f, norm_f), (sum_r, norm_r) = forward, recomputed
     scale = max(abs(norm_f), abs(norm_r))
-    # |sum(x) - sum(y)| <= sqrt(n) |x - y|_2: the sum gets sqrt(n) times the norm's tolerance.
-    for f, r, tol in ((sum_f, sum_r, scale * a.rtol * a.numel**0.5), (norm_f, norm_r, scale * a.rtol)):
+    # |sum(x) - sum(y)| <= sqrt(n) |x - y|_2: the sum gets sqrt(n) times the norm's tolerance;
+    # a weighted sum, of m values with weights at most 1.5, 1.5 sqrt(m) times.
+    checks = [(norm_f, norm_r, scale * a.rtol)]
+    if b is None or a.weighted_sum == b.weighted_sum:  # (sums of one kind)
+        checks.append((sum_f, sum_r, scale * a.rtol * a.numel**0.5 * (1.5 if a.weighted_sum else 1.0)))
+    if weighted_f is not None and weighted_r is not None and b is not None and a.sampled == b.sampled:
+        checks.append((weighted_f, weighted_r, 1.5 * scale * a.rtol * a.sampled**0.5))
+    for f, r, tol in checks:
         if not (abs(f - r) <= tol or not (math.isfinite(f) or math.isfinite(r))):
             return False
     return True
@@ -534,10 +647,17 @@ def _compare(
     a, b = forward[i], recomputed[i]
     assert a is not None and b is not None
     (s_f, n_f), (s_r, n_r) = a.read(), b.read()
+    w_f, w_r = a.read_weighted(), b.read_weighted()
+    weighted = (
+        f", position-weighted sum {w_f:.6g} in the forward pass and {w_r:.6g} in the recomputation"
+        if w_f is not None and w_r is not None
+        else ""
+    )
+    total = "position-weighted sum" if a.weighted_sum else "sum"
     message = (
         f"remat({name}): {the_recomputation()} did not reproduce the forward pass: "
-        f"{_output_words(i, kept_from)} has other values (sum {s_f:.6g}, norm {n_f:.6g} in the forward pass; "
-        f"sum {s_r:.6g}, norm {n_r:.6g} in the recomputation)"
+        f"{_output_words(i, kept_from)} has other values ({total} {s_f:.6g}, norm {n_f:.6g} in the forward pass; "
+        f"{total} {s_r:.6g}, norm {n_r:.6g} in the recomputation{weighted})"
         + (f", and {len(differing) - 1} more output(s) differ" if len(differing) > 1 else "")
         + ". The gradient would be that of another computation. The function must compute the same "
         "thing when called again with the same inputs: it may depend on state that changed between the "

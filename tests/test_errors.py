@@ -249,6 +249,36 @@ def test_recomputation_computing_something_else_with_same_shapes_raises():
         y.sum().backward()
 
 
+@pytest.mark.parametrize("defer", [False, True], ids=["read at once", "deferred, as on an accelerator"])
+@pytest.mark.parametrize(
+    "change",
+    [
+        lambda y, calls: torch.roll(y, shifts=calls, dims=0),
+        lambda y, calls: F.layer_norm(y + calls * torch.linspace(-1, 1, y.shape[-1], dtype=y.dtype), y.shape[-1:]),
+    ],
+    ids=["rolled by a counter", "LayerNorm of a counter-dependent input"],
+)
+def test_recomputation_with_the_same_sum_and_norm_but_other_values_raises(monkeypatch, change, defer):
+    """Values that moved (a roll) or changed keeping their sum and norm (a LayerNorm's rows keep
+    sum 0 and norm sqrt(n) whatever its input): the digest's position-weighted sum sees them."""
+    from funckpt import _errors
+
+    monkeypatch.setattr(_errors, "DEFER_ON_CPU", defer)
+    calls = []
+    w = torch.randn(6, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(0), requires_grad=True)
+
+    def f(x):
+        calls.append(1)
+        return change(torch.tanh(x @ w), len(calls))
+
+    x = torch.randn(4, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    y = remat(f)(x)
+    with pytest.raises(CheckpointError, match="position-weighted sum"):
+        y.sum().backward()
+    calls.clear()
+    remat(lambda x: change(torch.tanh(x @ w), 1))(x).sum().backward()  # the same values each time: no alarm
+
+
 def test_checkpoint_sequential_with_a_misplaced_tensor_raises_type_error():
     import funckpt
 
