@@ -399,8 +399,11 @@ _MOMENTS_READ = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _PIECE_BYTES = 1 << 20
 
 
-def _one(b: torch.Tensor) -> Digest:
-    """The digest of one plain tensor, accumulated in at least float32 (integers exactly, in float64)."""
+def _one(b: torch.Tensor, positions: bool = True) -> Digest:
+    """The digest of one plain tensor, accumulated in at least float32 (integers exactly, in float64).
+
+    ``positions=False``: without the position-weighted sum (the plain tensor under a vmap's
+    wrapper, whose batch dimension two runs may lay out in different places)."""
     exact = not has_gradient_dtype(b)
     rtol = 0.0 if exact else _RTOL.get(b.dtype, _RTOL_OTHER_FLOAT)
     numel = b.numel()
@@ -410,7 +413,7 @@ def _one(b: torch.Tensor) -> Digest:
         numel *= 2
     acc = torch.float64 if exact or v.dtype is torch.float64 else torch.float32
     if not b.is_cpu:
-        pending = _weighted(v, acc)
+        pending = _weighted(v, acc) if positions else (None, 0)
         if v.dtype in _MOMENTS_READ:
             return Digest(torch.std_mean(v, correction=0), numel, rtol, moments=True, weighted=pending)
         return Digest(_sum_and_norm(v, acc), numel, rtol, weighted=pending)  # integers, booleans, 8-bit floats
@@ -418,7 +421,7 @@ def _one(b: torch.Tensor) -> Digest:
     # a traced value would be a data-dependent operation. Such a digest is taken in
     # float64: it cannot be looked at to see whether float32 overflowed (below).
     if DEFER_ON_CPU or dispatch_modes_active():
-        return Digest(_sum_and_norm(v, torch.float64), numel, rtol, weighted=_weighted(v, torch.float64))
+        return Digest(_sum_and_norm(v, torch.float64), numel, rtol, weighted=_weighted(v, torch.float64) if positions else (None, 0))
     total, norm = (n.item() for n in _sum_and_norm(v, acc))
     if acc is not torch.float64 and not (math.isfinite(total) and math.isfinite(norm)):
         # The sum of squares overflows float32 for finite values beyond about 1e19 (1e16
@@ -426,7 +429,7 @@ def _one(b: torch.Tensor) -> Digest:
         # comparison would see nothing. std_mean never overflowed there; float64 does not.
         total, norm = (n.item() for n in _sum_and_norm(v, torch.float64))
         acc = torch.float64
-    weighted, sampled = _weighted(v, acc)
+    weighted, sampled = _weighted(v, acc) if positions else (None, 0)
     return Digest(None, numel, rtol, (total, norm), weighted=(None if weighted is None else weighted.item(), sampled))
 
 
@@ -468,7 +471,9 @@ def digest(tensors: Sequence[torch.Tensor]) -> list[Digest | None]:
             if forward_ad_level() >= 0:
                 stack.enter_context(set_fwd_grad_enabled(False))
             bottoms = [bottom(t) for t in tensors]
-            return [_one(b) if _digestible(b) else None for b in bottoms]
+            return [
+                _one(b, positions=b.shape == t.shape) if _digestible(b) else None for b, t in zip(bottoms, tensors)
+            ]
     finally:
         set_grad_enabled(grad_was)
 

@@ -457,8 +457,10 @@ class LoopRegion(UserRegion):
         self.saved = None  # a step's internals live only while it is differentiated: nothing to keep
         self.kept: dict[int, _State] | None = None  # what the forward sweep stored, until the backward
         self.prefix: list[_schedule.Action] = []  # the forward sweep's actions, for a replay
-        self.before_last: list[Digest | None] | None = None  # the carry the last step started from
-        self.final_digest: list[Digest | None] | None = None  # the carry the loop returned
+        # Per step of the forward sweep, the digest of what it returned (its carry and y), which
+        # every run of it again in the backward pass must reproduce (the determinism check).
+        self.step_digests: list[list[Digest | None]] = []
+        self.step_sizes: list[int] = []  # and how many tensors it returned (checked with the check off too)
         self.n_steps = 0
         self.carry_slots: TreeSlots | None = None
         self.n_carry = 0
@@ -535,7 +537,25 @@ class LoopRegion(UserRegion):
             new = slots.fill(_stood_in(tensors, self._stand_ins))
             y_tensors, y_slots = flatten(y)
             y = y_slots.fill(_stood_in(y_tensors, self._stand_ins))
+        if self._forward:
+            outputs = _step_outputs(new, y)
+            self.step_sizes.append(len(outputs))
+            if self._compares_values():
+                self.step_digests.append(digest(outputs))
         return new, y
+
+    def check_step_again(self, k: int, carry: Any, y: Any) -> None:
+        """Did step ``k``, run again in the backward pass, return what it returned in the forward sweep?"""
+        outputs = _step_outputs(carry, y)
+        if k < len(self.step_sizes) and len(outputs) != self.step_sizes[k]:
+            raise CheckpointError(
+                f"scan({self.name}): run again in the backward pass, step {k} returned {len(outputs)} tensors (its "
+                f"carry's and its y's) where the forward pass had {self.step_sizes[k]}. A step must compute the same "
+                "thing when called again with the same carry: it may depend on state that changed (a counter, a "
+                "global, an iterator). Pass such values in the carry or xs."
+            )
+        if k < len(self.step_digests):
+            check_same_values(f"scan({self.name})", self.step_digests[k], digest(outputs), None)
 
     def _forward_sweep(self, init: Any, xs: Any) -> tuple[Any, Any]:
         loop = self.loop
@@ -560,13 +580,12 @@ class LoopRegion(UserRegion):
                         ys.append(y)
             k = len(ys)
             if loop.n > 0:
-                self.before_last = self._digest_of(carry)
                 carry, y = self._call_step(k, carry, xs)
                 ys.append(y)
             self.n_steps = loop.n
         else:  # a while loop: the online schedule decides as it goes
             online = loop.online()
-            k, last_start = 0, None
+            k = 0
             while self._steps_go_on(k, carry):
                 for action in online.forward(k):
                     prefix.append(action)
@@ -574,19 +593,15 @@ class LoopRegion(UserRegion):
                         kept[action.position] = _State(carry, self._generators_now())
                     elif isinstance(action, _schedule.Free):
                         kept.pop(action.position, None)
-                last_start = carry
                 carry, y = self._call_step(k, carry, xs)
                 prefix.append(_schedule.Advance(k, k + 1))
                 ys.append(y)
                 k += 1
             self.n_steps = k
             self._online = online
-            if k > 0:
-                self.before_last = self._digest_of(last_start)
         self.kept, self.prefix = kept, prefix
         tensors, _ = flatten(carry)
         self.n_carry = len(tensors)
-        self.final_digest = digest(tensors) if self._compares_values() else None
         stacked = self._stacked(ys)
         carry, stacked = _distinct((carry, stacked))
         return carry, stacked
@@ -620,12 +635,6 @@ class LoopRegion(UserRegion):
             return self._last_rng
         self._last_rng = state
         return state
-
-    def _digest_of(self, carry: Any) -> list[Digest | None] | None:
-        if not self._compares_values():
-            return None
-        tensors, _ = flatten(carry)
-        return digest(tensors)
 
     def release_kept(self) -> None:
         super().release_kept()
@@ -704,8 +713,6 @@ class StepRegion(Region):
         self.name = region.name
         self.n_carry = len(carry_slots.tensor_positions)
         self.n_x = 0 if x_slots is None else len(x_slots.tensor_positions)
-        self.checks = region._compares_values()
-        self.carry_digest: list[Digest | None] | None = None  # of the carry it computed, for the determinism check
         self.expected: list[tuple[torch.Size, torch.dtype]] = []  # the outputs' shapes and dtypes (the cotangents')
 
     def run(self, flat: Tensors, phase: Phase) -> Tensors:
@@ -714,8 +721,7 @@ class StepRegion(Region):
         x = None if self.x_slots is None else self.x_slots.fill(flat[nc : nc + nx])
         with self.region.substituted(flat[nc + nx :], flat) as mapping:
             new, y = self.region.run_step_again(self.k, carry, x)
-        if self.checks:
-            self.carry_digest = digest(flatten(new)[0])
+        self.region.check_step_again(self.k, new, _tensor_leaves(y))
         tensors = _stood_in(flatten((new, _tensor_leaves(y)))[0], mapping)
         for t, (shape, dtype) in zip(tensors, self.expected):
             if t.shape != shape or (has_gradient_dtype(t) and t.dtype != dtype):
@@ -727,6 +733,11 @@ class StepRegion(Region):
                     "iterator). Pass such values in the carry or xs."
                 )
         return tuple(tensors)
+
+
+def _step_outputs(carry: Any, y: Any) -> list[torch.Tensor]:
+    """The tensors a step returned, its carry's and its y's, in order: what its digest is taken of."""
+    return flatten((carry, y))[0]
 
 
 def _stood_in(tensors: list[torch.Tensor], mapping: dict[int, torch.Tensor]) -> list[torch.Tensor]:
@@ -811,10 +822,7 @@ class Reversal:
                     stored.pop(action.position, None)
                 elif isinstance(action, _schedule.Reverse):
                     k = action.position
-                    arrived = position != k
                     state, position = self._goto(stored, state, position, k)
-                    if k == n - 1 and (arrived or replay):
-                        self._check_last(state)
                     self._reverse(state, k)
                     state, position = None, None
         for i, g in zip(self.init_index, self.ct_carry):
@@ -869,28 +877,10 @@ class Reversal:
         with self.advancing(), self.region.substituted(self.captured, self.primals) as mapping:
             for k in range(start, stop):
                 x = None if self.x_slots is None else self.x_slots.fill(self._x(k))
-                carry, _ = self.region.run_step_again(k, carry, x)
+                carry, y = self.region.run_step_again(k, carry, x)
+                self.region.check_step_again(k, carry, _tensor_leaves(y))
         tensors, slots = flatten(carry)
         return _State.of(_stood_in(tensors, mapping), slots, None)
-
-    def _check_step(self, step: StepRegion, k: int) -> None:
-        """Did the step's recomputation give the carry kept (or returned) after it?"""
-        if step.carry_digest is None:
-            return
-        after = self.stored.get(k + 1)
-        if after is not None:
-            expected = digest(after.tensors)
-        elif k == self.region.n_steps - 1 and self.region.final_digest is not None:
-            expected = self.region.final_digest
-        else:
-            return
-        check_same_values(f"scan({self.region.name})", expected, step.carry_digest, None)
-
-    def _check_last(self, state: _State) -> None:
-        region = self.region
-        if region.before_last is None or not region._compares_values():
-            return
-        check_same_values(f"scan({region.name})", region.before_last, digest(state.tensors), None)
 
     def _reverse(self, state: _State, k: int) -> None:
         """Differentiate step ``k`` from ``state``; the carry's cotangent moves to the step's input."""
@@ -910,7 +900,6 @@ class Reversal:
             *(self.needs[j] for j in self.region.captured_index),
         )
         grads = self.step_vjp(step, primals, cotangents, needs)
-        self._check_step(step, k)
         self.ct_carry = [torch.zeros_like(t) if g is None else g for g, t in zip(grads[:nc], state.tensors)]
         for j, g in enumerate(grads[nc : nc + nx]):
             if j in self.x_grads:

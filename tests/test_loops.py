@@ -637,3 +637,34 @@ def test_while_loop_finds_what_its_body_reaches_as_deep_as_fori_loop_does():
     lin.zero_grad()
     h.sum().backward()
     assert_close(grads, [lin.weight.grad, lin.weight.grad])
+
+
+@pytest.mark.parametrize("checkpoints", [None, 1, 2, 3])
+@pytest.mark.parametrize("what", ["carry", "y", "y missing"])
+def test_every_step_run_again_in_the_backward_is_checked(checkpoints, what):
+    """Whichever call of the step computes something else in the backward pass (a step the
+    schedule runs forward again from a kept carry, or one it differentiates), in its carry or
+    its y, the determinism check raises instead of a silently wrong gradient."""
+    w, b, xs, c0 = make(n=6)
+    w.requires_grad_()
+    calls = [0]
+    odd_call = [None]
+
+    def step(c, x):
+        calls[0] += 1
+        odd = calls[0] == odd_call[0]
+        h = torch.tanh(c @ w + x + b) * (1.5 if odd and what == "carry" else 1.0)
+        y = (h * x).sum() * (1.5 if odd and what == "y" else 1.0)
+        return h, None if odd and what == "y missing" else y
+
+    def run():
+        calls[0] = 0
+        carry, ys = funckpt.scan(step, c0, xs, checkpoints=checkpoints)
+        return torch.autograd.grad((carry**2).sum() + (ys**2).sum(), w)
+
+    run()  # every call as in the forward pass: no alarm
+    total = calls[0]
+    assert total > 6
+    for odd_call[0] in range(7, total + 1):  # each call of the backward pass in turn
+        with pytest.raises(funckpt.CheckpointError, match="did not reproduce the forward pass|returned 1 tensors"):
+            run()
