@@ -277,17 +277,20 @@ def _forward_alone_at_vmap(region: Region, flat: Sequence[torch.Tensor], top: An
     """:func:`_forward_alone` at the vmap ``top``; where it drew random numbers (per example),
     the region notes that vmap's level: its vjp there recomputes per example too."""
     outs, drew = _drawing(region, flat, lambda: _forward_alone(region, flat))
-    if drew:
+    if drew is not None:
         region.drew_at_level = top.level()
     return outs
 
 
-def _drawing(region: Region, flat: Sequence[torch.Tensor], run: Callable[[], Tensors]) -> tuple[Tensors, bool]:
-    """``run()``'s outputs, and whether it drew random numbers (moved a generator the call reaches)."""
+def _drawing(
+    region: Region, flat: Sequence[torch.Tensor], run: Callable[[], Tensors]
+) -> tuple[Tensors, _rng.RngState | None]:
+    """``run()``'s outputs, and, if it drew random numbers (moved a generator the call reaches),
+    the generators' states before it (``None`` if it drew none)."""
     generators = getattr(region, "generators", ())
     before = _rng.capture(flat, generators)
     outs = run()
-    return outs, not _rng.same(before, _rng.capture(flat, generators))
+    return outs, None if _rng.same(before, _rng.capture(flat, generators)) else before
 
 
 def _records_below_the_top(flat: Sequence[torch.Tensor]) -> bool:
@@ -311,7 +314,8 @@ def _refusing_one_draw_for_the_batch(region: Region, flat: Sequence[torch.Tensor
     call runs as torch.func runs it, and the generators tell whether it drew.
     """
     outs, drew = _drawing(region, flat, lambda: cast(Tensors, custom_function_call(_RematFunction, region, *flat)))
-    if drew:
+    if drew is not None:
+        _rng.restore(drew)  # refused: the generators as they were, as where torch.func raises itself
         randomness = vmap.randomness()
         raise CheckpointError(
             f"remat({region.name}): the function drew random numbers under torch.func.vmap("

@@ -144,8 +144,10 @@ def test_a_random_call_whose_inputs_are_unbatched_under_vmap_inside_grad_is_refu
     """``grad(vmap(f, randomness="different"))``: the call must be recorded for the enclosing grad,
     and torch.func runs it once for the whole batch: one sample where the function without remat
     draws one per example. remat says so rather than return one draw for all."""
+    before = torch.get_rng_state()
     with pytest.raises(CheckpointError, match="batched there"):
         tf.grad(lambda w: tf.vmap(lambda x: x * remat(_dropout_of)(w), randomness="different")(X).sum())(W[0])
+    assert torch.equal(torch.get_rng_state(), before), "the refused call's draw moved the generator"
 
 
 def test_vmap_randomness_error_raises_on_a_call_whose_inputs_are_all_unbatched():
