@@ -460,7 +460,8 @@ class LoopRegion(UserRegion):
         # Per step of the forward sweep, the digest of what it returned (its carry and y), which
         # every run of it again in the backward pass must reproduce (the determinism check).
         self.step_digests: list[list[Digest | None]] = []
-        self.step_sizes: list[int] = []  # and how many tensors it returned (checked with the check off too)
+        # And the shape and dtype of each tensor it returned (checked with the check off too).
+        self.step_metas: list[list[tuple[torch.Size, torch.dtype]]] = []
         self.n_steps = 0
         self.carry_slots: TreeSlots | None = None
         self.n_carry = 0
@@ -539,7 +540,7 @@ class LoopRegion(UserRegion):
             y = y_slots.fill(_stood_in(y_tensors, self._stand_ins))
         if self._forward:
             outputs = _step_outputs(new, y)
-            self.step_sizes.append(len(outputs))
+            self.step_metas.append([(t.shape, t.dtype) for t in outputs])
             if self._compares_values():
                 self.step_digests.append(digest(outputs))
         return new, y
@@ -547,10 +548,10 @@ class LoopRegion(UserRegion):
     def check_step_again(self, k: int, carry: Any, y: Any) -> None:
         """Did step ``k``, run again in the backward pass, return what it returned in the forward sweep?"""
         outputs = _step_outputs(carry, y)
-        if k < len(self.step_sizes) and len(outputs) != self.step_sizes[k]:
+        if k < len(self.step_metas) and len(outputs) != len(self.step_metas[k]):
             raise CheckpointError(
                 f"scan({self.name}): run again in the backward pass, step {k} returned {len(outputs)} tensors (its "
-                f"carry's and its y's) where the forward pass had {self.step_sizes[k]}. A step must compute the same "
+                f"carry's and its y's) where the forward pass had {len(self.step_metas[k])}. A step must compute the same "
                 "thing when called again with the same carry: it may depend on state that changed (a counter, a "
                 "global, an iterator). Pass such values in the carry or xs."
             )
@@ -889,7 +890,16 @@ class Reversal:
         step = StepRegion(self.region, k, state.slots, self.x_slots)
         i = self.loop.index(k)
         cotangents = (*self.ct_carry, *(c[i] for c in self.ct_ys))
-        step.expected = [(c.shape, c.dtype) for c in cotangents]
+        if k < len(self.region.step_metas):
+            # What the step returned in the forward sweep: a y of another dtype than the stacked ys
+            # (promoted by the stack) takes its cotangent in its own dtype, as autograd gives it.
+            step.expected = self.region.step_metas[k]
+            cotangents = tuple(
+                c.to(dtype) if c.dtype != dtype and has_gradient_dtype(c) else c
+                for c, (_, dtype) in zip(cotangents, step.expected)
+            )
+        else:
+            step.expected = [(c.shape, c.dtype) for c in cotangents]
         primals = (*state.tensors, *xs, *self.captured)
         # The first step's carry is the loop's input: its gradient is needed if the caller's is.
         # A later carry's is needed to go on: something before it (a parameter, xs) needs one.

@@ -601,6 +601,8 @@ def _function_writes(func: Any) -> _Writes | None:
         return _WRITES_FIRST if name in _INPLACE_DUNDERS or name in ("__set__", "__setstate__") else _WRITES_OUT
     if name in _UNMARKED_WRITES:
         return None
+    if name in _FLAG_ONLY:
+        return _WRITES_OUT
     packet = _aten_packet(name)
     if packet is None:
         return _WRITES_FIRST if name.endswith("_") and not name.endswith("__") else _WRITES_OUT
@@ -616,6 +618,11 @@ def _function_writes(func: Any) -> _Writes | None:
     if 0 in written:
         names.update(_FIRST)
     return _Writes(tuple(sorted(written)), frozenset(names))
+
+
+#: In-place by name, but what they set is a flag of the tensor object, not its values or shape:
+#: ``c.detach().requires_grad_()`` inside a step (a gradient of an energy) writes nothing.
+_FLAG_ONLY = frozenset({"requires_grad_"})
 
 
 def _aten_packet(name: str) -> Any:

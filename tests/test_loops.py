@@ -668,3 +668,39 @@ def test_every_step_run_again_in_the_backward_is_checked(checkpoints, what):
     for odd_call[0] in range(7, total + 1):  # each call of the backward pass in turn
         with pytest.raises(funckpt.CheckpointError, match="did not reproduce the forward pass|returned 1 tensors"):
             run()
+
+
+@pytest.mark.parametrize("checkpoints", [None, 2])
+def test_a_step_taking_the_gradient_of_an_energy_of_its_carry(checkpoints):
+    """``c.detach().requires_grad_()`` then ``torch.autograd.grad`` inside the step (a gradient flow):
+    ``requires_grad_`` sets a flag of a new tensor object, it writes none of the loop's inputs."""
+    w, b, xs, c0 = make(n=3)
+    w.requires_grad_()
+
+    def step(c, x):
+        with torch.enable_grad():
+            cc = c if c.requires_grad else c.detach().requires_grad_()
+            (g,) = torch.autograd.grad((torch.sin(cc @ w) ** 2).sum(), cc, create_graph=True)
+        return c - 0.1 * g + x, None
+
+    expected, got = c0, funckpt.scan(step, c0, xs, checkpoints=checkpoints)[0]
+    for x in xs:
+        expected, _ = step(expected, x)
+    assert_close(torch.autograd.grad(got.sum(), w), torch.autograd.grad(expected.sum(), w))
+
+
+@pytest.mark.parametrize("checkpoints", [None, 2])
+def test_a_y_whose_dtype_differs_between_steps_takes_its_cotangent_in_its_own_dtype(checkpoints):
+    """``torch.stack`` promotes the ys (float32 and float64: float64); the plain loop's gradient
+    reaches the float32 step through a cast, and so does the loop's."""
+    w = torch.tensor([0.5, 1.5], dtype=D, requires_grad=True)
+    xs = torch.tensor([[1.0], [0.0], [1.0]], dtype=D)
+
+    def step(c, x):
+        y = (c * w).sum()
+        return c * w, y if x.item() else y.float()
+
+    carry, ys = funckpt.scan(step, torch.ones(2, dtype=D), xs, checkpoints=checkpoints)
+    plain_carry, plain_ys = python_scan(step, torch.ones(2, dtype=D), xs)
+    assert ys.dtype == plain_ys.dtype
+    assert_close(torch.autograd.grad(ys.sum() + carry.sum(), w), torch.autograd.grad(plain_ys.sum() + plain_carry.sum(), w))
