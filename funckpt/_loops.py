@@ -251,10 +251,14 @@ def _number_as_tensor(v: Any) -> torch.Tensor:
     )
 
 
-def _distinct(out: Any) -> Any:
-    """``out`` with a tensor that appears twice copied: each output of a Function is its own tensor."""
+def _distinct(out: Any, inputs: Sequence[torch.Tensor] = ()) -> Any:
+    """``out`` with a tensor that appears twice, or is one of the loop's ``inputs`` as it is (a
+    carry leaf every step passes along), copied: each output of a Function is its own tensor.
+
+    (An input returned as it is would be a view of it, whose tangent, under forward mode, torch
+    requires to be a view of the input's tangent.)"""
     tensors, slots = flatten(out)
-    seen: set[int] = set()
+    seen: set[int] = {id(t) for t in inputs}
     fresh = []
     for t in tensors:
         fresh.append(t.clone() if id(t) in seen else t)
@@ -428,6 +432,14 @@ class _State:
         self.rng = rng
 
     @staticmethod
+    def kept(carry: Any, rng: _rng.RngState | None) -> _State:
+        """A carry the forward sweep keeps for the backward pass: its tensors as detached aliases
+        (same memory), so that one the loop then returns (a carry leaf a later step passes on, a
+        shift register's) becomes the Function's output without the kept state becoming it too."""
+        tensors, slots = flatten(carry)
+        return _State.of([t.detach() for t in tensors], slots, rng)
+
+    @staticmethod
     def of(tensors: Sequence[torch.Tensor], slots: TreeSlots, rng: _rng.RngState | None) -> _State:
         state = _State.__new__(_State)
         state.tensors, state.slots, state.rng = list(tensors), slots, rng
@@ -470,6 +482,7 @@ class LoopRegion(UserRegion):
         # The run's stand-ins for the captured tensors (id of one to its stand-in), for the
         # steps that return a captured tensor as it is (see _call_step).
         self._stand_ins: dict[int, torch.Tensor] = {}
+        self._run_inputs: Tensors = ()  # the run's inputs (see _distinct)
         self._online: _schedule.Online | EveryStep | None = None
         self._last_rng: _rng.RngState | None = None
 
@@ -483,10 +496,11 @@ class LoopRegion(UserRegion):
 
     def run(self, flat: Tensors, phase: Phase) -> Tensors:
         self._stand_ins = self.replacements([flat[i] for i in self.captured_index])[1]
+        self._run_inputs = flat
         try:
             return super().run(flat, phase)
         finally:
-            self._stand_ins = {}
+            self._stand_ins, self._run_inputs = {}, ()
 
     def forward_run(self, flat: Tensors) -> Tensors:
         self._inputs = flat
@@ -572,7 +586,7 @@ class LoopRegion(UserRegion):
                     break
                 prefix.append(action)
                 if isinstance(action, _schedule.Store):
-                    kept[action.position] = _State(carry, self._generators_now())
+                    kept[action.position] = _State.kept(carry, self._generators_now())
                 elif isinstance(action, _schedule.Free):
                     kept.pop(action.position, None)
                 elif isinstance(action, _schedule.Advance):
@@ -591,7 +605,7 @@ class LoopRegion(UserRegion):
                 for action in online.forward(k):
                     prefix.append(action)
                     if isinstance(action, _schedule.Store):
-                        kept[action.position] = _State(carry, self._generators_now())
+                        kept[action.position] = _State.kept(carry, self._generators_now())
                     elif isinstance(action, _schedule.Free):
                         kept.pop(action.position, None)
                 carry, y = self._call_step(k, carry, xs)
@@ -604,7 +618,7 @@ class LoopRegion(UserRegion):
         tensors, _ = flatten(carry)
         self.n_carry = len(tensors)
         stacked = self._stacked(ys)
-        carry, stacked = _distinct((carry, stacked))
+        carry, stacked = _distinct((carry, stacked), self._run_inputs)
         return carry, stacked
 
     def _stacked(self, ys: list[Any]) -> Any:
@@ -619,7 +633,7 @@ class LoopRegion(UserRegion):
             carry, y = self._call_step(k, carry, xs)
             ys.append(y)
             k += 1
-        carry, stacked = _distinct((carry, self._stacked(ys)))
+        carry, stacked = _distinct((carry, self._stacked(ys)), self._run_inputs)
         return carry, stacked
 
     def _generators_now(self) -> _rng.RngState | None:

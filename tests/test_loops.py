@@ -704,3 +704,64 @@ def test_a_y_whose_dtype_differs_between_steps_takes_its_cotangent_in_its_own_dt
     plain_carry, plain_ys = python_scan(step, torch.ones(2, dtype=D), xs)
     assert ys.dtype == plain_ys.dtype
     assert_close(torch.autograd.grad(ys.sum() + carry.sum(), w), torch.autograd.grad(plain_ys.sum() + plain_carry.sum(), w))
+
+
+def _passing_along(a, b, checkpoints):  # the second carry leaf passed on unchanged by every step
+    (p, q), _ = funckpt.scan(lambda c, x: ((c[0] * 2, c[1]), None), (a, b), length=3, checkpoints=checkpoints)
+    return (p * q).sum()
+
+
+def _shifting(a, b, checkpoints):  # a shift register: the new second leaf is the old first
+    (p, q), _ = funckpt.scan(lambda c, x: ((c[0] * 2, c[0]), None), (a, b), length=3, checkpoints=checkpoints)
+    return (p * q).sum()
+
+
+def _python_loop_of(step_of_carry, a, b):
+    c = (a, b)
+    for _ in range(3):
+        c = step_of_carry(c)
+    return (c[0] * c[1]).sum()
+
+
+@pytest.mark.parametrize("checkpoints", [None, 2])
+@pytest.mark.parametrize("loop", ["passing along", "shifting"])
+@pytest.mark.parametrize("transform", ["jvp", "grad", "jvp of remat", "grad of remat", "jvp of nested scans", "dual"])
+def test_a_carry_leaf_a_step_returns_as_it_came(loop, transform, checkpoints):
+    """A carry leaf the loop returns as it came in (an input, or a carry the sweep kept): the
+    loop's outputs are its own tensors, so forward mode gets a tangent for them and an enclosing
+    remat finds no tensor of its run outliving it."""
+    ours = functools.partial(_passing_along if loop == "passing along" else _shifting, checkpoints=checkpoints)
+    step = (lambda c: (c[0] * 2, c[1])) if loop == "passing along" else (lambda c: (c[0] * 2, c[0]))
+    plain = functools.partial(_python_loop_of, step)
+    a, b = torch.tensor([1.0, 2.0], dtype=D), torch.tensor([3.0, 4.0], dtype=D)
+    t = (torch.ones(2, dtype=D), torch.full((2,), 0.5, dtype=D))
+    if transform == "jvp":
+        assert_close(tf.jvp(ours, (a, b), t), tf.jvp(plain, (a, b), t))
+    elif transform == "grad":
+        assert_close(tf.grad(ours, argnums=(0, 1))(a, b), tf.grad(plain, argnums=(0, 1))(a, b))
+    elif transform == "jvp of remat":
+        assert_close(tf.jvp(funckpt.remat(ours), (a, b), t), tf.jvp(plain, (a, b), t))
+    elif transform == "grad of remat":
+        assert_close(tf.grad(funckpt.remat(ours), argnums=(0, 1))(a, b), tf.grad(plain, argnums=(0, 1))(a, b))
+    elif transform == "jvp of nested scans":
+
+        def outer(a, b):
+            (p, q), _ = funckpt.scan(lambda c, x: ((ours(*c) * c[0], c[1]), None), (a, b), length=2, checkpoints=checkpoints)
+            return (p * q).sum()
+
+        def outer_plain(a, b):
+            c = (a, b)
+            for _ in range(2):
+                c = (plain(*c) * c[0], c[1])
+            return (c[0] * c[1]).sum()
+
+        assert_close(tf.jvp(outer, (a, b), t), tf.jvp(outer_plain, (a, b), t))
+    else:
+        import torch.autograd.forward_ad as fwAD
+
+        with fwAD.dual_level():
+            got = fwAD.unpack_dual(ours(a, fwAD.make_dual(b, t[1]))).tangent
+            expected = fwAD.unpack_dual(plain(a, fwAD.make_dual(b, t[1]))).tangent
+        # (The shift register drops b: no tangent without remat, a zero one through the loop's
+        # Function, which gives every differentiable output one.)
+        assert_close(got, torch.zeros((), dtype=D) if expected is None else expected)
