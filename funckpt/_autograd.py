@@ -377,7 +377,11 @@ class VmapRegion(Region):
         def body(*xs: torch.Tensor) -> Tensors:
             return self.base.run(xs, phase)
 
-        return torch.func.vmap(body, in_dims=self.in_dims, out_dims=0, randomness=self.randomness)(*flat)
+        outs = torch.func.vmap(body, in_dims=self.in_dims, out_dims=0, randomness=self.randomness)(*flat)
+        # An output that is not batched (computed from unbatched inputs only) comes back expanded
+        # along the batch: one element for the whole batch, which forward-mode AD above this
+        # Function refuses to write its tangent into. Each example gets its own, as without remat.
+        return tuple(o.contiguous() if o.dim() > 0 and o.size(0) > 1 and o.stride(0) == 0 else o for o in outs)
 
     def note_mutated_inputs(self, indices: list[int]) -> None:
         self.base.note_mutated_inputs(indices)

@@ -359,3 +359,26 @@ def test_forward_over_reverse_through_activations_with_fused_backward(how, act):
     net = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.SiLU(), torch.nn.Linear(3, 3)).to(D)
     for fn in (f, net, lambda x: net(f(x))):
         assert_close(SECOND_ORDER_OVER_REVERSE[how](remat(fn), x), SECOND_ORDER_OVER_REVERSE[how](fn, x))
+
+
+@pytest.mark.parametrize("transform", ["jvp", "jacfwd", "hessian"])
+def test_forward_mode_over_vmap_where_an_output_is_not_batched(transform):
+    """``jvp(vmap(f))`` with one of the remat'd call's outputs computed from unbatched inputs only:
+    vmap hands it back expanded along the batch, and forward mode above writes each example's
+    tangent, as it does for the function without remat."""
+    b = torch.tensor([3.0, 4.0], dtype=torch.float64)
+    a = torch.randn(3, 2, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+
+    def f(x, y):
+        return x * 4, y * 1.0
+
+    def loss_of(g):
+        return lambda a: tf.vmap(lambda r: (lambda o: (o[0] * o[1]).sum())(g(r, b)))(a)
+
+    if transform == "jvp":
+        run = lambda L: tf.jvp(L, (a,), (torch.ones_like(a),))  # noqa: E731
+    elif transform == "jacfwd":
+        run = lambda L: tf.jacfwd(L)(a)  # noqa: E731
+    else:
+        run = lambda L: tf.hessian(lambda a: L(a).sum())(a)  # noqa: E731
+    assert_close(run(loss_of(remat(f))), run(loss_of(f)))
