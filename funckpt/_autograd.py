@@ -52,6 +52,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any, cast
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from . import _rng
 from ._capture import has_tangent, made_by_nested_region, set_internal
@@ -456,6 +457,13 @@ class JvpRegion(Region):
         self.base.release_kept()
 
     def run(self, flat: Tensors, phase: Phase) -> Tensors:
+        # torch's fused attention kernels have no forward-mode AD: the function without remat gets
+        # the math kernel here, as its mask or inputs require grad at a level this recomputation
+        # runs below (a learned attention bias under hessian); so does the recomputation.
+        with sdpa_kernel([SDPBackend.MATH]):
+            return self._run(flat, phase)
+
+    def _run(self, flat: Tensors, phase: Phase) -> Tensors:
         primals, tangents = flat[: self.n], flat[self.n :]
         diff = [i for i, p in enumerate(primals) if self.with_tangent[i] and has_gradient_dtype(p)]
 

@@ -6,6 +6,7 @@ Every test compares against the same computation without remat, in float64.
 import pytest
 import torch
 import torch.func as tf
+import torch.nn.functional as F
 from torch.testing import assert_close
 
 from funckpt import CheckpointError, remat
@@ -382,3 +383,24 @@ def test_forward_mode_over_vmap_where_an_output_is_not_batched(transform):
     else:
         run = lambda L: tf.hessian(lambda a: L(a).sum())(a)  # noqa: E731
     assert_close(run(loss_of(remat(f))), run(loss_of(f)))
+
+
+@pytest.mark.parametrize("transform", ["hessian", "jvp of grad", "jacfwd of jacrev"])
+def test_attention_with_a_differentiated_mask_under_forward_over_reverse(transform):
+    """A learned attention bias (BEiT's, Swin's relative position bias) as ``attn_mask`` of
+    ``scaled_dot_product_attention``: differentiated, it makes torch pick the math kernel, the one
+    with forward-mode AD; the forward-mode recomputation, which runs below that grad level, gets it too."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 2, 5, 8, dtype=torch.float64, generator=g)
+    bias = torch.randn(1, 2, 5, 5, dtype=torch.float64, generator=g)
+
+    def f(bias):
+        return F.scaled_dot_product_attention(x, x, x, attn_mask=bias).square().sum()
+
+    if transform == "hessian":
+        run = lambda f: tf.hessian(f)(bias)  # noqa: E731
+    elif transform == "jvp of grad":
+        run = lambda f: tf.jvp(tf.grad(f), (bias,), (torch.ones_like(bias),))  # noqa: E731
+    else:
+        run = lambda f: tf.jacfwd(tf.jacrev(f))(bias)  # noqa: E731
+    assert_close(run(remat(f)), run(f))
