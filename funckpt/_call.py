@@ -23,7 +23,7 @@ import types
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import optree
 import torch
@@ -240,6 +240,10 @@ def prepare(
         outer=flat,
         objects=objects,
     )
+    if transforms_active():
+        required = [t.requires_grad for t in routed]
+        if any(required) and torch.is_grad_enabled():
+            region.required_grad_at_call = required
     notify(region, tuple(routed))
     return region, routed
 
@@ -549,6 +553,10 @@ class UserRegion(Region):
     _recompute_context: Any = None
     autocast: Sequence[_autocast.AutocastState] = _autocast.OFF
     recompute_under_mode = False  # set when a recomputation without the mode left its inputs
+    # Under a transform: which inputs required grad at the call (None outside transforms, or
+    # where none did), and whether the forward run is under its grad level already.
+    required_grad_at_call: list[bool] | None = None
+    _at_a_grad_level = False
     escapes_live: list[bool] | None = None  # per escaped output: held after the call? (settle_escapes)
 
     def __init__(
@@ -1029,6 +1037,8 @@ class UserRegion(Region):
     def forward_run(self, flat: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
         """The first run, in the forward pass: record what a recomputation must replay and check."""
         plain_autograd = peek_interpreter_stack() is None
+        if not plain_autograd and self.required_grad_at_call is not None and not self._at_a_grad_level:
+            return self._forward_run_at_a_grad_level(flat)
         # The forward run records a local graph (dropped when it ends) when the
         # caller could differentiate, so fn can use autograd inside, as it can
         # under torch.utils.checkpoint. Under torch.func it runs without one.
@@ -1061,7 +1071,10 @@ class UserRegion(Region):
                 watch = None
         marks = recording_marks() if grad_forward else []  # before this region's own recorder starts
         out: Any = _SUPPRESSED
-        with self._running(flat, forward=True, grad=grad_forward, modes=modes, watch=watch) as run:
+        # The caller's grad mode, as under torch.utils.checkpoint, also where the run records no
+        # graph of its own (below a vmap, in a Function's forward, which turns it off).
+        grad_mode = grad_forward or (self.caller_grad_enabled and not plain_autograd)
+        with self._running(flat, forward=True, grad=grad_mode, modes=modes, watch=watch) as run:
             if grad_forward and run.substitute is not None:
                 run.substitute.made = []
             containers = None if self.argspec.tensors_only else _container_snapshot(run.args, run.kwargs)
@@ -1139,6 +1152,40 @@ class UserRegion(Region):
         if not self.substitutes_again:
             self.forward_substitutes = [weakref.ref(t) for t in substitute.mapping.values()]
         return tuple(tensors)
+
+    def _forward_run_at_a_grad_level(self, flat: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        """The forward run under a grad level of its own, where the call had inputs requiring grad.
+
+        Under plain autograd the forward run records a local graph, and the function sees grad
+        mode on and its differentiable inputs requiring grad, as without remat. Under a vmap
+        (``vmap(grad(f))``, ``grad(vmap(f))``) or forward-mode level it runs below the caller's grad
+        level, in a Function's forward: code that branches on ``torch.is_grad_enabled()`` or
+        ``x.requires_grad``, or registers a tensor hook, would compute another thing than without
+        remat and than its recomputation (which runs at a grad level). So it runs under a
+        ``torch.func.vjp`` level whose primals are the inputs that required grad at the call; its
+        graph is dropped with the vjp function.
+        """
+        required = self.required_grad_at_call
+        assert required is not None
+        wrt = [i for i, (t, r) in enumerate(zip(flat, required)) if r and has_gradient_dtype(t)]
+        if not wrt:
+            self._at_a_grad_level = True
+            return self.forward_run(flat)
+
+        def run(*xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            full = list(flat)
+            for i, x in zip(wrt, xs):
+                full[i] = x
+            return self.forward_run(tuple(full))
+
+        self._at_a_grad_level = True
+        grad_was = torch.is_grad_enabled()
+        set_grad_enabled(self.caller_grad_enabled)  # (a Function's forward runs without)
+        try:
+            outs = cast("tuple[torch.Tensor, ...]", torch.func.vjp(run, *(flat[i] for i in wrt))[0])
+        finally:
+            set_grad_enabled(grad_was)
+        return tuple(outs)
 
     #: A region whose recomputation reaches its captured tensors as the forward run did
     #: (a loop's reversal runs its steps through other paths: it always substitutes).

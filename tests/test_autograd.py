@@ -404,3 +404,35 @@ def test_attention_with_a_differentiated_mask_under_forward_over_reverse(transfo
     else:
         run = lambda f: tf.jacfwd(tf.jacrev(f))(bias)  # noqa: E731
     assert_close(run(remat(f)), run(f))
+
+
+@pytest.mark.parametrize("transform", ["vmap of grad", "grad of vmap", "grad", "jacrev", "vmap"])
+def test_the_forward_run_sees_grad_mode_and_requires_grad_as_without_remat(transform):
+    """Code that branches on ``torch.is_grad_enabled()`` or ``x.requires_grad`` (or registers a
+    tensor hook) computes the same in the forward run as without remat and as its recomputation,
+    under vmap(grad) and grad(vmap) too: no false alarm, no other values with the check off."""
+    seen = []
+
+    def f(x):
+        seen.append((torch.is_grad_enabled(), x.requires_grad))
+        h = x.sin()
+        if h.requires_grad:
+            h.register_hook(lambda g: g * 2)
+        return h * (2.0 if x.requires_grad else 3.0) * (5.0 if torch.is_grad_enabled() else 7.0)
+
+    x = torch.randn(3, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    with_value = lambda g: lambda x: (lambda y: (y.sum(), y))(g(x))  # noqa: E731
+    runs = {
+        "vmap of grad": lambda g: tf.vmap(tf.grad(with_value(g), has_aux=True))(x),
+        "grad of vmap": lambda g: tf.grad(lambda x: (lambda y: (y.sum(), y))(tf.vmap(g)(x)), has_aux=True)(x),
+        "grad": lambda g: tf.grad(with_value(g), has_aux=True)(x),
+        "jacrev": lambda g: tf.jacrev(g)(x),
+        "vmap": lambda g: tf.vmap(g)(x),
+    }
+    expected = runs[transform](f)
+    plain_seen = list(seen)
+    seen.clear()
+    assert_close(runs[transform](remat(f)), expected)
+    assert set(seen) == set(plain_seen)  # forward run and recomputation alike
+    seen.clear()
+    assert_close(runs[transform](remat(f, determinism_check="none")), expected)
