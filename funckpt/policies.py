@@ -349,6 +349,11 @@ def save_from_both_policies(policy_1: Policy, policy_2: Policy) -> Policy:
     for arg, p in (("policy_1", policy_1), ("policy_2", policy_2)):
         if not callable(p):
             raise TypeError(f"save_from_both_policies: {arg} must be a callable policy, got {p!r}")
+        if is_policy_factory(p):
+            raise TypeError(
+                f"save_from_both_policies: {arg}=policies.{p.__name__} makes a policy, it is not one: "
+                f"call it, for example policies.{p.__name__}(...)"
+            )
         if budget_of(p) is not None:
             raise TypeError(
                 f"save_from_both_policies: {arg} is {p!r}, which chooses among all of a call's values at "

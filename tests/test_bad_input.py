@@ -266,6 +266,11 @@ ROWS: dict[str, Row] = {
     "save_from_both_policies with a non-policy": Row(
         lambda: policies.save_from_both_policies(policies.dots_saveable, 3), TypeError, r"policy_2 must be a callable policy"
     ),
+    "save_from_both_policies with a policy factory not called": Row(
+        lambda: policies.save_from_both_policies(policies.save_only_these_names, policies.dots_saveable),
+        TypeError,
+        r"policy_1=policies.save_only_these_names makes a policy",
+    ),
     "from_torch of a number": Row(lambda: policies.from_torch(3), TypeError, r"a policy function or a list of ops"),
     "from_torch of a list of non-ops": Row(lambda: policies.from_torch(["mm"]), TypeError, r"OpOverload or OpOverloadPacket"),
     "saved_residuals of a non-callable": Row(lambda: funckpt.saved_residuals(3, x), TypeError, r"fn must be callable"),
