@@ -789,6 +789,9 @@ class Reversal:
             _, self.x_slots = flatten(_slice(xs_tree, 0))
         nc = region.n_carry
         self.ct_carry: list[torch.Tensor] = list(cotangents[:nc])
+        # The loop's input carry's gradients, from the first step's vjp: None where nothing used it,
+        # as in the plain loop (a later step's carry gets a zero cotangent where none came).
+        self.init_grads: list[torch.Tensor | None] | None = None
         self.ct_ys = list(cotangents[nc:])
         self.grads: list[torch.Tensor | None] = [None] * len(primals)
         self.stored: dict[int, _State] = {}  # the carries kept now, by position
@@ -840,7 +843,7 @@ class Reversal:
                     state, position = self._goto(stored, state, position, k)
                     self._reverse(state, k)
                     state, position = None, None
-        for i, g in zip(self.init_index, self.ct_carry):
+        for i, g in zip(self.init_index, self.ct_carry if self.init_grads is None else self.init_grads):
             self._add(i, g)
         for j, per_step in self.x_grads.items():
             if any(g is not None for g in per_step):
@@ -924,6 +927,8 @@ class Reversal:
             *(self.needs[j] for j in self.region.captured_index),
         )
         grads = self.step_vjp(step, primals, cotangents, needs)
+        if k == 0:
+            self.init_grads = list(grads[:nc])
         self.ct_carry = [torch.zeros_like(t) if g is None else g for g, t in zip(grads[:nc], state.tensors)]
         for j, g in enumerate(grads[nc : nc + nx]):
             if j in self.x_grads:

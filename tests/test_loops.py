@@ -765,3 +765,13 @@ def test_a_carry_leaf_a_step_returns_as_it_came(loop, transform, checkpoints):
         # (The shift register drops b: no tangent without remat, a zero one through the loop's
         # Function, which gives every differentiable output one.)
         assert_close(got, torch.zeros((), dtype=D) if expected is None else expected)
+
+
+@pytest.mark.parametrize("checkpoints", [None, 2])
+def test_an_initial_carry_no_step_uses_gets_no_gradient(checkpoints):
+    """As in the plain loop: ``None``, not zeros (an optimizer skips a parameter without a gradient,
+    where a zero one still moves its weight decay and moments)."""
+    w, b, xs, c0 = make(n=4)
+    w.requires_grad_(), c0.requires_grad_()
+    carry, _ = funckpt.scan(lambda c, x: (torch.tanh(x @ w + b), None), c0, xs, checkpoints=checkpoints)
+    assert torch.autograd.grad(carry.sum(), (w, c0), allow_unused=True)[1] is None
