@@ -67,6 +67,7 @@ from ._errors import (
 )
 from ._internals import (
     call_with_own_hooks,
+    has_own_hooks,
     has_gradient_dtype,
     bottom,
     forward_ad_level,
@@ -114,7 +115,9 @@ def call(
     ``remat`` wrapper wraps, called with its own hooks only (see :class:`WrappedModuleRegion`).
     """
     if torch.compiler.is_compiling() and can_lower(options):
-        return lowered_call(functools.partial(call_with_own_hooks, fn) if wrapped else fn, options, args, kwargs)
+        if wrapped and not has_own_hooks(fn):  # (its forward: the wrapper ran the global hooks)
+            return lowered_call(cast(Any, fn).forward, options, args, kwargs)
+        return lowered_call(fn, options, args, kwargs)
     return _call_eagerly(fn, options, args, kwargs, wrapped)
 
 
@@ -1037,7 +1040,7 @@ class UserRegion(Region):
     def forward_run(self, flat: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
         """The first run, in the forward pass: record what a recomputation must replay and check."""
         plain_autograd = peek_interpreter_stack() is None
-        if not plain_autograd and self.required_grad_at_call is not None and not self._at_a_grad_level:
+        if not plain_autograd and self.required_grad_at_call is not None and not self._at_a_grad_level and self.saved is None:
             return self._forward_run_at_a_grad_level(flat)
         # The forward run records a local graph (dropped when it ends) when the
         # caller could differentiate, so fn can use autograd inside, as it can
@@ -1163,7 +1166,8 @@ class UserRegion(Region):
         ``x.requires_grad``, or registers a tensor hook, would compute another thing than without
         remat and than its recomputation (which runs at a grad level). So it runs under a
         ``torch.func.vjp`` level whose primals are the inputs that required grad at the call; its
-        graph is dropped with the vjp function.
+        graph is dropped with the vjp function. Not with a policy that keeps values: what it keeps
+        must be the values of the level the recomputation replays them at.
         """
         required = self.required_grad_at_call
         assert required is not None
@@ -1172,17 +1176,20 @@ class UserRegion(Region):
             self._at_a_grad_level = True
             return self.forward_run(flat)
 
-        def run(*xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        def run(*xs: torch.Tensor) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
             full = list(flat)
             for i, x in zip(wrt, xs):
                 full[i] = x
-            return self.forward_run(tuple(full))
+            outs = self.forward_run(tuple(full))
+            # vjp takes floating outputs only (all of them come back as its aux, unwrapped).
+            floating = tuple(o for o in outs if has_gradient_dtype(o))
+            return floating or (xs[0] * 0,), outs
 
         self._at_a_grad_level = True
         grad_was = torch.is_grad_enabled()
         set_grad_enabled(self.caller_grad_enabled)  # (a Function's forward runs without)
         try:
-            outs = cast("tuple[torch.Tensor, ...]", torch.func.vjp(run, *(flat[i] for i in wrt))[0])
+            _, _, outs = cast(Any, torch.func.vjp(run, *(flat[i] for i in wrt), has_aux=True))
         finally:
             set_grad_enabled(grad_was)
         return tuple(outs)

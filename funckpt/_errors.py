@@ -319,7 +319,7 @@ def _on_cpu(t: torch.Tensor) -> Digest:
     A small contiguous one (the host-bound case, where each operator's call is the cost) gets
     the position-weighted sum of all its values in place of their sum (:func:`_weighted`)."""
     n = t.numel()
-    small = n <= _WEIGHTED_AT_MOST and t.is_contiguous()
+    small = n <= _WEIGHTED_AT_MOST and t.is_contiguous() and not torch._C._get_tracing_state()
     if small:
         total = torch.dot(t.view(-1), _weights_for(n, t.dtype)).item()
     else:
@@ -347,8 +347,8 @@ def _weighted(v: torch.Tensor, acc: torch.dtype) -> tuple[torch.Tensor | None, i
     input); this does. ``None`` for a tensor not contiguous (sampled in order, it would be copied
     whole) and under a dispatch mode (the weights would be made under it).
     """
-    if not v.is_contiguous() or dispatch_modes_active():
-        return None, 0
+    if not v.is_contiguous() or dispatch_modes_active() or torch._C._get_tracing_state():
+        return None, 0  # (torch.jit.trace: the weights, made once, would be a traced value of one trace)
     flat = v.view(-1)
     if flat.numel() > _WEIGHTED_AT_MOST:
         flat = flat[:: -(-flat.numel() // _WEIGHTED_AT_MOST)]

@@ -71,6 +71,7 @@ __all__ = [
     "jvp_levels_active",
     "lowered",
     "call_with_own_hooks",
+    "has_own_hooks",
     "legacy_vmap_decrement",
     "legacy_vmap_depth",
     "legacy_vmap_increment",
@@ -455,10 +456,15 @@ def call_with_own_hooks(module: Any, args: tuple[Any, ...], kwargs: dict[str, An
     """
     if module._compiled_call_impl is not None:  # (module.compile(): torch's compiled call, hooks and all)
         return module(*args, **kwargs)
-    if not (module._forward_hooks or module._forward_pre_hooks or module._backward_hooks or module._backward_pre_hooks):
+    if not has_own_hooks(module):
         forward = module._slow_forward if torch._C._get_tracing_state() else module.forward
         return forward(*args, **kwargs)
     return _call_impl_own_hooks(module, *args, **kwargs)
+
+
+def has_own_hooks(module: Any) -> bool:
+    """Does ``module`` have forward or backward hooks of its own (not the global ones)?"""
+    return bool(module._forward_hooks or module._forward_pre_hooks or module._backward_hooks or module._backward_pre_hooks)
 
 
 def fsdp2_training_state(module: Any) -> str:

@@ -436,3 +436,46 @@ def test_the_forward_run_sees_grad_mode_and_requires_grad_as_without_remat(trans
     assert set(seen) == set(plain_seen)  # forward run and recomputation alike
     seen.clear()
     assert_close(runs[transform](remat(f, determinism_check="none")), expected)
+
+
+@pytest.mark.parametrize("transform", ["vmap of grad", "hessian", "vmap of jacrev"])
+def test_integer_and_boolean_outputs_below_a_vmap_or_forward_mode_level(transform):
+    """The forward run under a grad level of its own (see the grad-mode test above) hands vjp its
+    floating outputs only; a mask or an index returned next to them comes back as it is."""
+
+    def f(x):
+        y = x.sin()
+        return y, y > 0, y.argmax()
+
+    loss = lambda f: (lambda x: (f(x)[0] * f(x)[1]).sum() + f(x)[2])  # noqa: E731
+    x = torch.randn(3, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    runs = {
+        "vmap of grad": lambda L: tf.vmap(tf.grad(L))(x),
+        "hessian": lambda L: tf.hessian(L)(x[0]),
+        "vmap of jacrev": lambda L: tf.vmap(tf.jacrev(L))(x),
+    }
+    assert_close(runs[transform](loss(remat(f))), runs[transform](loss(f)))
+
+
+@pytest.mark.parametrize("policy", ["dots_saveable", "everything_saveable"])
+@pytest.mark.parametrize("transform", ["grad of vmap", "backward through vmap", "vmap of grad"])
+def test_policies_below_a_vmap(policy, transform):
+    from funckpt import policies
+
+    torch.manual_seed(0)
+    w = torch.randn(5, 5, dtype=torch.float64)
+    x = torch.randn(3, 5, dtype=torch.float64)
+    f = lambda x, w: torch.tanh(x @ w).sum()  # noqa: E731
+    g = remat(f, policy=getattr(policies, policy))
+    if transform == "grad of vmap":
+        run = lambda f: tf.grad(lambda x, w: tf.vmap(f, in_dims=(0, None))(x, w).sum(), argnums=(0, 1))(x, w)  # noqa: E731
+    elif transform == "vmap of grad":
+        run = lambda f: tf.vmap(tf.grad(f, argnums=(0, 1)), in_dims=(0, None))(x, w)  # noqa: E731
+    else:
+
+        def run(f):
+            leaf = w.clone().requires_grad_()
+            tf.vmap(f, in_dims=(0, None))(x, leaf).sum().backward()
+            return leaf.grad
+
+    assert_close(run(g), run(f))

@@ -506,3 +506,17 @@ def test_from_torch_policies_lower_under_fullgraph(kind):
     (expected,) = torch.autograd.grad(torch.tanh(x @ w).sin().sum(), w)
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-12)
     assert len(graphs) == 1
+
+
+def test_a_remat_module_traces_into_a_fullgraph_compile():
+    """remat(module) under torch.compile(fullgraph=True) is the compiler's checkpoint region, with
+    the module's forward as its function (the wrapper's call ran the global hooks)."""
+    torch.manual_seed(0)
+    layer = nn.Linear(4, 4, dtype=torch.float64)
+    model = remat(layer)
+    x = torch.randn(2, 4, dtype=torch.float64, requires_grad=True)
+    torch.compile(lambda x: model(x).sum(), backend="aot_eager", fullgraph=True)(x).backward()
+    expected = x.grad.clone()
+    x.grad = None
+    layer(x).sum().backward()
+    torch.testing.assert_close(expected, x.grad)

@@ -1018,3 +1018,14 @@ def test_a_buffer_the_forward_updates_and_keeps_with_two_forwards_before_their_b
 
     plain, module = _SavingCounter(clone=True), _SavingCounter(clone=False)
     assert_close(program(module, remat(module)), program(plain, plain))
+
+
+def test_torch_jit_trace_of_a_model_with_several_remat_layers():
+    """Tracing runs each remat'd call once, under no grad: remat is the function itself there, and
+    the trace of two of them is the trace of the two layers."""
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(4, 8, dtype=D), nn.Tanh(), nn.Linear(8, 2, dtype=D))
+    model = nn.Sequential(*(remat(m) for m in plain))
+    x = torch.randn(3, 4, dtype=D)
+    traced = torch.jit.trace(model, (x,), check_trace=False)
+    assert_close(traced(x), plain(x))
