@@ -67,6 +67,7 @@ from ._errors import (
 )
 from ._internals import (
     call_with_own_hooks,
+    is_dead_tensor_wrapper,
     has_own_hooks,
     has_gradient_dtype,
     bottom,
@@ -560,6 +561,7 @@ class UserRegion(Region):
     # where none did), and whether the forward run is under its grad level already.
     required_grad_at_call: list[bool] | None = None
     _at_a_grad_level = False
+    _made_at_own_level: list[weakref.ref[torch.Tensor]] | None = None  # (during that run, what it made)
     escapes_live: list[bool] | None = None  # per escaped output: held after the call? (settle_escapes)
 
     def __init__(
@@ -1077,14 +1079,17 @@ class UserRegion(Region):
         # The caller's grad mode, as under torch.utils.checkpoint, also where the run records no
         # graph of its own (below a vmap, in a Function's forward, which turns it off).
         grad_mode = grad_forward or (self.caller_grad_enabled and not plain_autograd)
+        at_own_level = self._made_at_own_level is not None  # (see _forward_run_at_a_grad_level)
         with self._running(flat, forward=True, grad=grad_mode, modes=modes, watch=watch) as run:
-            if grad_forward and run.substitute is not None:
+            if (grad_forward or at_own_level) and run.substitute is not None:
                 run.substitute.made = []
             containers = None if self.argspec.tensors_only else _container_snapshot(run.args, run.kwargs)
             out = self._call_fn(run.args, run.kwargs, True, grad_forward)
             self._refuse_container_writes(containers, run.args, run.kwargs)
         if out is _SUPPRESSED:
             raise _suppressed(self.name)
+        if at_own_level and run.substitute is not None and run.substitute.made is not None:
+            self._made_at_own_level, run.substitute.made = run.substitute.made, None
         if grad_forward:
             self.moved_hooks = _move_input_hooks(flat, given)
             _move_retain_grad(flat, given, run.substitute)
@@ -1186,13 +1191,41 @@ class UserRegion(Region):
             return floating or (xs[0] * 0,), outs
 
         self._at_a_grad_level = True
+        self._made_at_own_level = []
         grad_was = torch.is_grad_enabled()
         set_grad_enabled(self.caller_grad_enabled)  # (a Function's forward runs without)
         try:
-            _, _, outs = cast(Any, torch.func.vjp(run, *(flat[i] for i in wrt), has_aux=True))
+            outs = cast(Any, torch.func.vjp(run, *(flat[i] for i in wrt), has_aux=True))[2]  # (its vjp_fn dropped)
         finally:
             set_grad_enabled(grad_was)
+            made, self._made_at_own_level = self._made_at_own_level, None
+        self._refuse_escapes_of_the_level(made, outs)
         return tuple(outs)
+
+    def _refuse_escapes_of_the_level(self, made: list[weakref.ref[torch.Tensor]], outs: Any) -> None:
+        """Raise if a tensor the run made at its own grad level outlived it other than as an output
+        (a forward hook's list, a module attribute): once the level is gone, what holds it holds a
+        tensor of no level, whose gradient would be silently missing (as it raises under grad)."""
+
+        def alive() -> list[torch.Tensor]:
+            returned = {id(o) for o in outs}
+            return [
+                t for r in made if (t := r()) is not None and id(t) not in returned and t.requires_grad and is_dead_tensor_wrapper(t)
+            ]
+
+        escaped = alive()
+        if escaped:
+            gc.collect()  # a reference cycle waiting for the collector is not an escape
+            escaped = alive()
+        if escaped:
+            raise CheckpointError(
+                f"remat({self.name}): a tensor of shape {tuple(escaped[-1].shape)} that the function computed "
+                "outlived the call other than as its return value under a torch.func transform (kept by a "
+                "forward hook, a list or dict it appends to, a global, or a module attribute; HF's "
+                "output_attentions, output_hidden_states and output_router_logits do this). remat cannot give "
+                "it a graph in the caller's transform, so a gradient through it would be silently missing. "
+                "Return it from the function, or detach it if it is only kept for logging."
+            )
 
     #: A region whose recomputation reaches its captured tensors as the forward run did
     #: (a loop's reversal runs its steps through other paths: it always substitutes).

@@ -479,3 +479,28 @@ def test_policies_below_a_vmap(policy, transform):
             return leaf.grad
 
     assert_close(run(g), run(f))
+
+
+@pytest.mark.parametrize("transform", ["vmap of grad", "hessian", "vmap of jacrev"])
+def test_an_output_a_forward_hook_keeps_is_refused_below_a_vmap_as_under_grad(transform):
+    """A hook keeping a layer's output, used in the loss: under grad remat raises (its gradient
+    would be missing); under vmap(grad) it returned a silently wrong gradient. It raises there too."""
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(4, 4, dtype=torch.float64)
+    kept = []
+    lin.register_forward_hook(lambda m, i, o: kept.append(o))
+    layer = remat(lin)
+
+    def loss(x):
+        kept.clear()
+        y = layer(x)
+        return (y.sin() + kept[0] * 2).sum()
+
+    x = torch.randn(3, 4, dtype=torch.float64)
+    runs = {
+        "vmap of grad": lambda: tf.vmap(tf.grad(loss))(x),
+        "hessian": lambda: tf.hessian(loss)(x[0]),
+        "vmap of jacrev": lambda: tf.vmap(tf.jacrev(loss))(x),
+    }
+    with pytest.raises(CheckpointError, match="outlived the call"):
+        runs[transform]()
