@@ -862,7 +862,12 @@ class _RematFunction(torch.autograd.Function):
             ctx.with_tangent = None
         top = peek_interpreter_stack()
         ctx.level = 0 if top is None else top.level()
-        constant = region.constant_outputs()
+        # Outputs the forward run found constant depend on no input that requires grad: constant for
+        # reverse mode. Applied at a forward-mode level (a jvp level, a plain dual level), an output
+        # may still depend on an input that carries a tangent (jvp(grad(f)) w.r.t. some inputs only):
+        # marked non-differentiable there, its tangent would be dropped.
+        forward_here = forward_ad_level() >= 0 or (top is not None and top.key() == TransformType.Jvp)
+        constant = set() if forward_here else region.constant_outputs()
         ctx.output_differentiable = [has_gradient_dtype(o) and i not in constant for i, o in enumerate(output)]
         non_diff = [o for o, d in zip(output, ctx.output_differentiable) if not d]
         if non_diff:
