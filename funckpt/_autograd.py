@@ -398,7 +398,10 @@ class VmapRegion(Region):
         step_vjp: StepVjp,
     ) -> list[torch.Tensor | None] | None:
         """``vmap`` of the base's own vjp, if it has one (a checkpointed loop batched step by step)."""
-        if type(self.base).own_vjp is Region.own_vjp:
+        base = self.base
+        while isinstance(base, VmapRegion):  # (nested vmaps: the innermost region's own vjp, if any)
+            base = base.base
+        if type(base).own_vjp is Region.own_vjp:
             return None
         top = peek_interpreter_stack()
         if top is not None and top.key() == TransformType.Vmap and not any(_batched_at(p, top.level()) for p in primals):
