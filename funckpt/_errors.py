@@ -321,7 +321,7 @@ def _on_cpu(t: torch.Tensor) -> Digest:
     n = t.numel()
     small = n <= _WEIGHTED_AT_MOST and t.is_contiguous() and not torch._C._get_tracing_state()
     if small:
-        total = torch.dot(t.view(-1), _weights_for(n, t.dtype)).item()
+        total = torch.dot(t.view(-1), _weights_for(n, t.dtype, _CPU_DEVICE)).item()  # (on the CPU: no device object to make)
     else:
         total = torch.sum(t).item()
     norm = torch.linalg.vector_norm(t).item()
@@ -354,7 +354,7 @@ def _weighted(v: torch.Tensor, acc: torch.dtype) -> tuple[torch.Tensor | None, i
         flat = flat[:: -(-flat.numel() // _WEIGHTED_AT_MOST)]
     if flat.dtype is not acc:
         flat = flat.to(acc)
-    return torch.dot(flat, _weights(acc, flat.device)[: flat.numel()]), flat.numel()
+    return torch.dot(flat, _weights_for(flat.numel(), acc, flat.device)), flat.numel()
 
 
 def _make_weights(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -365,9 +365,10 @@ def _make_weights(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return w.sin_().mul_(0.5).add_(1).to(dtype)
 
 
+_CPU_DEVICE = torch.device("cpu")
 #: The weights, made once per dtype and device (for the CPU's two at import: 48 KB).
 _weights_made: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {
-    (dtype, torch.device("cpu")): _make_weights(dtype, torch.device("cpu")) for dtype in (torch.float32, torch.float64)
+    (dtype, _CPU_DEVICE): _make_weights(dtype, _CPU_DEVICE) for dtype in (torch.float32, torch.float64)
 }
 
 
@@ -378,16 +379,17 @@ def _weights(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     return w
 
 
-_weights_of_length: dict[tuple[int, torch.dtype], torch.Tensor] = {}
+_weights_of_length: dict[tuple[int, torch.dtype, torch.device], torch.Tensor] = {}
 
 
-def _weights_for(n: int, dtype: torch.dtype) -> torch.Tensor:
-    """The CPU's first ``n`` weights (a view, kept: slicing is an operator call of its own)."""
-    w = _weights_of_length.get((n, dtype))
+def _weights_for(n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The first ``n`` weights (a view, kept: slicing is an operator call of its own)."""
+    key = (n, dtype, device)
+    w = _weights_of_length.get(key)
     if w is None:
         if len(_weights_of_length) >= 256:  # (bounded: outputs of many sizes)
             _weights_of_length.pop(next(iter(_weights_of_length)))
-        w = _weights_of_length[(n, dtype)] = _weights(dtype, torch.device("cpu"))[:n]
+        w = _weights_of_length[key] = _weights(dtype, device)[:n]
     return w
 
 

@@ -160,11 +160,11 @@ class lowered:
         if interpreter.key() == TransformType.Grad:
             if not interpreter._cptr.prevGradMode():
                 self.mode_was = torch.is_grad_enabled()
-                torch._C._set_grad_enabled(False)
+                set_grad_enabled(False)
         elif interpreter.key() == TransformType.Jvp:
             if not interpreter._cptr.prevFwdGradMode():
-                self.mode_was = torch._C._is_fwd_grad_enabled()
-                torch._C._set_fwd_grad_enabled(False)
+                self.mode_was = fwd_grad_enabled()
+                set_fwd_grad_mode(False)
         try:
             self.saved = _pop_layer()
         except BaseException:
@@ -181,9 +181,9 @@ class lowered:
         if self.mode_was is None:
             return
         if self.interpreter.key() == TransformType.Grad:
-            torch._C._set_grad_enabled(self.mode_was)
+            set_grad_enabled(self.mode_was)
         else:
-            torch._C._set_fwd_grad_enabled(self.mode_was)
+            set_fwd_grad_mode(self.mode_was)
         self.mode_was = None
 
 

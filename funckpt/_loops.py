@@ -559,9 +559,9 @@ class LoopRegion(UserRegion):
                 self.step_digests.append(digest(outputs))
         return new, y
 
-    def check_step_again(self, k: int, carry: Any, y: Any) -> None:
-        """Did step ``k``, run again in the backward pass, return what it returned in the forward sweep?"""
-        outputs = _step_outputs(carry, y)
+    def check_step_again(self, k: int, outputs: list[torch.Tensor]) -> None:
+        """Did step ``k``, run again in the backward pass, return what it returned in the forward sweep
+        (``outputs``: its carry's tensors and its y's, :func:`_step_outputs`)?"""
         if k < len(self.step_metas) and len(outputs) != len(self.step_metas[k]):
             raise CheckpointError(
                 f"scan({self.name}): run again in the backward pass, step {k} returned {len(outputs)} tensors (its "
@@ -736,8 +736,9 @@ class StepRegion(Region):
         x = None if self.x_slots is None else self.x_slots.fill(flat[nc : nc + nx])
         with self.region.substituted(flat[nc + nx :], flat) as mapping:
             new, y = self.region.run_step_again(self.k, carry, x)
-        self.region.check_step_again(self.k, new, _tensor_leaves(y))
-        tensors = _stood_in(flatten((new, _tensor_leaves(y)))[0], mapping)
+        outputs = _step_outputs(new, _tensor_leaves(y))
+        self.region.check_step_again(self.k, outputs)
+        tensors = _stood_in(outputs, mapping)
         for t, (shape, dtype) in zip(tensors, self.expected):
             if t.shape != shape or (has_gradient_dtype(t) and t.dtype != dtype):
                 raise CheckpointError(
@@ -896,7 +897,7 @@ class Reversal:
             for k in range(start, stop):
                 x = None if self.x_slots is None else self.x_slots.fill(self._x(k))
                 carry, y = self.region.run_step_again(k, carry, x)
-                self.region.check_step_again(k, carry, _tensor_leaves(y))
+                self.region.check_step_again(k, _step_outputs(carry, _tensor_leaves(y)))
         tensors, slots = flatten(carry)
         return _State.of(_stood_in(tensors, mapping), slots, None)
 
