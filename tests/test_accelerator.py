@@ -16,6 +16,10 @@ runs this file and the rest of the suite on the device with ``.ci/gpu``.
 
 from __future__ import annotations
 
+import contextlib
+import warnings
+from collections.abc import Iterator
+
 import pytest
 import torch
 import torch.func as tf
@@ -118,6 +122,51 @@ def test_value_check_on_the_device_raises_and_leaves_nothing_pending(device, tra
     assert _errors._deferred == {}
     run(remat(lambda w, x: torch.tanh(x @ w)))
     assert _errors._deferred == {}
+
+
+@contextlib.contextmanager
+def _counting_host_syncs(device: str) -> Iterator[list[warnings.WarningMessage]]:
+    """The host's waits for the device inside the block, as torch's sync debug mode warns
+    of them (none on the CPU, where there is nothing to wait for)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if device == "cuda":
+            torch.cuda.set_sync_debug_mode("warn")
+        try:
+            yield caught
+        finally:
+            if device == "cuda":
+                torch.cuda.set_sync_debug_mode("default")
+    caught[:] = [w for w in caught if "synchroniz" in str(w.message)]
+
+
+@pytest.mark.parametrize("transform", ["backward", "grad"])
+def test_the_forward_pass_never_waits_for_the_device_and_the_backward_once(device, transform):
+    """Host-bound steps stay ahead of the device only if nothing waits for it: a remat'd
+    call's forward pass (RNG capture, digests, checks) reads no value back, and its
+    backward pass reads its digests once, at the end, for every call at once."""
+    model, x = _model_and_input(device, torch.float32)
+    remat_model = nn.Sequential(*(remat(nn.Sequential(b, nn.Dropout(0.1))) for b in model)).train()
+    params = {k: p.detach() for k, p in remat_model.named_parameters()}
+
+    def loss(p: dict[str, torch.Tensor]) -> torch.Tensor:
+        return tf.functional_call(remat_model, p, (x,)).pow(2).mean()
+
+    def step() -> None:
+        if transform == "backward":
+            with _counting_host_syncs(device) as forward_syncs:
+                out = remat_model(x).pow(2).mean()
+            assert forward_syncs == []
+            with _counting_host_syncs(device) as backward_syncs:
+                out.backward()
+            assert len(backward_syncs) <= 1
+        else:
+            with _counting_host_syncs(device) as step_syncs:
+                tf.grad(loss)(params)
+            assert len(step_syncs) <= 1
+
+    step()  # (one-time work: the digest weights made on the device)
+    step()
 
 
 def _model_and_input(device: str, dtype: torch.dtype) -> tuple[nn.Module, torch.Tensor]:
