@@ -90,6 +90,7 @@ def checkpoint(
     determinism_check: str = "default",
     debug: bool = False,
     preserve_rng_state: bool = True,
+    early_stop: bool = True,
     **kwargs: Any,
 ) -> Any:
     """Checkpoint one call of ``function(*args, **kwargs)``, like ``torch.utils.checkpoint.checkpoint``.
@@ -97,6 +98,10 @@ def checkpoint(
     Between forward and backward only the inputs are kept; the backward pass
     recomputes ``function``. Unlike PyTorch's, this works under
     ``torch.func.grad``, ``vjp``, ``jacrev``, ``hessian`` and the rest.
+
+    ``early_stop`` is accepted as PyTorch's checkpoint accepts it, and is not passed on to
+    ``function``; the recomputation always runs to the end here (its outputs are where the
+    backward pass starts from, and what the determinism check compares).
 
     Example::
 
@@ -107,6 +112,8 @@ def checkpoint(
     """
     if not callable(function):
         raise TypeError(f"checkpoint: function must be callable, got {function!r}")
+    if not isinstance(early_stop, bool):
+        raise TypeError(f"checkpoint: early_stop must be True or False, got {early_stop!r}")
     options = _options(use_reentrant, context_fn, determinism_check, debug, preserve_rng_state)
     return call(function, options, args, kwargs)
 

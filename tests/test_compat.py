@@ -52,6 +52,30 @@ def test_checkpoint_passes_keyword_arguments_and_non_tensor_outputs():
     assert_close(out[0], X * 3)
 
 
+@pytest.mark.parametrize("early_stop", [True, False])
+def test_checkpoint_takes_torchs_early_stop_and_does_not_pass_it_on(early_stop):
+    """PyTorch's checkpoint has ``early_stop``: a caller passing it (HF's
+    ``gradient_checkpointing_kwargs``) must not have it handed to the function."""
+
+    def g(w, x, **kwargs):
+        assert kwargs == {}
+        return f(w, x)
+
+    def run(ckpt):
+        torch.manual_seed(0)
+        w = W.clone().requires_grad_()
+        ckpt(g, w, X, use_reentrant=False, early_stop=early_stop).sum().backward()
+        return w.grad
+
+    assert_close(run(funckpt.checkpoint), run(upstream.checkpoint))
+    torch.manual_seed(0)
+    got = tf.grad(lambda w: funckpt.checkpoint(g, w, X, use_reentrant=False, early_stop=early_stop).sum())(W)
+    torch.manual_seed(0)
+    assert_close(got, tf.grad(lambda w: f(w, X).sum())(W))
+    with pytest.raises(TypeError, match="early_stop"):
+        funckpt.checkpoint(g, W, X, early_stop="no")
+
+
 def test_context_fn_contexts_each_entered_once_per_pass():
     entered = []
 
