@@ -431,18 +431,42 @@ def _code_names(code: Any) -> set[str]:
     return names
 
 
-def _own_hooks_call_impl() -> Callable[..., Any]:
-    impl = torch.nn.Module._call_impl
+def _without_global_hooks(*methods: Any) -> list[Callable[..., Any]]:
+    """``nn.Module`` methods, torch's own code, run with globals where the hook registries are empty."""
     empty = _WithoutGlobalHooks()
-    for name in _code_names(impl.__code__):
+    for name in set().union(*(_code_names(m.__code__) for m in methods)):
         value = vars(_module_module).get(name)
         if name.startswith("_global_") and isinstance(value, dict):
             empty[name] = type(value)()
-    return types.FunctionType(impl.__code__, empty, impl.__name__, impl.__defaults__, impl.__closure__)
+    return [types.FunctionType(m.__code__, empty, m.__name__, m.__defaults__, m.__closure__) for m in methods]
 
 
-#: ``nn.Module._call_impl``, torch's own code, seeing no global hooks (``register_module_forward_hook``...).
-_call_impl_own_hooks = _own_hooks_call_impl()
+#: ``nn.Module._call_impl``, torch's own code, seeing no global hooks (``register_module_forward_hook``...),
+#: and the two methods it asks for the backward hooks, which add the global ones to the module's.
+_call_impl_own_hooks, *_own_backward_hook_getters = _without_global_hooks(
+    torch.nn.Module._call_impl, torch.nn.Module._get_backward_hooks, torch.nn.Module._get_backward_pre_hooks
+)
+_BACKWARD_HOOK_GETTERS = ("_get_backward_hooks", "_get_backward_pre_hooks")
+_ABSENT = object()
+
+
+def _call_with_own_backward_hooks(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """:data:`_call_impl_own_hooks` for a module with backward hooks of its own, where global ones
+    are registered too: ``_call_impl`` asks the module for its backward hooks, and torch's
+    methods add the global ones. For the call, the module's own attributes (which come before
+    its class's methods) are those methods seeing no global hooks."""
+    own = module.__dict__
+    before = [own.get(name, _ABSENT) for name in _BACKWARD_HOOK_GETTERS]
+    for name, getter in zip(_BACKWARD_HOOK_GETTERS, _own_backward_hook_getters):
+        own[name] = types.MethodType(getter, module)
+    try:
+        return _call_impl_own_hooks(module, *args, **kwargs)
+    finally:
+        for name, value in zip(_BACKWARD_HOOK_GETTERS, before):
+            if value is _ABSENT:
+                own.pop(name, None)
+            else:
+                own[name] = value
 
 
 def call_with_own_hooks(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -451,14 +475,16 @@ def call_with_own_hooks(module: Any, args: tuple[Any, ...], kwargs: dict[str, An
     For the module a ``remat`` wrapper wraps: the wrapper's own call, which torch runs
     with the global hooks, is this module's call for every hook that sees it (it
     poses as its class), and a global hook must not apply twice to one layer's call.
-    The module's own full backward hooks still bring the global backward hooks with them
-    (``_get_backward_hooks`` reads them directly): only where both are registered.
     """
     if module._compiled_call_impl is not None:  # (module.compile(): torch's compiled call, hooks and all)
         return module(*args, **kwargs)
     if not has_own_hooks(module):
         forward = module._slow_forward if torch._C._get_tracing_state() else module.forward
         return forward(*args, **kwargs)
+    if (module._backward_hooks or module._backward_pre_hooks) and (
+        _module_module._global_backward_hooks or _module_module._global_backward_pre_hooks
+    ):
+        return _call_with_own_backward_hooks(module, args, kwargs)
     return _call_impl_own_hooks(module, *args, **kwargs)
 
 

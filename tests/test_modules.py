@@ -213,6 +213,41 @@ def test_global_module_hooks_apply_once_to_a_remat_layer():
     assert len(calls) == len(reference_calls) == 1
 
 
+@pytest.mark.parametrize("pre", [False, True])
+def test_global_backward_hooks_apply_once_where_the_layer_has_its_own_too(pre):
+    """A layer with full backward (pre-)hooks of its own: torch's ``_call_impl`` asks it for its
+    backward hooks, and torch's answer adds the global ones, which the wrapper's call already
+    applies. A global hook scaling the gradient scales it once, as without remat, and the
+    layer's own hook runs once."""
+    from torch.nn.modules import module as torch_module
+
+    own = []
+
+    def run(wrap):
+        torch.manual_seed(0)
+        layer = nn.Linear(4, 4, dtype=D)
+        layer.register_full_backward_hook(lambda m, gi, go: own.append("hook"))
+        layer.register_full_backward_pre_hook(lambda m, go: own.append("pre-hook"))
+        model = wrap(layer)
+        x = torch.randn(3, 4, dtype=D, generator=torch.Generator().manual_seed(1), requires_grad=True)
+        if pre:
+            handle = torch_module.register_module_full_backward_pre_hook(lambda m, go: tuple(g * 3 for g in go))
+        else:
+            handle = torch_module.register_module_full_backward_hook(
+                lambda m, gi, go: tuple(None if g is None else g * 2 for g in gi)
+            )
+        own.clear()
+        try:
+            model(x).square().sum().backward()
+        finally:
+            handle.remove()
+        assert sorted(own) == ["hook", "pre-hook"]
+        assert "_get_backward_hooks" not in vars(layer)  # (the call's own attributes are gone)
+        return x.grad, layer.weight.grad
+
+    assert_close(run(remat), run(lambda m: m))
+
+
 def test_the_wrapped_class_own_train_and_apply_run():
     """``remat(block).train()`` and ``.half()``/``.to()`` run the block's class's overrides: a
     block that keeps its BatchNorm frozen in training, and one buffer in float32 under conversions."""
