@@ -70,6 +70,7 @@ from ._internals import (
     is_dead_tensor_wrapper,
     has_own_hooks,
     has_gradient_dtype,
+    hide_saved_tensors_hooks,
     bottom,
     forward_ad_level,
     forward_mode_active,
@@ -78,10 +79,12 @@ from ._internals import (
     parametrization_cache,
     peek_interpreter_stack,
     register_tensor_hook,
+    restore_saved_tensors_hooks,
     set_grad_enabled,
     torch_function_mode_enabled,
     storage_of,
     transforms_active,
+    user_saved_tensors_hooks,
     vmap_active,
 )
 from ._options import RematOptions, callable_name, check_static_argnums
@@ -488,6 +491,8 @@ class _Running:
                 grad_was = torch.is_grad_enabled()
                 set_grad_enabled(True)
                 self.exits.append(lambda *exc: set_grad_enabled(grad_was))
+            if hide_saved_tensors_hooks():  # (the run's internals are not the user's hooks' to pack)
+                self.exits.append(restore_saved_tensors_hooks)
             if forward:
                 region._capture_state(flat)
             else:
@@ -599,7 +604,11 @@ class UserRegion(Region):
         self.written_without_grad: set[int] = set()  # differentiable inputs the forward run wrote under no_grad
         self.out_meta: list[tuple[Any, ...]] = []
         policy = options.policy
-        self.saved = None if policy is None or policy is nothing_saveable else Saved(policy, name)
+        self.saved = (
+            None
+            if policy is None or policy is nothing_saveable
+            else Saved(policy, name, user_saved_tensors_hooks() if options.respect_saved_tensors_hooks else None)
+        )
         self.generators = [] if argspec.dynamic.plain else [leaf for leaf in argspec.dynamic.leaves if is_generator(leaf)]
         self.generators += captured.generators
         # Does a recomputation need the substitution mode (set by the forward run)? And the

@@ -83,7 +83,7 @@ def _selective_policy(context_fn: Callable[..., Any]) -> Policy | None:
 
 
 def checkpoint(
-    function: Callable[..., Any],
+    function: Callable[..., Any] | None = None,
     *args: Any,
     use_reentrant: bool | None = None,
     context_fn: Callable[[], tuple[Any, Any]] = noop_context_fn,
@@ -91,6 +91,7 @@ def checkpoint(
     debug: bool = False,
     preserve_rng_state: bool = True,
     early_stop: bool = True,
+    respect_saved_tensors_hooks: bool | None = None,
     **kwargs: Any,
 ) -> Any:
     """Checkpoint one call of ``function(*args, **kwargs)``, like ``torch.utils.checkpoint.checkpoint``.
@@ -99,9 +100,18 @@ def checkpoint(
     recomputes ``function``. Unlike PyTorch's, this works under
     ``torch.func.grad``, ``vjp``, ``jacrev``, ``hessian`` and the rest.
 
+    Without ``function`` (and arguments), it returns a decorator, as PyTorch's does from
+    2.14: ``@checkpoint(use_reentrant=False)`` checkpoints every call of the function or
+    method it decorates.
+
     ``early_stop`` is accepted as PyTorch's checkpoint accepts it, and is not passed on to
     ``function``; the recomputation always runs to the end here (its outputs are where the
     backward pass starts from, and what the determinism check compares).
+
+    ``respect_saved_tensors_hooks=True`` (PyTorch >= 2.14's): the values a selective
+    ``context_fn`` keeps go through the ``torch.autograd.graph.saved_tensors_hooks`` the
+    call is made under (``save_on_cpu``, ...), packed at the end of the forward run and
+    unpacked for the recomputation. ``None`` and ``False`` keep them as they are.
 
     Example::
 
@@ -110,12 +120,40 @@ def checkpoint(
         >>> g = tf.grad(lambda w: funckpt.checkpoint(torch.tanh, w, use_reentrant=False).sum())(w)
         >>> torch.testing.assert_close(g, 1 - torch.tanh(w) ** 2)
     """
+    if not (early_stop is True or early_stop is False):
+        raise TypeError(f"checkpoint: early_stop must be True or False, got {early_stop!r}")
+    if not (respect_saved_tensors_hooks is None or isinstance(respect_saved_tensors_hooks, bool)):
+        raise TypeError(
+            f"checkpoint: respect_saved_tensors_hooks must be None, True or False, got {respect_saved_tensors_hooks!r}"
+        )
+    options = _options(use_reentrant, context_fn, determinism_check, debug, preserve_rng_state)
+    if respect_saved_tensors_hooks:
+        options = dataclasses.replace(options, respect_saved_tensors_hooks=True)
+    if function is None and not args:
+        if kwargs:
+            raise ValueError(
+                "checkpoint: without a function it makes a decorator, which takes no keyword arguments "
+                f"for the function: got {', '.join(sorted(kwargs))}"
+            )
+        return functools.partial(_checkpointed, options=options)
     if not callable(function):
         raise TypeError(f"checkpoint: function must be callable, got {function!r}")
-    if not isinstance(early_stop, bool):
-        raise TypeError(f"checkpoint: early_stop must be True or False, got {early_stop!r}")
-    options = _options(use_reentrant, context_fn, determinism_check, debug, preserve_rng_state)
     return call(function, options, args, kwargs)
+
+
+def _checkpointed(function: Callable[..., Any], *, options: RematOptions) -> Callable[..., Any]:
+    """``function`` with every call checkpointed (``checkpoint``'s decorator form).
+
+    A plain function, so decorating a method binds ``self`` as for any function; a module
+    stays the module it is (its calls are checkpointed, as ``checkpoint(module, x)`` would)."""
+    if not callable(function):
+        raise TypeError(f"checkpoint: the decorated object must be callable, got {function!r}")
+
+    def checkpointed(*args: Any, **kwargs: Any) -> Any:
+        return call(function, options, args, kwargs)
+
+    functools.update_wrapper(checkpointed, function, updated=())  # (not a module's __dict__)
+    return checkpointed
 
 
 def checkpoint_sequential(

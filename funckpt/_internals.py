@@ -351,6 +351,46 @@ def autograd_grad(
     )
 
 
+def user_saved_tensors_hooks() -> tuple[Callable[[torch.Tensor], Any], Callable[[Any], torch.Tensor]] | None:
+    """The ``(pack, unpack)`` pair of the innermost ``torch.autograd.graph.saved_tensors_hooks``
+    a user entered (``save_on_cpu``, ...), or ``None``.
+
+    torch's own checkpoint pushes hooks of its own: from torch 2.14 they name the user's pair
+    that was on top when they were pushed (``_user_hooks``); before, they name nothing, and
+    what is under them is not this call's to pack through (``None``).
+    """
+    hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    while hooks is not None and getattr(hooks[0], "__module__", None) == "torch.utils.checkpoint":
+        hooks = getattr(hooks[0], "_user_hooks", None)
+    return None if hooks is None else (hooks[0], hooks[1])
+
+
+def _as_is(x: Any) -> Any:
+    return x
+
+
+def hide_saved_tensors_hooks() -> bool:
+    """Where a user's ``saved_tensors_hooks`` are on (``save_on_cpu``, an activation offloader),
+    push a pair that saves tensors as autograd does without hooks; return whether it did
+    (then :func:`restore_saved_tensors_hooks` must follow).
+
+    For a remat'd call's runs: the tensors their graphs save are the call's internals, which
+    the user's hooks never see under ``torch.utils.checkpoint`` either (its own hooks take
+    them); packed there, the forward run's would be copied away and never asked for again, and
+    the recomputation's copied away and straight back.
+    """
+    if torch._C._autograd._top_saved_tensors_default_hooks(False) is None:
+        return False
+    if not torch._C._autograd._saved_tensors_hooks_is_enabled():
+        return False  # (disabled where they are on, as inside a torch.func transform: nothing to push)
+    torch._C._autograd._push_saved_tensors_default_hooks(_as_is, _as_is)
+    return True
+
+
+def restore_saved_tensors_hooks(*_exc: Any) -> None:
+    torch._C._autograd._pop_saved_tensors_default_hooks()
+
+
 def register_tensor_hook(t: torch.Tensor, hook: Callable[..., Any]) -> None:
     """``t.register_hook(hook)`` (untyped in torch's stubs)."""
     t.register_hook(hook)  # type: ignore[no-untyped-call]

@@ -47,8 +47,10 @@ from ._internals import (
     forward_mode_active,
     graph_task_keeps_graph,
     has_gradient_dtype,
+    hide_saved_tensors_hooks,
     is_dead_tensor_wrapper,
     peek_interpreter_stack,
+    restore_saved_tensors_hooks,
 )
 from ._options import RematOptions, callable_name
 from ._pytree import NAMESPACE, TreeSlots, flatten, tree_flatten
@@ -699,7 +701,12 @@ class LoopRegion(UserRegion):
         step_vjp: StepVjp,
     ) -> list[torch.Tensor | None] | None:
         self._check_captures_unchanged()
-        return Reversal(self, primals, cotangents, needs, create_graph, advancing, step_vjp).run()
+        hidden = hide_saved_tensors_hooks()  # (the steps' graphs are the loop's internals, as in its runs)
+        try:
+            return Reversal(self, primals, cotangents, needs, create_graph, advancing, step_vjp).run()
+        finally:
+            if hidden:
+                restore_saved_tensors_hooks()
 
     def backward_actions(self, replay: bool) -> list[_schedule.Action]:
         """The schedule from the end of the forward sweep (or, with ``replay``, from the loop's start)."""

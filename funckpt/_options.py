@@ -23,6 +23,9 @@ class RematOptions:
     debug: bool = False
     context_fn: Callable[[], tuple[Any, Any]] | None = None
     segments: int | None = None
+    # checkpoint's respect_saved_tensors_hooks (torch >= 2.14): values a policy keeps go
+    # through the caller's saved-tensor hooks, as the tensors autograd saves do.
+    respect_saved_tensors_hooks: bool = False
 
     def __post_init__(self) -> None:
         if self.policy is not None and not callable(self.policy):

@@ -175,9 +175,12 @@ def _meta(args: tuple[Any, ...]) -> tuple[Any, ...]:
 class Saved:
     """One remat'd call's kept operator outputs, by position in its op trace."""
 
-    def __init__(self, policy: Policy, name: str) -> None:
+    def __init__(self, policy: Policy, name: str, hooks: SavedTensorsHooks | None = None) -> None:
         self.policy = policy
         self.name = name
+        # The caller's saved-tensor hooks (pack, unpack), where checkpoint's respect_saved_tensors_hooks
+        # asks for the kept values to go through them as the tensors autograd saves do.
+        self.hooks = hooks
         self.excluded = excluded_names(policy)
         self.track_producers = uses_names(policy)
         self.trace: list[tuple[Any, tuple[Any, ...]]] = []
@@ -296,6 +299,8 @@ class Saved:
             self._apply_budget(self.budget)
         if self.offload:
             self._offload_kept({s for s in exposed if s is not None})
+        if self.hooks is not None:
+            self._pack_kept({s for s in exposed if s is not None})
 
     def _drop(self, position: int) -> None:
         del self.kept[position], self.versions[position]
@@ -334,6 +339,23 @@ class Saved:
         if moved:
             self.previous = _offload.chain(self)
 
+    def _pack_kept(self, exposed: set[int | None]) -> None:
+        """Hand the kept values to the caller's pack hook (those not offloaded: the policy chose
+        where they go). Not a kept value that is an output of the call: the caller holds it anyway,
+        and may write to it, which the version check of a value kept as it is catches."""
+        assert self.hooks is not None
+        pack = self.hooks[0]
+        for position, out in self.kept.items():
+            if isinstance(out, (_offload.Offloaded, Packed)) or not isinstance(out, (torch.Tensor, tuple, list)):
+                continue
+            if any(storage_of(t) in exposed for t in _tensors(out)):
+                continue
+            single = isinstance(out, torch.Tensor)
+            items = [out] if single else list(out)
+            self.kept[position] = Packed(
+                None if single else type(out), [(pack(t), True) if isinstance(t, torch.Tensor) else (t, False) for t in items]
+            )
+
     def release(self) -> None:
         """Forget the kept values (the backward through them ended): replays recompute them."""
         with self.offload_lock:
@@ -345,16 +367,27 @@ class Saved:
     def kept_tensors(self, position: int) -> tuple[list[torch.Tensor], bool]:
         """The tensors kept at ``position`` (host copies where offloaded), and whether the policy offloaded them."""
         out = self.kept[position]
-        tensors = out.tensors() if isinstance(out, _offload.Offloaded) else list(_tensors(out))
+        if isinstance(out, _offload.Offloaded):
+            tensors = out.tensors()
+        elif isinstance(out, Packed):  # (what the pack hook returned, where it is a tensor)
+            tensors = [v for v, _ in out.items if isinstance(v, torch.Tensor)]
+        else:
+            tensors = list(_tensors(out))
         return tensors, position in self.offload
 
     def fetch(self) -> dict[int, Any]:
-        """This call's offloaded values back on their devices; and start the previous call's (a prefetch)."""
-        if not self.offload:
-            return {}
-        with self.offload_lock:
-            fetched = _offload.fetch(self.kept, self.pending)
-        _offload.prefetch(self.previous)
+        """This call's offloaded values back on their devices, and start the previous call's (a
+        prefetch); its values packed by the caller's hooks, unpacked."""
+        fetched: dict[int, Any] = {}
+        if self.offload:
+            with self.offload_lock:
+                fetched = _offload.fetch(self.kept, self.pending)
+            _offload.prefetch(self.previous)
+        if self.hooks is not None:
+            unpack = self.hooks[1]
+            for position, out in list(self.kept.items()):
+                if isinstance(out, Packed):
+                    fetched[position] = out.unpacked(unpack)
         return fetched
 
     def recorder(self, watch: WriteWatch) -> Recorder:
@@ -362,6 +395,23 @@ class Saved:
 
     def replayer(self, allow_mutation: bool) -> Replayer:
         return Replayer(self, allow_mutation, self.fetch())
+
+
+SavedTensorsHooks = tuple[Callable[[torch.Tensor], Any], Callable[[Any], torch.Tensor]]
+
+
+class Packed:
+    """An operator's kept outputs, each tensor as the caller's pack hook returned it."""
+
+    __slots__ = ("items", "kind")
+
+    def __init__(self, kind: type | None, items: list[tuple[Any, bool]]) -> None:
+        self.kind = kind  # None: a single tensor; else the tuple or list type the operator returned
+        self.items = items  # (packed or plain value, whether it was packed)
+
+    def unpacked(self, unpack: Callable[[Any], torch.Tensor]) -> Any:
+        values = [unpack(v) if was_packed else v for v, was_packed in self.items]
+        return values[0] if self.kind is None else self.kind(values)
 
 
 def recording_marks() -> list[tuple[Saved, int]]:

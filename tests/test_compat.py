@@ -186,3 +186,111 @@ def test_torch_reentrant_checkpoint_inside_the_function(use_reentrant):
     # torch.autograd.grad names its inputs: refused as without remat, by a CheckpointError saying why.
     with pytest.raises(funckpt.CheckpointError, match="use_reentrant=True"):
         torch.autograd.grad(funckpt.checkpoint(fn, X.clone().requires_grad_()).sum(), layer[0].weight)
+
+
+@pytest.mark.parametrize("backward_inside", [False, True])
+def test_saved_tensors_hooks_see_what_they_see_under_torch_checkpoint(backward_inside):
+    """A user's ``saved_tensors_hooks`` (``save_on_cpu``, an activation offloader) pack the
+    checkpointed call's inputs and what is outside it, never its internals: torch's
+    checkpoint takes those with its own hooks, and packed, the forward run's would be copied
+    away and never asked for again."""
+
+    def g(x, w):
+        return torch.sin(torch.mm(x, w)).exp().sum(0)
+
+    def run(ckpt):
+        packed, unpacked = [], []
+
+        def pack(t):
+            packed.append(tuple(t.shape))
+            return t.clone()
+
+        def unpack(p):
+            unpacked.append(tuple(p.shape))
+            return p
+
+        x, w = X.clone().requires_grad_(), W.clone().requires_grad_()
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+            out = ckpt(g, x, w, use_reentrant=False)
+            loss = (out * out).sum()
+            if backward_inside:
+                loss.backward()
+        if not backward_inside:
+            loss.backward()
+        return sorted(packed), sorted(unpacked), x.grad, w.grad
+
+    assert_close(run(funckpt.checkpoint), run(upstream.checkpoint))
+
+
+def test_decorator_form_checkpoints_every_call_of_a_function_or_method():
+    """``checkpoint(use_reentrant=False)`` without a function is a decorator (PyTorch >= 2.14)."""
+
+    @funckpt.checkpoint(use_reentrant=False)
+    def scaled(w, x, *, scale=1.0):
+        return f(w, x, scale=scale)
+
+    assert scaled.__name__ == "scaled"
+    torch.manual_seed(0)
+    got = tf.grad(lambda w: scaled(w, X, scale=2.0).sum())(W)
+    torch.manual_seed(0)
+    assert_close(got, tf.grad(lambda w: f(w, X, scale=2.0).sum())(W))
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = torch.nn.Linear(4, 4, dtype=D)
+
+        @funckpt.checkpoint(use_reentrant=False)
+        def forward(self, x):
+            return torch.tanh(self.linear(x))
+
+    block = Block()
+    params = {k: v.detach() for k, v in block.named_parameters()}
+    got = tf.grad(lambda p: tf.functional_call(block, p, (X,)).square().sum())(params)
+    linear = lambda p: torch.tanh(torch.nn.functional.linear(X, p["linear.weight"], p["linear.bias"]))  # noqa: E731
+    expected = tf.grad(lambda p: linear(p).square().sum())(params)
+    block(X).square().sum().backward()
+    assert_close(got, expected)
+    assert_close({k: p.grad for k, p in block.named_parameters()}, expected)
+    with pytest.raises(ValueError, match="decorator"):
+        funckpt.checkpoint(use_reentrant=False, scale=2.0)
+
+
+@pytest.mark.parametrize("respect", [None, False, True])
+def test_respect_saved_tensors_hooks_routes_the_kept_values_through_them(respect):
+    """``respect_saved_tensors_hooks=True`` (PyTorch >= 2.14): what a selective ``context_fn``
+    keeps is packed by the hooks the call is made under, and unpacked for the recomputation;
+    otherwise it is kept as it is. Gradients are the same either way."""
+    from functools import partial
+
+    aten = torch.ops.aten
+    context_fn = partial(upstream.create_selective_checkpoint_contexts, [aten.mm.default])
+    x, w = X.clone().requires_grad_(), W.clone().requires_grad_()
+    kept = torch.mm(X, W)
+    packed, unpacked = [], []
+
+    def pack(t):
+        packed.append(t.detach().clone())
+        return ("box", t.detach().clone())
+
+    def unpack(p):
+        unpacked.append(p[1])
+        return p[1]
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        out = funckpt.checkpoint(
+            lambda x, w: torch.sin(torch.mm(x, w)).sum(0),
+            x,
+            w,
+            use_reentrant=False,
+            context_fn=context_fn,
+            respect_saved_tensors_hooks=respect,
+        )
+    out.square().sum().backward()
+    x_ref, w_ref = X.clone().requires_grad_(), W.clone().requires_grad_()
+    torch.sin(torch.mm(x_ref, w_ref)).sum(0).square().sum().backward()
+    assert_close((x.grad, w.grad), (x_ref.grad, w_ref.grad))
+    went_through = [any(torch.equal(t, kept) for t in seen) for seen in (packed, unpacked)]
+    assert went_through == [respect is True] * 2
+    with pytest.raises(TypeError, match="respect_saved_tensors_hooks"):
+        funckpt.checkpoint(torch.sin, X, respect_saved_tensors_hooks="yes")

@@ -775,3 +775,25 @@ def test_an_initial_carry_no_step_uses_gets_no_gradient(checkpoints):
     w.requires_grad_(), c0.requires_grad_()
     carry, _ = funckpt.scan(lambda c, x: (torch.tanh(x @ w + b), None), c0, xs, checkpoints=checkpoints)
     assert torch.autograd.grad(carry.sum(), (w, c0), allow_unused=True)[1] is None
+
+
+@pytest.mark.parametrize("checkpoints", [None, 2])
+def test_saved_tensors_hooks_pack_the_loops_inputs_not_its_steps(checkpoints):
+    """A user's ``saved_tensors_hooks`` around a loop and its backward pass see what they see
+    around a remat'd call: its inputs, not what its steps save when they run again."""
+    w, b, xs, c0 = make()
+    packed = []
+
+    def pack(t):
+        packed.append(tuple(t.shape))
+        return t
+
+    w, c0 = w.clone().requires_grad_(), c0.clone().requires_grad_()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        carry, ys = funckpt.scan(functools.partial(cell, w, b), c0, xs, checkpoints=checkpoints)
+        (carry.sum() + ys.sum()).backward()
+    plain_w, plain_c0 = w.detach().clone().requires_grad_(), c0.detach().clone().requires_grad_()
+    carry, ys = python_scan(functools.partial(cell, plain_w, b), plain_c0, xs)
+    (carry.sum() + ys.sum()).backward()
+    assert_close((w.grad, c0.grad), (plain_w.grad, plain_c0.grad))
+    assert len(packed) <= 4  # (the loop's tensor inputs, saved by its node)
