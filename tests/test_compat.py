@@ -217,7 +217,8 @@ def test_saved_tensors_hooks_see_what_they_see_under_torch_checkpoint(backward_i
                 loss.backward()
         if not backward_inside:
             loss.backward()
-        return sorted(packed), sorted(unpacked), x.grad, w.grad
+        empty = (0,)  # (torch 2.11's checkpoint saves an empty dummy tensor of its own)
+        return sorted(s for s in packed if s != empty), sorted(s for s in unpacked if s != empty), x.grad, w.grad
 
     assert_close(run(funckpt.checkpoint), run(upstream.checkpoint))
 
