@@ -85,6 +85,27 @@ class replay:
         return stack.__exit__(*exc) if stack is not None else None
 
 
+def cache_off() -> bool:
+    """Turn autocast's cast cache off for a run, where autocast is on and the cache with it;
+    return whether it did (then :func:`cache_on` must follow).
+
+    The cache keeps the cast of every leaf that requires grad until the outermost autocast
+    block exits. A remat'd call's runs make their own leaves of its inputs each time: cached,
+    their casts (of every block's input and weights) would stay alive to the end of the
+    forward pass, more than the call keeps, and one fn makes itself would look to the checks
+    like a tensor that outlived the call. Without the cache a weight used twice in one run is
+    cast twice: the same values.
+    """
+    if not (torch.is_autocast_cache_enabled() and any_enabled()):
+        return False
+    torch.set_autocast_cache_enabled(False)
+    return True
+
+
+def cache_on(*_exc: Any) -> None:
+    torch.set_autocast_cache_enabled(True)
+
+
 def _available_device_types() -> list[str]:
     """The device types that have autocast (to turn it off where the forward run had none)."""
     candidates = ["cpu", "cuda", "xpu", "mps", "hpu", "mtia", "xla", torch._C._get_privateuse1_backend_name()]

@@ -58,6 +58,8 @@ from . import _rng
 from ._capture import has_tangent, made_by_nested_region, set_internal
 from ._errors import CheckpointError
 from ._internals import (
+    autograd_excluded,
+    autograd_included,
     has_gradient_dtype,
     GradInterpreter,
     JvpInterpreter,
@@ -482,7 +484,8 @@ class JvpRegion(Region):
             # Plain forward-mode AD (inside the user's fwAD.dual_level): torch.func.jvp
             # cannot nest there, so make duals at the user's level instead.
             with set_fwd_grad_enabled(True):
-                outs = f(*(make_dual(unpack_dual(p).primal, t) for p, t in zip(diff_p, diff_t)))
+                # (an inference tensor carries no tangent: a dual of it would be silently constant)
+                outs = f(*(make_dual(_not_inference(unpack_dual(p).primal), t) for p, t in zip(diff_p, diff_t)))
                 unpacked = [unpack_dual(o) for o in outs]
             outs = tuple(u.primal for u in unpacked)
             out_tangents = tuple(torch.zeros_like(u.primal) if u.tangent is None else u.tangent for u in unpacked)
@@ -514,12 +517,17 @@ def vjp(
         # from aliases that stay connected to the primals' own graph, so the
         # result can be differentiated again.
         grad_was = torch.is_grad_enabled()
+        # Below a torch.func level entered in inference_mode autograd is excluded from dispatch:
+        # the recomputation and, with create_graph, its vjp must record all the same.
+        included = autograd_included() if autograd_excluded() else None
+        if included is not None:
+            included.__enter__()
         set_grad_enabled(True)  # torch.enable_grad() without its Python frames
         try:
             if create_graph:
                 leaves = tuple(_local_leaf(p, need, True) for p, need in zip(primals, needs))
             else:
-                leaves = tuple(p.detach().requires_grad_(True) if need else p.detach() for p, need in zip(primals, needs))
+                leaves = tuple(local_input(p, need) for p, need in zip(primals, needs))
             if _in_legacy_vmap():
                 with _outside_legacy_vmap():
                     outs = region.run(leaves, Phase.RECOMPUTE)
@@ -538,6 +546,8 @@ def vjp(
                 grads = _vjp_around_reentrant_checkpoint(region, primals, cotangents, needs, wrt, create_graph, e)
         finally:
             set_grad_enabled(grad_was)
+            if included is not None:
+                included.__exit__()
     else:
         # Under torch.func transforms: a fresh vjp level on top of the current stack.
         differentiable: list[bool] = []
@@ -657,8 +667,25 @@ def _local_leaf(p: torch.Tensor, wrt: bool, create_graph: bool) -> torch.Tensor:
     # graph) and by plain forward mode (p's tangent, which detach() would drop).
     if create_graph and (p.requires_grad or (not wrt and has_tangent(p))):
         return p.view_as(p) if wrt else p
-    leaf = p.detach()
-    return leaf.requires_grad_(True) if wrt else leaf
+    return local_input(p, wrt)
+
+
+def _not_inference(t: torch.Tensor) -> torch.Tensor:
+    """``t``, or a copy of it made outside inference mode where it is an inference tensor."""
+    if not t.is_inference():
+        return t
+    with torch.inference_mode(False):
+        return t.clone()
+
+
+def local_input(t: torch.Tensor, leaf: bool) -> torch.Tensor:
+    """What a run recording a graph of its own gets for input ``t``: a fresh leaf requiring grad
+    (``leaf``) or ``t`` detached. An inference tensor (made in ``torch.inference_mode``, a data
+    pipeline's) can neither require grad nor be saved by a graph outside inference mode: the run
+    gets a copy. (Under torch.func, where such tensors are inputs one level below the
+    transform, the function without remat never records them at their level.)"""
+    t = _not_inference(t) if t.is_inference() else t.detach()
+    return t.requires_grad_(True) if leaf else t
 
 
 def _vjp_here(region: Region, primals: Tensors, cotangents: Tensors, needs: Sequence[bool]) -> list[Any]:
@@ -923,15 +950,17 @@ class _RematFunction(torch.autograd.Function):
         )
         interpreter = _own_live_level(ctx, TransformType.Jvp, primals)
         # Autograd calls jvp with forward-mode AD off; enclosing jvp levels must
-        # still see this computation (jvp of jvp), so turn it back on.
+        # still see this computation (jvp of jvp), so turn it back on. Under a level entered
+        # in inference_mode, the recomputation's duals need autograd dispatched to.
+        included = autograd_included() if autograd_excluded() else contextlib.nullcontext()
         if interpreter is None:
-            with set_fwd_grad_enabled(True):
+            with included, set_fwd_grad_enabled(True):
                 out = _jvp_here(region, primals, filled, with_tangent)
         else:
             level = interpreter.level()
             lowered_p = tuple(unwrap_for_grad(p, level) for p in primals)
             lowered_t = tuple(unwrap_for_grad(t, level) for t in filled)
-            with lowered(interpreter), set_fwd_grad_enabled(True):
+            with lowered(interpreter), included, set_fwd_grad_enabled(True):
                 lowered_out = _jvp_here(region, lowered_p, lowered_t, with_tangent)
             out = tuple(wrap_for_grad(t, level) for t in lowered_out)
         # Outputs marked non-differentiable (integer tensors) take no tangent.

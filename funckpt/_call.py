@@ -31,7 +31,7 @@ from torch.nn.modules.lazy import LazyModuleMixin
 from torch.nn.parameter import is_lazy
 
 from . import _aliasing, _autocast, _rng
-from ._autograd import Phase, Region, apply, eager_under_compile
+from ._autograd import Phase, Region, apply, eager_under_compile, local_input
 from ._capture import (
     SPENT,
     Captured,
@@ -66,6 +66,7 @@ from ._errors import (
     the_recomputation,
 )
 from ._internals import (
+    autograd_excluded,
     call_with_own_hooks,
     is_dead_tensor_wrapper,
     has_own_hooks,
@@ -75,6 +76,7 @@ from ._internals import (
     forward_ad_level,
     forward_mode_active,
     is_functorch_wrapped,
+    level_kinds,
     outside_functorch,
     parametrization_cache,
     peek_interpreter_stack,
@@ -83,6 +85,7 @@ from ._internals import (
     set_grad_enabled,
     torch_function_mode_enabled,
     storage_of,
+    TransformType,
     transforms_active,
     user_saved_tensors_hooks,
     vmap_active,
@@ -265,8 +268,14 @@ def finish(region: UserRegion, routed: list[torch.Tensor], outs: tuple[torch.Ten
 
 
 def nothing_to_differentiate() -> bool:
-    """No grad mode, no torch.func transform, no forward-mode level: nothing to recompute for."""
-    return not torch.is_grad_enabled() and not transforms_active() and forward_ad_level() < 0
+    """No grad mode, no torch.func grad or jvp level, no forward-mode level: nothing to recompute for
+    (``vmap`` alone, or ``functionalize``, under ``no_grad`` or ``inference_mode``)."""
+    if torch.is_grad_enabled() or forward_ad_level() >= 0:
+        return False
+    if not transforms_active():
+        return True
+    kinds = level_kinds()
+    return TransformType.Grad not in kinds and TransformType.Jvp not in kinds
 
 
 def _in_place_error(name: str) -> CheckpointError:
@@ -498,6 +507,8 @@ class _Running:
             else:
                 for context in region._replays():
                     self._enter(context)
+            if _autocast.cache_off():
+                self.exits.append(_autocast.cache_on)
             # A recomputation substitutes only where the forward run showed it must (see
             # UserRegion._substitutes_again): modules' own tensors are in their places already,
             # unless the places had to be looked up again (the module tree changed since).
@@ -1056,7 +1067,9 @@ class UserRegion(Region):
         # The forward run records a local graph (dropped when it ends) when the
         # caller could differentiate, so fn can use autograd inside, as it can
         # under torch.utils.checkpoint. Under torch.func it runs without one.
-        grad_forward = plain_autograd and self.caller_grad_enabled
+        # Not where autograd is excluded from dispatch one level below a torch.func level entered
+        # under inference_mode: nothing records there, and every output would look constant.
+        grad_forward = plain_autograd and self.caller_grad_enabled and not autograd_excluded()
         given = flat
         if grad_forward:
             # An input the caller's level sees as constant may still require grad here, one
@@ -1065,7 +1078,7 @@ class UserRegion(Region):
             # becomes a local leaf, and differentiable for the checks on writes.
             self.differentiable = [d or (t.requires_grad and has_gradient_dtype(t)) for t, d in zip(flat, self.differentiable)]
             flat = tuple(
-                t.detach().requires_grad_(True) if d and has_gradient_dtype(t) else t
+                local_input(t, True) if d and has_gradient_dtype(t) else local_input(t, False) if t.is_inference() else t
                 for t, d in zip(flat, self.differentiable)
             )
         # With a policy, the recorder watches input writes too: one dispatch mode, not two.

@@ -365,6 +365,34 @@ def user_saved_tensors_hooks() -> tuple[Callable[[torch.Tensor], Any], Callable[
     return None if hooks is None else (hooks[0], hooks[1])
 
 
+def autograd_excluded() -> bool:
+    """Is autograd excluded from dispatch on this thread (no operator records a graph, whatever
+    grad mode says)? So it is inside ``torch.inference_mode``, and one level below a torch.func
+    level entered under it, where ``is_inference_mode_enabled()`` reads false."""
+    return bool(torch._C._dispatch_tls_is_dispatch_key_excluded(_AUTOGRAD_KEY))
+
+
+_AUTOGRAD_KEY = torch._C.DispatchKey.AutogradFunctionality
+
+
+class autograd_included:
+    """Run the body with autograd dispatched to, where :func:`autograd_excluded` says it is not
+    (``torch.inference_mode(False)``, keeping grad mode and forward grad mode as they are, as
+    functorch's own ``_disable_inference_mode`` does around a ``vjp_fn``)."""
+
+    __slots__ = ("guard",)
+
+    def __enter__(self) -> None:
+        grad, forward_grad = torch.is_grad_enabled(), fwd_grad_enabled()
+        self.guard = torch._C._InferenceMode(False)
+        self.guard.__enter__()
+        set_grad_enabled(grad)
+        set_fwd_grad_mode(forward_grad)
+
+    def __exit__(self, *exc: Any) -> None:
+        self.guard.__exit__(None, None, None)  # (restores grad modes and dispatch keys as they were)
+
+
 def _as_is(x: Any) -> Any:
     return x
 

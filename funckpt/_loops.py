@@ -44,6 +44,8 @@ from ._call import UserRegion, finish, nothing_to_differentiate, prepare, run_pr
 from ._capture import Roots, Substitute, changed_captures, reparametrized
 from ._errors import CheckpointError, Digest, check_same_values, digest
 from ._internals import (
+    autograd_excluded,
+    autograd_included,
     forward_mode_active,
     graph_task_keeps_graph,
     has_gradient_dtype,
@@ -663,7 +665,12 @@ class LoopRegion(UserRegion):
             # Autocast as in the forward run, around the step only: its vjp runs under the
             # backward's autocast, as the loop's would without remat.
             with _autocast.replay(self.autocast):
-                return self.loop.step(k, carry, x)
+                cache_was_on = _autocast.cache_off()  # (see _autocast.cache_off)
+                try:
+                    return self.loop.step(k, carry, x)
+                finally:
+                    if cache_was_on:
+                        _autocast.cache_on()
         except CheckpointError:
             raise
         except Exception as e:
@@ -703,7 +710,10 @@ class LoopRegion(UserRegion):
         self._check_captures_unchanged()
         hidden = hide_saved_tensors_hooks()  # (the steps' graphs are the loop's internals, as in its runs)
         try:
-            return Reversal(self, primals, cotangents, needs, create_graph, advancing, step_vjp).run()
+            # (the steps run again record the graphs the gradient comes from, also below a
+            # torch.func level entered in inference_mode: see UserRegion's recomputation)
+            with autograd_included() if autograd_excluded() else contextlib.nullcontext():
+                return Reversal(self, primals, cotangents, needs, create_graph, advancing, step_vjp).run()
         finally:
             if hidden:
                 restore_saved_tensors_hooks()

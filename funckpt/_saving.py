@@ -468,7 +468,9 @@ def _cloned(out: Any) -> Any:
 
 
 def _versions(out: Any) -> list[int]:
-    return [t._version for t in _tensors(out)]
+    """The version counters of ``out``'s tensors (-1 for an inference tensor, which has none:
+    nothing outside inference mode can write it)."""
+    return [-1 if t.is_inference() else t._version for t in _tensors(out)]
 
 
 class WriteWatch(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's untyped __init_subclass__

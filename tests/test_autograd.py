@@ -9,7 +9,7 @@ import torch.func as tf
 import torch.nn.functional as F
 from torch.testing import assert_close
 
-from funckpt import CheckpointError, remat
+from funckpt import CheckpointError, policies, remat
 
 D = torch.float64
 
@@ -65,6 +65,50 @@ TRANSFORMS = {
 def test_transform_matches_unremat(name):
     run = TRANSFORMS[name]
     assert_close(run(remat(block)), run(block))
+
+
+@pytest.mark.parametrize("policy", [None, policies.dots_saveable])
+@pytest.mark.parametrize("name", list(TRANSFORMS))
+def test_transform_entered_in_inference_mode_matches_unremat(name, policy):
+    """torch.func transforms run inside ``torch.inference_mode()`` (an evaluation loop computing
+    saliency maps or Jacobians): one level below them autograd is excluded from dispatch,
+    though ``is_inference_mode_enabled()`` reads false there. The recomputation must record
+    the graph the gradient comes from anyway, and the forward run must not take outputs that
+    recorded nothing for constant (zero gradients, silently). ``vmap`` alone there has nothing
+    to differentiate: the function runs as it is (a policy keeping inference tensors)."""
+    run = TRANSFORMS[name]
+    with torch.inference_mode():
+        assert_close(run(remat(block, policy=policy)), run(block))
+
+
+INFERENCE_TRANSFORMS = {
+    "grad": lambda g, a: tf.grad(lambda a: g(a).sum())(a),
+    "vjp": lambda g, a: tf.vjp(g, a)[1](torch.ones(3, dtype=D)),
+    "jvp": lambda g, a: tf.jvp(g, (a,), (torch.ones(3, dtype=D),)),
+    "jacfwd": lambda g, a: tf.jacfwd(g)(a),
+    "hessian": lambda g, a: tf.hessian(lambda a: g(a).sum())(a),
+    "jvp_of_grad": lambda g, a: tf.jvp(tf.grad(lambda a: g(a).sum()), (a,), (torch.ones(3, dtype=D),)),
+    "vmap_of_grad": lambda g, a: tf.vmap(tf.grad(lambda a: g(a).sum()))(a.expand(2, 3)),
+}
+
+
+@pytest.mark.parametrize("policy", [None, policies.dots_saveable])
+@pytest.mark.parametrize("name", list(INFERENCE_TRANSFORMS))
+def test_inference_tensors_as_inputs_and_closures_under_transforms(name, policy):
+    """Tensors made in ``torch.inference_mode()`` (a data pipeline's) differentiated by torch.func
+    (as inputs) or reached as constants (a closure): the function without remat never records
+    them at their own level; remat's runs that record a graph there get copies, and a dual of
+    one for the forward-mode recomputation is made of a copy (a dual of an inference tensor
+    is silently constant)."""
+    with torch.inference_mode():
+        x = torch.tensor([0.5, 1.0, 2.0], dtype=D)
+        m = torch.randn(3, 3, dtype=D, generator=torch.Generator().manual_seed(4))
+    run = INFERENCE_TRANSFORMS[name]
+    as_input = lambda x: torch.sin(x @ m) * x  # noqa: E731
+    as_closure = lambda p: torch.sin((x * p) @ m)  # noqa: E731
+    assert_close(run(remat(as_input, policy=policy), x), run(as_input, x))
+    p = torch.ones(3, dtype=D)
+    assert_close(run(remat(as_closure, policy=policy), p), run(as_closure, p))
 
 
 def test_functional_call_of_module_with_remat_submodule():

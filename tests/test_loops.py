@@ -9,6 +9,8 @@ only what the loop executes: how often it calls the step, and what it holds.
 from __future__ import annotations
 
 import functools
+import gc
+import weakref
 
 import pytest
 import torch
@@ -797,3 +799,49 @@ def test_saved_tensors_hooks_pack_the_loops_inputs_not_its_steps(checkpoints):
     (carry.sum() + ys.sum()).backward()
     assert_close((w.grad, c0.grad), (plain_w.grad, plain_c0.grad))
     assert len(packed) <= 4  # (the loop's tensor inputs, saved by its node)
+
+
+@pytest.mark.parametrize("checkpoints", [None, 1])
+def test_transforms_entered_in_inference_mode(checkpoints):
+    """Below a torch.func level entered in ``torch.inference_mode()`` autograd is excluded from
+    dispatch: the steps run again in the backward pass must record their graphs anyway."""
+    w, b, xs, c0 = make()
+
+    def loss(loop):
+        return lambda w: sum(map(torch.sum, loop(functools.partial(cell, w, b), c0, xs)))
+
+    scan = functools.partial(funckpt.scan, checkpoints=checkpoints)
+    with torch.inference_mode():
+        assert_close(tf.grad(loss(scan))(w), tf.grad(loss(python_scan))(w))
+        assert_close(tf.jacfwd(loss(scan))(w), tf.jacfwd(loss(python_scan))(w))
+
+
+def test_autocast_cache_keeps_no_cast_of_the_steps_run_again():
+    """A loop differentiated inside its autocast block: the casts of the steps run again in the
+    backward pass are not cached to the block's end (their number grew with the loop's length)."""
+    w = torch.randn(16, 16, requires_grad=True)
+    c0 = torch.randn(4, 16, requires_grad=True)
+    step = lambda i, c: torch.tanh(c @ w).float()  # noqa: E731
+    counts = []
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        for n in (4, 12):
+            with _LiveBf16Casts() as casts:
+                funckpt.fori_loop(0, n, step, c0, checkpoints=2).sum().backward()
+                counts.append(casts.alive())
+    assert counts[1] <= counts[0]
+
+
+class _LiveBf16Casts(torch.utils._python_dispatch.TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.casts = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func is torch.ops.aten._to_copy.default and out.dtype == torch.bfloat16:
+            self.casts.append(weakref.ref(out))
+        return out
+
+    def alive(self):
+        gc.collect()
+        return sum(r() is not None for r in self.casts)
