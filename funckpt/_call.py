@@ -1387,7 +1387,7 @@ class UserRegion(Region):
             flat = tuple(_restored(t, copies[i]) if i in copies else t for i, t in enumerate(flat))
         modes: list[Any] = []
         if self.saved is not None and not forward_mode_active():
-            modes.append(self.saved.replayer(getattr(self.options.policy, "allow_cache_entry_mutation", False)))
+            modes.append(self.saved.replayer())
         hooks_before = {i: _hook_keys(flat[i]) for i in self.moved_hooks}
         unsubstituted = False
         failed: Exception | None = None

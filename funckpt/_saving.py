@@ -22,8 +22,8 @@ Safety:
   position it was not made at.
 * A kept value that the forward run itself later modified in place is dropped
   at the end of the forward run (it no longer holds what the operator made).
-  One modified *after* the forward run raises :class:`~funckpt.CheckpointError`
-  when served, never a wrong gradient.
+  One modified *after* the forward run (an output of the call the caller updates
+  in place, ``h += x``) is not served: its operator runs again.
 """
 
 from __future__ import annotations
@@ -393,8 +393,8 @@ class Saved:
     def recorder(self, watch: WriteWatch) -> Recorder:
         return Recorder(self, watch.storages, watch.before_write)
 
-    def replayer(self, allow_mutation: bool) -> Replayer:
-        return Replayer(self, allow_mutation, self.fetch())
+    def replayer(self) -> Replayer:
+        return Replayer(self, self.fetch())
 
 
 SavedTensorsHooks = tuple[Callable[[torch.Tensor], Any], Callable[[Any], torch.Tensor]]
@@ -784,10 +784,9 @@ class Recorder(OnThreadStack, WriteWatch):  # type: ignore[no-untyped-call]  # t
 
 
 class Replayer(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's untyped __init_subclass__
-    def __init__(self, saved: Saved, allow_mutation: bool, fetched: dict[int, Any] | None = None) -> None:
+    def __init__(self, saved: Saved, fetched: dict[int, Any] | None = None) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
         self.saved = saved
-        self.allow_mutation = allow_mutation
         self.fetched = fetched or {}  # offloaded values, back on their devices for this run
         self.position = 0
         self.diverged = False
@@ -810,18 +809,13 @@ class Replayer(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's u
                 # A fresh copy of what the forward run made: a later in-place change of the
                 # original cannot reach it.
                 return self.fetched[position]
-            elif position in saved.kept:
+            elif position in saved.kept and _versions(saved.kept[position]) == saved.versions[position]:
                 out = saved.kept[position]
-                if not self.allow_mutation and _versions(out) != saved.versions[position]:
-                    raise CheckpointError(
-                        f"remat({saved.name}): the output of {func} that the saving policy kept during the "
-                        "forward pass was modified in place before the backward pass; the gradient would be "
-                        "wrong. Do not modify saved values in place (clone them first), or use a policy that "
-                        "does not keep this operator."
-                    )
                 for t in _tensors(out):
                     self.handed[storage_of(t)] = position
                 return _detached(out)
+            # (a kept value modified in place since the forward run, through an output of the call
+            # it is, as a residual ``h += x`` does: no longer what the operator made, so it runs)
         if self.handed:
             self._copy_before_write(func, args, kwargs)
         return func(*args, **kwargs)

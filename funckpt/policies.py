@@ -492,6 +492,8 @@ class FromTorch(SavingPolicy):
     """A ``torch.utils.checkpoint`` selective policy: a function ``(ctx, op, ...)`` or a tuple of ops."""
 
     source: Callable[..., Any] | tuple[Any, ...]
+    # torch's option to serve a kept value modified in place since; accepted, and moot here:
+    # such a value is never served, its operator runs again.
     allow_cache_entry_mutation: bool = False
 
     def __call__(self, op: Any, *args: Any, **kwargs: Any) -> Verdict:
