@@ -902,8 +902,10 @@ class _RematFunction(torch.autograd.Function):
         non_diff = [o for o, d in zip(output, ctx.output_differentiable) if not d]
         if non_diff:
             ctx.mark_non_differentiable(*non_diff)
-        if region.escaped_outputs():
-            ctx.set_materialize_grads(False)  # (the backward drops the outputs given None)
+        # Outputs no gradient reaches (the caller dropped them) come to the backward as None, and
+        # the backward drops them: an input only they depend on gets None, as without remat, not a
+        # zero (on which an optimizer's weight decay and moments would move it).
+        ctx.set_materialize_grads(False)
 
     @staticmethod
     @eager_under_compile
@@ -911,7 +913,7 @@ class _RematFunction(torch.autograd.Function):
         needs = ctx.needs_input_grad[1:]
         primals = _saved_primals(ctx)
         region: Region = ctx.region
-        if any(c is None for c in cotangents):  # (materialize_grads off: escaped outputs)
+        if any(c is None for c in cotangents):  # (materialize_grads off: outputs no gradient reached)
             keep = [i for i, c in enumerate(cotangents) if c is not None]
             region, cotangents = _SomeOutputs(region, keep), tuple(cotangents[i] for i in keep)
             if not keep:

@@ -111,6 +111,24 @@ def test_inference_tensors_as_inputs_and_closures_under_transforms(name, policy)
     assert_close(run(remat(as_closure, policy=policy), p), run(as_closure, p))
 
 
+def test_an_input_only_dropped_outputs_depend_on_gets_no_gradient():
+    """The caller drops an output (``out, aux = f(x, b)``, ``aux`` unused): an input only that
+    output depends on gets ``None``, as without remat, not a zero (on which an optimizer's
+    weight decay and moments would move it)."""
+
+    def f(x, b):
+        return x.sin(), x * b
+
+    def grads(fn):
+        x, b = X.clone().requires_grad_(), X.clone().requires_grad_()
+        fn(x, b)[0].sum().backward()
+        unused = torch.autograd.grad(fn(x, b)[0].sum(), [x, b], allow_unused=True)
+        return x.grad, b.grad, unused
+
+    assert_close(grads(remat(f)), grads(f))
+    assert grads(remat(f))[1] is None
+
+
 def test_functional_call_of_module_with_remat_submodule():
     class Net(torch.nn.Module):
         def __init__(self):
