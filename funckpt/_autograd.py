@@ -56,7 +56,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from . import _rng
 from ._capture import has_tangent, made_by_nested_region, set_internal
-from ._errors import CheckpointError
+from ._errors import CheckpointError, differing_digests, digest
 from ._internals import (
     autograd_excluded,
     autograd_included,
@@ -101,6 +101,7 @@ from ._internals import (
     unpack_dual,
     unwrap_batched,
     unwrap_for_grad,
+    user_saved_tensors_hooks,
     unwrap_if_dead,
     wrap_for_grad,
 )
@@ -136,6 +137,11 @@ class Region:
 
     def note_mutated_inputs(self, indices: list[int]) -> None:
         """Called after the forward run with the inputs it modified in place."""
+
+    def note_inputs_changed_by_hooks(self) -> None:
+        """Called before the recomputation where the caller's saved-tensor hooks gave back the
+        inputs with other values than they packed (activation compression): the recomputation
+        then computes other values, by the caller's choice."""
 
     def release_kept(self) -> None:
         """Drop the values a saving policy kept; a later recomputation computes them again."""
@@ -877,6 +883,11 @@ class _RematFunction(torch.autograd.Function):
                 ctx.unsaved[i] = t
             saved.append(alias)
         ctx.save_for_backward(*saved)
+        # Under the caller's saved-tensor hooks the inputs come back as the hooks unpack them: a
+        # digest of them now tells the backward whether they come back with other values.
+        ctx.packed = None
+        if user_saved_tensors_hooks() is not None:
+            ctx.packed = [i for i, t in enumerate(saved) if t is not None], digest([t for t in saved if t is not None])
         # The versions saved with the check, to name a modified input if the check fails.
         # Weakly: the context lives as long as the caller's graph (the loss keeps it), and a strong
         # reference here would keep every block's input until then, past its own backward.
@@ -913,6 +924,10 @@ class _RematFunction(torch.autograd.Function):
         needs = ctx.needs_input_grad[1:]
         primals = _saved_primals(ctx)
         region: Region = ctx.region
+        if ctx.packed is not None:
+            positions, packed = ctx.packed
+            if differing_digests(packed, digest([primals[i] for i in positions])):
+                region.note_inputs_changed_by_hooks()
         if any(c is None for c in cotangents):  # (materialize_grads off: outputs no gradient reached)
             keep = [i for i, c in enumerate(cotangents) if c is not None]
             region, cotangents = _SomeOutputs(region, keep), tuple(cotangents[i] for i in keep)

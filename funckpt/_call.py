@@ -783,6 +783,9 @@ class UserRegion(Region):
         if self.saved is not None:
             self.saved.release()
 
+    def note_inputs_changed_by_hooks(self) -> None:
+        self.values_reproducible = False  # (the determinism check still compares shapes and dtypes)
+
     def note_mutated_inputs(self, indices: list[int]) -> None:
         if any(self.differentiable[i] and i not in self.written_without_grad for i in indices):
             raise _in_place_error(self.name)

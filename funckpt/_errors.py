@@ -480,7 +480,7 @@ def digest(tensors: Sequence[torch.Tensor]) -> list[Digest | None]:
         set_grad_enabled(grad_was)
 
 
-def _differing(forward: Sequence[Digest | None], recomputed: Sequence[Digest | None]) -> list[int]:
+def differing_digests(forward: Sequence[Digest | None], recomputed: Sequence[Digest | None]) -> list[int]:
     """Indices of the outputs whose digests differ beyond tolerance (one host sync on an accelerator)."""
     if len(forward) == 1 and len(recomputed) == 1:  # one output, both read (the common case)
         a, b = forward[0], recomputed[0]
@@ -647,7 +647,7 @@ def _compare(
     traces: tuple[Sequence[str], Sequence[str]] | None,
     kept_from: int | None = None,
 ) -> None:
-    differing = _differing(forward, recomputed)
+    differing = differing_digests(forward, recomputed)
     if not differing:
         return
     i = differing[0]

@@ -295,3 +295,39 @@ def test_respect_saved_tensors_hooks_routes_the_kept_values_through_them(respect
     assert went_through == [respect is True] * 2
     with pytest.raises(TypeError, match="respect_saved_tensors_hooks"):
         funckpt.checkpoint(torch.sin, X, respect_saved_tensors_hooks="yes")
+
+
+def test_lossy_saved_tensors_hooks_raise_no_false_alarm_and_lossless_ones_keep_the_check():
+    """Activation compression (hooks packing to bfloat16) hands the recomputation other inputs,
+    by the caller's choice: it then computes other values, as torch's checkpoint does, without a
+    determinism error. Hooks that give the inputs back as they were (``save_on_cpu``) keep the
+    check: a function computing something else is still caught."""
+
+    def g(w, x):
+        return torch.tanh(x @ w) @ w.T
+
+    def pack(t):
+        return t.dtype, t.to(torch.bfloat16)
+
+    def unpack(packed):
+        return packed[1].to(packed[0])
+
+    def grads(ckpt):
+        w, x = W.float().requires_grad_(), X.float().requires_grad_()
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+            out = ckpt(g, w, x, use_reentrant=False)
+        return torch.autograd.grad(out.sum(), (w, x))
+
+    assert_close(grads(funckpt.checkpoint), grads(upstream.checkpoint))
+
+    calls = []
+
+    def drifting(x):
+        calls.append(1)
+        return x.sin() if len(calls) % 2 else x.cos()
+
+    x = X.clone().requires_grad_()
+    with torch.autograd.graph.save_on_cpu():
+        out = funckpt.checkpoint(drifting, x, use_reentrant=False)
+    with pytest.raises(funckpt.CheckpointError, match="other values"):
+        out.sum().backward()
