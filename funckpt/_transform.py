@@ -140,7 +140,8 @@ def _decorate(fn: Callable[..., Any], *, options: RematOptions) -> Any:
             f"remat: fn is the class {fn.__name__}, not a module: remat an instance, "
             f"for example remat({fn.__name__}(...))"
         )
-    if isinstance(fn, torch.nn.Module) and type(fn).forward is torch.nn.Module.forward:
+    if isinstance(fn, torch.nn.Module) and type(fn).forward is torch.nn.Module.forward and "forward" not in vars(fn):
+        # (torch.compile's OptimizedModule sets its forward on the instance)
         # A container (ModuleList, ModuleDict): the wrapper would be neither callable nor iterable.
         raise TypeError(
             f"remat: fn is a {type(fn).__name__}, which has no forward to checkpoint: remat its "

@@ -19,6 +19,7 @@ import torch._dynamo
 import torch.func as tf
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.testing import assert_close
 
 from benchmarks._common import held_bytes
 from funckpt import checkpoint, checkpoint_name, checkpoint_sequential, policies, remat
@@ -520,3 +521,24 @@ def test_a_remat_module_traces_into_a_fullgraph_compile():
     x.grad = None
     layer(x).sum().backward()
     torch.testing.assert_close(expected, x.grad)
+
+
+def test_remat_of_a_compiled_module_wraps_it_as_any_module():
+    """``remat(torch.compile(m))``: torch's OptimizedModule sets its ``forward`` on the instance,
+    so it is no container without one; its calls run compiled, and its gradients and state
+    dict are the compiled module's."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 6), torch.nn.GELU(), torch.nn.Linear(6, 6)).double()
+    compiled = torch.compile(model, backend="aot_eager")
+    wrapped = remat(compiled)
+    assert wrapped.state_dict().keys() == compiled.state_dict().keys()
+    x = torch.randn(4, 6, dtype=torch.float64)
+
+    def grads(m):
+        params = {k: v.detach() for k, v in compiled.named_parameters()}
+        return torch.func.grad(lambda p: torch.func.functional_call(m, p, (x,)).square().sum())(params)
+
+    assert_close(grads(wrapped), grads(compiled))
+    wrapped(x.requires_grad_()).square().sum().backward()
+    expected = torch.autograd.grad(model(x).square().sum(), list(model.parameters()))
+    assert_close([p.grad for p in model.parameters()], list(expected))
