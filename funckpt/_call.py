@@ -710,7 +710,9 @@ class UserRegion(Region):
         except CheckpointError:
             raise
         except RuntimeError as e:
-            if grad_forward and "leaf Variable that requires grad is being used in an in-place" in str(e):
+            # (torch words it "is being used in an in-place operation" for an operator, "has been
+            # used ..." for a custom Function's mark_dirty)
+            if grad_forward and "leaf Variable that requires grad" in str(e) and "in-place" in str(e):
                 raise _in_place_error(self.name) from e
             if forward or isinstance(e, torch.OutOfMemoryError):
                 raise

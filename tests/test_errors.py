@@ -108,6 +108,25 @@ def test_in_place_update_of_a_differentiable_input_raises():
         tf.grad(lambda x: remat(f)(x.clone() * 1).sum())(X)
 
 
+def test_in_place_update_by_a_custom_function_marking_its_input_dirty_raises():
+    """An ``autograd.Function`` writing the input in place (``ctx.mark_dirty``) is the same write
+    as ``x.mul_(2)``: the same CheckpointError, not torch's words about a leaf."""
+
+    class Double(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, a):
+            a.mul_(2)
+            ctx.mark_dirty(a)
+            return a
+
+        @staticmethod
+        def backward(ctx, g):
+            return g * 2
+
+    with pytest.raises(CheckpointError, match="modified .*differentiable inputs in place"):
+        remat(lambda x: Double.apply(x).sin())(X.clone().requires_grad_() * 1)
+
+
 def test_in_place_update_recorded_by_autograd_raises_beside_a_non_differentiable_input():
     """With an integer input beside it, the forward run's write watch sees the write first: one
     that autograd records changes the caller's graph, which remat cannot, so it still raises."""
