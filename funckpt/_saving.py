@@ -144,12 +144,25 @@ def clone_together(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     return out
 
 
+#: Operators returning uninitialized memory: nothing to keep (their values mean nothing until
+#: written, and recomputing them costs nothing); kept, one later filled by ``set_`` (which the
+#: write checks take for a change of metadata) would be served as it was made.
+_UNINITIALIZED = frozenset(
+    getattr(torch.ops.aten, name)
+    for name in ("empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "empty_permuted")
+    if hasattr(torch.ops.aten, name)
+)
+
+
 def _cacheable(op: Any) -> bool:
-    """Random operators and operators returning aliases of their inputs are never kept."""
+    """Random operators, operators returning aliases of their inputs and factories of
+    uninitialized memory are never kept."""
     verdict = _CACHEABLE.get(op)
     if verdict is None:
-        verdict = _CACHEABLE[op] = torch.Tag.nondeterministic_seeded not in op.tags and not any(
-            r.alias_info is not None for r in op._schema.returns
+        verdict = _CACHEABLE[op] = (
+            torch.Tag.nondeterministic_seeded not in op.tags
+            and not any(r.alias_info is not None for r in op._schema.returns)
+            and op.overloadpacket not in _UNINITIALIZED
         )
     return verdict
 

@@ -343,3 +343,30 @@ def test_combinators_compose_what_names_mean():
     a, b = policies.save_anything_except_these_names("x", "y"), policies.save_anything_except_these_names("y")
     assert policies.save_from_both_policies(a, b).excluded_names == frozenset({"y"})
     assert policies.uses_names(lambda op, *args, **kwargs: True)  # a plain function: assume names matter
+
+
+@pytest.mark.parametrize("randomness", ["same", "different"])
+def test_everything_saveable_keeps_no_uninitialized_memory(randomness):
+    """Factories of uninitialized memory are not kept: remat's own alias of an unused input,
+    made by a nested call as ``empty(0).set_(...)``, was kept by the outer everything_saveable
+    and served empty in its recomputation (a raw size error under ``grad(vmap)``)."""
+    import torch.nn.functional as F
+
+    W, b, xs = torch.randn(4, 4, dtype=D), torch.randn(4, dtype=D), torch.randn(2, 3, 4, dtype=D)
+
+    def make(inner, outer):
+        def f(x, W, b):
+            inner(lambda x, W, b: x @ W)(x, W, b)  # (b unused, and the result too)
+            return F.dropout(x, 0.3, training=True)
+
+        return outer(f)
+
+    def grads(f):
+        torch.manual_seed(1)
+        loss = lambda xs, W, b: tf.vmap(f, in_dims=(0, None, None), randomness=randomness)(xs, W, b).sin().sum()  # noqa: E731
+        return tf.grad(loss, argnums=(0, 1, 2))(xs, W, b)
+
+    expected = grads(make(lambda g: g, lambda g: g))
+    assert_close(grads(make(remat, lambda g: remat(g, policy=policies.everything_saveable))), expected)
+    kept = funckpt.saved_residuals(remat(lambda x: torch.empty_like(x).copy_(x).sin(), policy=policies.everything_saveable), X)
+    assert not any("empty" in r.source for r in kept if r.kind == "saved by policy")
