@@ -846,6 +846,7 @@ class UserRegion(Region):
                     f"Register {kind} as a pytree node (optree.register_pytree_node({kind}, flatten_fn, "
                     "unflatten_fn, namespace='funckpt')), return the tensor in a tuple, list, dict or "
                     "namedtuple, or detach it if no gradient should flow through it."
+                    + (" For a transformer's key/value cache, call the model with use_cache=False." if "Cache" in kind else "")
                 )
 
     def _refuse_container_writes(
@@ -930,10 +931,11 @@ class UserRegion(Region):
                 f"remat({self.name}): a tensor of shape {shape} that the function computed outlived the call "
                 f"other than as its return value {where} (kept by a forward hook, a list or dict it appends "
                 "to, a global, or a module attribute; HF's output_attentions, output_hidden_states and "
-                "output_router_logits do this). remat cannot give it a graph in the caller's "
+                "output_router_logits do this, and its key/value cache unless the model is called with "
+                "use_cache=False). remat cannot give it a graph in the caller's "
                 f"{'loop' if not self.escapes_become_outputs else 'transform'}, so a gradient through it "
                 "would be silently missing. Return it from the function, or detach it if it is only kept "
-                "for logging."
+                "for logging (use_cache=False for a key/value cache)."
             )
         return escaped
 
@@ -1249,9 +1251,11 @@ class UserRegion(Region):
                 f"remat({self.name}): a tensor of shape {tuple(escaped[-1].shape)} that the function computed "
                 "outlived the call other than as its return value under a torch.func transform (kept by a "
                 "forward hook, a list or dict it appends to, a global, or a module attribute; HF's "
-                "output_attentions, output_hidden_states and output_router_logits do this). remat cannot give "
+                "output_attentions, output_hidden_states and output_router_logits do this, and its key/value "
+                "cache unless the model is called with use_cache=False). remat cannot give "
                 "it a graph in the caller's transform, so a gradient through it would be silently missing. "
-                "Return it from the function, or detach it if it is only kept for logging."
+                "Return it from the function, or detach it if it is only kept for logging (use_cache=False "
+                "for a key/value cache)."
             )
 
     #: A region whose recomputation reaches its captured tensors as the forward run did

@@ -1125,12 +1125,14 @@ class Substitute(OnThreadStack, TorchFunctionMode):
         if foreign and not wrapped and type(t.grad_fn).__name__ == "_RematFunctionBackward":
             raise CheckpointError(
                 f"remat({self.name}): the function used a tensor of shape {tuple(t.shape)} that a remat'd "
-                "call computed earlier and that was kept outside that call (a cache a module fills on its "
-                "first call, such as timm LeViT's attention_bias_cache in eval mode, or a value stored on "
-                "a module); a recomputation reads it where the forward pass computed it. remat cannot "
-                "route its gradient here, and it would silently be missing. Empty such a cache before "
-                "each forward pass (or do not cache under remat), or keep the value as a parameter or "
-                "buffer of the module, which remat routes."
+                "call computed earlier and that was kept outside that call (a transformer's key/value "
+                "cache, which HF models fill unless called with use_cache=False; a cache a module fills on "
+                "its first call, such as timm LeViT's attention_bias_cache in eval mode; or a value stored "
+                "on a module); a recomputation reads it where the forward pass computed it. remat cannot "
+                "route its gradient here, and it would silently be missing. Call the model with "
+                "use_cache=False when training, empty such a cache before each forward pass (or do not "
+                "cache under remat), or keep the value as a parameter or buffer of the module, which "
+                "remat routes."
             )
         if foreign:
             raise CheckpointError(

@@ -748,3 +748,25 @@ def test_scan_over_stacked_hf_gpt2_layers(checkpoints, dropout):
     seeded(with_scan, leaves, h0).backward()
     seeded(plain, ref, h0).backward()
     assert_close({k: v.grad for k, v in leaves.items()}, {k: v.grad for k, v in ref.items()})
+
+
+@pytest.mark.parametrize("where", ["layers", "model"])
+def test_a_key_value_cache_left_on_is_refused_naming_use_cache(where):
+    """HF causal LMs fill a key/value cache by default (``use_cache=True``): the cache keeps a
+    tensor the layers compute outside them, whose gradient remat cannot route. The refusal says
+    to call the model with ``use_cache=False``."""
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=50, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1
+    )
+    model = transformers.LlamaForCausalLM(config).train()
+    ids = torch.randint(1, 50, (2, 6))
+    if where == "layers":
+        for i, layer in enumerate(model.model.layers):
+            model.model.layers[i] = funckpt.remat(layer)
+        call = model
+    else:
+        call = funckpt.remat(model)
+    with pytest.raises(funckpt.CheckpointError, match="use_cache=False"):
+        call(input_ids=ids, labels=ids).loss.backward()
+    call(input_ids=ids, labels=ids, use_cache=False).loss.backward()  # (as the README says)
