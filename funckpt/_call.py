@@ -335,7 +335,7 @@ def _remove_hooks_since(t: torch.Tensor, before: set[Any]) -> None:
             del hooks[key]
 
 
-def _move_input_hooks(leaves: tuple[torch.Tensor, ...], given: tuple[torch.Tensor, ...]) -> set[int]:
+def _move_input_hooks(leaves: tuple[torch.Tensor, ...], given: tuple[torch.Tensor, ...], name: str) -> set[int]:
     """Hooks ``fn`` registered on its inputs (``x.register_hook(...)``) go to the caller's tensors.
 
     The forward run's inputs are local leaves; a hook there would see only the
@@ -347,6 +347,14 @@ def _move_input_hooks(leaves: tuple[torch.Tensor, ...], given: tuple[torch.Tenso
     for i, (leaf, t) in enumerate(zip(leaves, given)):
         hooks = getattr(leaf, "_backward_hooks", None)
         if hooks and leaf is not t and t.requires_grad:
+            if any("register_multi_grad_hook" in getattr(hook, "__qualname__", "") for hook in hooks.values()):
+                # Its hooks count the tensors it was registered on, whose nodes (the local leaves'),
+                # not the caller's, it asks the engine about: moved, it would never call back.
+                raise CheckpointError(
+                    f"remat({name}): the function registered torch.autograd.graph.register_multi_grad_hook on its "
+                    "inputs; remat runs it on copies of them, so the hook would never see their gradients. "
+                    "Register the hook on the tensors outside the remat'd call."
+                )
             for hook in list(hooks.values()):
                 register_tensor_hook(t, hook)
             hooks.clear()
@@ -1120,7 +1128,7 @@ class UserRegion(Region):
         if at_own_level and run.substitute is not None and run.substitute.made is not None:
             self._made_at_own_level, run.substitute.made = run.substitute.made, None
         if grad_forward:
-            self.moved_hooks = _move_input_hooks(flat, given)
+            self.moved_hooks = _move_input_hooks(flat, given, self.name)
             _move_retain_grad(flat, given, run.substitute)
         tensors, slots = flatten(out)
         tensors = _substituted(tensors, run.substitute)

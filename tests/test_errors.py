@@ -903,3 +903,16 @@ def test_a_recomputation_for_forward_mode_is_not_said_to_run_in_a_backward_pass(
 
     with pytest.raises(CheckpointError, match="recomputation for forward-mode differentiation"):
         tf.jvp(remat(f), (torch.randn(3, dtype=torch.float64),), (torch.randn(3, dtype=torch.float64),))
+
+
+def test_a_multi_grad_hook_registered_on_the_inputs_inside_is_refused():
+    """``register_multi_grad_hook`` on the function's inputs: remat's forward run has copies of
+    them, and the hook counts the tensors it was registered on, so moved to the caller's
+    tensors (as single hooks are) it would never call back, or call back with None."""
+
+    def f(w, x):
+        torch.autograd.graph.register_multi_grad_hook((w, x), lambda grads: None)
+        return torch.tanh(x @ w)
+
+    with pytest.raises(CheckpointError, match="register_multi_grad_hook"):
+        remat(f)(torch.randn(4, 4, dtype=D, requires_grad=True) * 1, X.clone().requires_grad_() * 1)
