@@ -335,6 +335,11 @@ def _remove_hooks_since(t: torch.Tensor, before: set[Any]) -> None:
             del hooks[key]
 
 
+def _refused_by_fullgraph_compile(e: Exception) -> bool:
+    """Is ``e`` Dynamo's refusal of a graph break under ``fullgraph=True``?"""
+    return type(e).__name__ == "Unsupported" and type(e).__module__ == "torch._dynamo.exc"
+
+
 def _move_input_hooks(leaves: tuple[torch.Tensor, ...], given: tuple[torch.Tensor, ...], name: str) -> set[int]:
     """Hooks ``fn`` registered on its inputs (``x.register_hook(...)``) go to the caller's tensors.
 
@@ -718,6 +723,14 @@ class UserRegion(Region):
         except CheckpointError:
             raise
         except RuntimeError as e:
+            if _refused_by_fullgraph_compile(e):
+                raise CheckpointError(
+                    f"remat({self.name}): the function is compiled with torch.compile(fullgraph=True), and "
+                    "remat runs it under a torch-function mode of its own (to route the tensors it reaches), "
+                    "which Dynamo cannot trace without a graph break. Compile the remat'd function instead, "
+                    "torch.compile(remat(f), fullgraph=True), where remat becomes the compiler's own "
+                    "checkpoint region, or compile f without fullgraph=True."
+                ) from e
             # (torch words it "is being used in an in-place operation" for an operator, "has been
             # used ..." for a custom Function's mark_dirty)
             if grad_forward and "leaf Variable that requires grad" in str(e) and "in-place" in str(e):

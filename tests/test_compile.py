@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch.testing import assert_close
 
 from benchmarks._common import held_bytes
-from funckpt import checkpoint, checkpoint_name, checkpoint_sequential, policies, remat
+from funckpt import CheckpointError, checkpoint, checkpoint_name, checkpoint_sequential, policies, remat
 
 D = 8
 
@@ -542,3 +542,20 @@ def test_remat_of_a_compiled_module_wraps_it_as_any_module():
     wrapped(x.requires_grad_()).square().sum().backward()
     expected = torch.autograd.grad(model(x).square().sum(), list(model.parameters()))
     assert_close([p.grad for p in model.parameters()], list(expected))
+
+
+def test_remat_of_a_fullgraph_compiled_function_says_to_compile_the_remat_instead():
+    """remat runs the function under a torch-function mode of its own, which Dynamo cannot trace
+    without a graph break: ``fullgraph=True`` refuses that, and the error says what works,
+    ``torch.compile(remat(f), fullgraph=True)``, which gives the function's gradients."""
+
+    def f(w, x):
+        return torch.tanh(x @ w) @ w.T
+
+    w = torch.randn(8, 8, dtype=torch.float64, requires_grad=True)
+    x = torch.randn(4, 8, dtype=torch.float64)
+    torch._dynamo.reset()
+    with pytest.raises(CheckpointError, match=r"torch.compile\(remat\(f\), fullgraph=True\)"):
+        remat(torch.compile(f, backend="aot_eager", fullgraph=True))(w, x)
+    got = torch.autograd.grad(torch.compile(remat(f), backend="aot_eager", fullgraph=True)(w, x).sum(), w)
+    assert_close(got, torch.autograd.grad(f(w, x).sum(), w))
