@@ -112,9 +112,10 @@ StepVjp = Callable[["Region", Tensors, Tensors, Sequence[bool]], list[Any]]
 
 _EAGER_REASON = (
     "funckpt.remat runs eagerly under torch.compile when it cannot become the compiler's "
-    "checkpoint region: with a policy that uses checkpoint_name, a context_fn, debug=True, "
-    "or inside a torch.func transform. Such a call is a graph break, so fullgraph=True cannot "
-    "include it: use an operator-based policy (dots_saveable, ...), or compile without fullgraph=True"
+    "checkpoint region: with a policy that uses checkpoint_name, offloads or has a memory budget, "
+    "a context_fn, debug=True, inside a torch.func transform, or a function that writes its "
+    "inputs in place or that Dynamo cannot trace. Such a call is a graph break, so fullgraph=True "
+    "cannot include it: use an operator-based policy (dots_saveable, ...), or compile without fullgraph=True"
 )
 eager_under_compile = compiler_disable(_EAGER_REASON)
 
