@@ -66,6 +66,12 @@ from ._errors import (
     the_recomputation,
 )
 from ._internals import (
+    DisableFuncTorch,
+    add_batch_dim,
+    is_batchedtensor,
+    maybe_get_level,
+    unwrap_batched,
+    unwrap_one_level,
     autograd_excluded,
     call_with_own_hooks,
     is_dead_tensor_wrapper,
@@ -89,6 +95,7 @@ from ._internals import (
     transforms_active,
     user_saved_tensors_hooks,
     vmap_active,
+    wrap_for_grad,
 )
 from ._options import RematOptions, callable_name, check_static_argnums
 from ._pytree import ArgSpec, TreeSlots, flatten, flatten_args
@@ -394,6 +401,34 @@ def _restored(t: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
     return value
 
 
+def _rebatched(name: str, t: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """``value``, a copy of the plain tensor under ``t``'s functorch wrappers, batched at each of
+    ``t``'s vmap levels as ``t`` is (its grad and jvp wrappers left to :func:`_restored`).
+
+    A snapshot taken under vmap is of the plain tensor under the batched input (the stacked
+    buffers of a model ensemble); the recomputation's input is batched over that same tensor,
+    at levels of its own (the forward run's vmap has returned by then).
+    """
+    if not is_functorch_wrapped(t):
+        if t.shape != value.shape:
+            raise CheckpointError(
+                f"remat({name}): the function modified one of its inputs in place under a torch.func "
+                "transform that batches it (vmap), and the recomputation receives that input batched "
+                f"over a tensor of another shape ({tuple(t.shape)}, not {tuple(value.shape)}); remat cannot "
+                "restore its value. Compute out of place, or move the update outside the remat'd function."
+            )
+        return value
+    level = maybe_get_level(t)
+    if not is_batchedtensor(t):
+        return _rebatched(name, unwrap_one_level(t), value)
+    inner, dim = unwrap_batched(t, level)
+    value = _rebatched(name, inner, value)
+    # Made as a plain construction: dispatched through the levels above this one (a grad level
+    # of the recomputation's vjp), the new batched tensor trips functorch's internal assert.
+    with DisableFuncTorch():
+        return add_batch_dim(value, dim, level)
+
+
 def _default_device() -> torch.device | None:
     """The device factory functions use now (``with torch.device(...)``), if torch can say.
 
@@ -625,6 +660,7 @@ class UserRegion(Region):
         # (_aliasing.py), except inside vmap, whose batched tensors have no storage.
         self.views_outside = not (transforms_active() and vmap_active())
         self.snapshots: dict[int, torch.Tensor] = {}  # input index -> its value before the forward wrote it
+        self.unbatched_snapshots: set[int] = set()  # those copied from under functorch's wrappers (_rebatched)
         self.written_without_grad: set[int] = set()  # differentiable inputs the forward run wrote under no_grad
         self.out_meta: list[tuple[Any, ...]] = []
         policy = options.policy
@@ -692,13 +728,17 @@ class UserRegion(Region):
                 # Like a buffer's update, it happens once, in the forward run; the
                 # recomputation starts from a snapshot and writes that.
                 self.written_without_grad.update(i for i in written if self.differentiable[i])
-            if not snapshots_possible:
-                raise CheckpointError(
-                    f"remat({self.name}): the function modified one of its inputs in place under a "
-                    "torch.func transform that batches it (vmap); remat cannot restore its value for the "
-                    "recomputation. Compute out of place, or move the update outside the remat'd function."
-                )
             fresh = [i for i in written if i not in self.snapshots]
+            if not snapshots_possible:
+                # Under torch.func (vmap's batched tensors, a grad level's wrappers) the inputs have no
+                # storage of their own, and the levels they live at are gone by the recomputation: the
+                # plain tensors under the wrappers are copied (this watch, a dispatch mode, runs below
+                # every transform, where they are what operators write), and a recomputation batches
+                # the copies as its own inputs are (_rebatched).
+                self.unbatched_snapshots.update(fresh)
+                with DisableFuncTorch():
+                    self.snapshots.update(zip(fresh, clone_together([bottom(flat[i]) for i in fresh])))
+                return
             self.snapshots.update(zip(fresh, clone_together([flat[i] for i in fresh])))
 
         return WriteWatch(storages, before_write)
@@ -1232,7 +1272,12 @@ class UserRegion(Region):
             return self.forward_run(flat)
 
         def run(*xs: torch.Tensor) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
-            full = list(flat)
+            # The other inputs join the level too, as torch.func.grad wraps all its arguments: a
+            # tensor captured from below a grad level may not be written in place there (BatchNorm's
+            # num_batches_tracked.add_(1) on a vmapped ensemble's buffers), where at the caller's
+            # level, wrapped by its grad, it may.
+            level = peek_interpreter_stack().level()
+            full = [wrap_for_grad(t, level) for t in flat]
             for i, x in zip(wrt, xs):
                 full[i] = x
             outs = self.forward_run(tuple(full))
@@ -1413,7 +1458,11 @@ class UserRegion(Region):
         if self.snapshots:
             # Recompute from the values the forward run started from, on copies
             # that alias each other as the inputs did.
-            copies = dict(zip(self.snapshots, clone_together(list(self.snapshots.values()))))
+            # (Copies of plain tensors, made as such under whatever transforms are active.)
+            with DisableFuncTorch() if self.unbatched_snapshots else contextlib.nullcontext():
+                copies = dict(zip(self.snapshots, clone_together(list(self.snapshots.values()))))
+            for i in self.unbatched_snapshots:
+                copies[i] = _rebatched(self.name, flat[i], copies[i])
             flat = tuple(_restored(t, copies[i]) if i in copies else t for i, t in enumerate(flat))
         modes: list[Any] = []
         if self.saved is not None and not forward_mode_active():

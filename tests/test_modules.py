@@ -432,6 +432,53 @@ def test_stack_module_state_ensemble_under_vmap():
     assert_close(got, expected)
 
 
+def _ensemble_member(seed):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(4, 8, dtype=D), nn.BatchNorm1d(8, dtype=D), nn.Tanh(), nn.Linear(8, 1, dtype=D)).train()
+
+
+def _remat_batch_norm(net):
+    net[1] = remat(net[1])
+    return net
+
+
+def _remat_block(net):
+    return nn.Sequential(remat(nn.Sequential(net[0], net[1])), net[2], net[3])
+
+
+@pytest.mark.parametrize("transform", ["vmap(grad)", "vmap then backward"])
+@pytest.mark.parametrize("place", [_remat_batch_norm, remat, _remat_block], ids=["batch norm", "whole model", "block"])
+def test_ensemble_with_batch_norm_in_training_mode_under_vmap(transform, place):
+    """Model ensembling (stack_module_state, vmap over the members) with BatchNorm in training mode:
+    each member's running statistics, a slice of the stacked buffers, are updated in place under
+    vmap. With remat anywhere around it, the gradients and the updated statistics are those
+    without remat (the forward run updates them once; the recomputation starts from copies)."""
+    members = [_ensemble_member(s) for s in range(3)]
+    params, buffers = tf.stack_module_state(members)
+    x = torch.randn(5, 4, dtype=D)
+
+    def run(net):
+        # The remat'd model's own names for the stacked tensors (a remat'd block nests them).
+        names = [n for n, _ in net.named_parameters()], [n for n, _ in net.named_buffers()]
+        p = dict(zip(names[0], params.values()))
+        b = dict(zip(names[1], (v.clone() for v in buffers.values())))
+
+        def loss(p, b, x):
+            return tf.functional_call(net, (p, b), (x,)).square().mean()
+
+        if transform == "vmap(grad)":
+            grads = list(tf.vmap(tf.grad(loss), in_dims=(0, 0, None))(p, b, x).values())
+        else:
+            leaves = {k: v.detach().clone().requires_grad_() for k, v in p.items()}
+            tf.vmap(loss, in_dims=(0, 0, None))(leaves, b, x).sum().backward()
+            grads = [v.grad for v in leaves.values()]
+        return grads, list(b.values())
+
+    expected = run(_ensemble_member(0))
+    assert_close(run(place(_ensemble_member(0))), expected)
+    assert not torch.equal(expected[1][0], buffers["1.running_mean"])  # (the statistics did move)
+
+
 def test_replacing_a_layer_after_wrapping_is_seen():
     torch.manual_seed(0)
     net = torch.nn.Sequential(*[torch.nn.Linear(4, 4, dtype=D) for _ in range(4)])
