@@ -108,6 +108,7 @@ def test_in_place_update_of_a_differentiable_input_raises():
         tf.grad(lambda x: remat(f)(x.clone() * 1).sum())(X)
 
 
+<<<<<<< ours
 def test_in_place_update_by_a_custom_function_marking_its_input_dirty_raises():
     """An ``autograd.Function`` writing the input in place (``ctx.mark_dirty``) is the same write
     as ``x.mul_(2)``: the same CheckpointError, not torch's words about a leaf."""
@@ -125,6 +126,54 @@ def test_in_place_update_by_a_custom_function_marking_its_input_dirty_raises():
 
     with pytest.raises(CheckpointError, match="modified .*differentiable inputs in place"):
         remat(lambda x: Double.apply(x).sin())(X.clone().requires_grad_() * 1)
+=======
+_INPLACE_RELU = remat(torch.nn.ReLU(inplace=True))  # (as torchvision's MNASNet has one)
+
+
+def _relu_in_place_loss(w, x):
+    return _INPLACE_RELU(x @ w).sum()
+
+
+@pytest.mark.parametrize(
+    "transform",
+    [
+        lambda w, x: tf.vmap(tf.grad(_relu_in_place_loss), in_dims=(None, 0))(w, x),
+        lambda w, x: tf.vmap(tf.jacrev(_relu_in_place_loss), in_dims=(None, 0))(w, x),
+        lambda w, x: tf.vmap(lambda w, x: tf.vjp(_relu_in_place_loss, w, x)[1](torch.ones((), dtype=D)), in_dims=(None, 0))(w, x),
+        lambda w, x: tf.hessian(_relu_in_place_loss)(w, x),
+        lambda w, x: tf.vmap(tf.grad(lambda x: remat(lambda a: a.mul_(2).sin())(x.tanh()).sum()))(x),
+    ],
+    ids=["vmap(grad)", "vmap(jacrev)", "vmap(vjp)", "hessian", "vmap(grad) of a function"],
+)
+def test_in_place_update_of_a_differentiable_input_raises_under_vmap_and_hessian(transform):
+    """The same CheckpointError as under grad and .backward(), not torch's raw refusal of a write
+    to a leaf: the forward run at a grad level of its own gets its differentiable inputs as leaves."""
+    with pytest.raises(CheckpointError, match="modified .*differentiable inputs in place"):
+        transform(torch.randn(4, 4, dtype=D), X)
+
+
+def test_in_place_update_of_an_input_under_vmap_runs_as_without_remat():
+    """Under vmap, a write to an input no gradient flows into is part of a correct program:
+    nothing requiring grad (nothing will be recomputed), or a function reaching a module's
+    parameters (the recomputation starts from a copy of the input as it was)."""
+    relu = torch.nn.ReLU(inplace=True)
+    w = torch.randn(4, 4, dtype=D)
+    assert_close(tf.vmap(lambda x: remat(relu)(x @ w).sum())(X), tf.vmap(lambda x: relu(x @ w).sum())(X))
+
+    lin = torch.nn.Linear(4, 4, dtype=D)
+
+    def f(a):
+        a.mul_(2)
+        return lin(a)
+
+    def run(wrap):
+        lin.zero_grad()
+        out = tf.vmap(lambda x: wrap(f)(x.tanh()))(X)
+        out.square().sum().backward()
+        return out, [p.grad for p in lin.parameters()]
+
+    assert_close(run(remat), run(lambda f: f))
+>>>>>>> theirs
 
 
 def test_in_place_update_recorded_by_autograd_raises_beside_a_non_differentiable_input():
