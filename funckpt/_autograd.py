@@ -44,6 +44,7 @@ so Dynamo does not trace the argument flattening and closure discovery either.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import enum
 import functools
@@ -856,7 +857,9 @@ class _RematFunction(torch.autograd.Function):
             return outs
         storages = {storage_of(t): t for t in flat}
         storages.pop(None, None)
-        return tuple(_as_view_of(storages.get(storage_of(o)), o) for o in outs)
+        out_storages = [storage_of(o) for o in outs]
+        sharing = collections.Counter(out_storages)
+        return tuple(_as_view_of(storages.get(key), o, sharing[key] == 1) for o, key in zip(outs, out_storages))
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Tensors) -> None:
@@ -1111,9 +1114,18 @@ def _unversioned_alias(t: torch.Tensor) -> torch.Tensor | None:
         return None
 
 
-def _as_view_of(base: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:
+def _as_view_of(base: torch.Tensor | None, out: torch.Tensor, alone: bool) -> torch.Tensor:
+    """``out`` as a view of the input ``base`` it shares storage with; with no such input, and
+    no other output on its storage (``alone``), as a tensor of its own."""
     if base is None:
-        return out
+        # A view of the run's own intermediate (torch.func.vmap and jvp return views of what they
+        # unwrap; fn may return lin(x).t()): autograd would take it for a view made inside the
+        # Function and refuse the caller's in-place update of it, which without remat is allowed.
+        # Where nothing else the caller gets is on that intermediate, the output is its data under
+        # a tensor of its own (detach() makes an alias that is no view). Outputs viewing one
+        # intermediate together stay views: a write through one changes the others, which
+        # autograd would not know of (it refuses the write instead).
+        return out.detach() if alone and out._is_view() else out
     if base.dtype != out.dtype or out.is_conj() or out.is_neg():
         # A view with another dtype (x.view(torch.int64), .real), or a lazy conjugate or
         # negative view, which as_strided would not keep: a copy.

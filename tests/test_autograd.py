@@ -604,3 +604,37 @@ def test_grad_of_a_double_vmap():
 
     run = lambda f: tf.grad(lambda x: tf.vmap(tf.vmap(f))(x).sum())(x)  # noqa: E731
     assert_close(run(remat(f)), run(f))
+
+
+_LIN = torch.nn.Linear(4, 4, dtype=D)  # (its parameters require grad)
+
+
+@pytest.mark.parametrize(
+    "block", [lambda x: _LIN(x).t(), lambda x: _LIN(x.unsqueeze(0))], ids=["transposed", "linear on 3-d"]
+)
+@pytest.mark.parametrize(
+    "transform",
+    [
+        lambda f, xs: tf.vmap(f)(xs),
+        lambda f, xs: tf.jvp(f, (xs[0],), (xs[1],)),
+        lambda f, xs: tf.jacfwd(f)(xs[0]),
+        lambda f, xs: tf.hessian(lambda x: f(x).sum())(xs[0]),
+        lambda f, xs: tf.vmap(tf.grad(lambda x: f(x).sum()))(xs),
+    ],
+    ids=["vmap", "jvp", "jacfwd", "hessian", "vmap(grad)"],
+)
+def test_caller_updates_an_output_that_views_an_intermediate_in_place(block, transform):
+    """A remat'd function returning a view of its own intermediate (a transpose, nn.Linear on a
+    3-d input) under vmap or forward mode: the caller may update it in place, as without remat."""
+
+    def g(wrap):
+        def f(x):
+            h = wrap(block)(x)
+            h.mul_(1.25)
+            h += 1
+            return h.sin()
+
+        return f
+
+    xs = torch.randn(2, 3, 4, dtype=D)
+    assert_close(transform(g(remat), xs), transform(g(lambda f: f), xs))
