@@ -108,7 +108,6 @@ def test_in_place_update_of_a_differentiable_input_raises():
         tf.grad(lambda x: remat(f)(x.clone() * 1).sum())(X)
 
 
-<<<<<<< ours
 def test_in_place_update_by_a_custom_function_marking_its_input_dirty_raises():
     """An ``autograd.Function`` writing the input in place (``ctx.mark_dirty``) is the same write
     as ``x.mul_(2)``: the same CheckpointError, not torch's words about a leaf."""
@@ -126,7 +125,8 @@ def test_in_place_update_by_a_custom_function_marking_its_input_dirty_raises():
 
     with pytest.raises(CheckpointError, match="modified .*differentiable inputs in place"):
         remat(lambda x: Double.apply(x).sin())(X.clone().requires_grad_() * 1)
-=======
+
+
 _INPLACE_RELU = remat(torch.nn.ReLU(inplace=True))  # (as torchvision's MNASNet has one)
 
 
@@ -173,7 +173,6 @@ def test_in_place_update_of_an_input_under_vmap_runs_as_without_remat():
         return out, [p.grad for p in lin.parameters()]
 
     assert_close(run(remat), run(lambda f: f))
->>>>>>> theirs
 
 
 def test_in_place_update_recorded_by_autograd_raises_beside_a_non_differentiable_input():
