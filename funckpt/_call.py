@@ -771,9 +771,12 @@ class UserRegion(Region):
                     "torch.compile(remat(f), fullgraph=True), where remat becomes the compiler's own "
                     "checkpoint region, or compile f without fullgraph=True."
                 ) from e
+            # A forward run recording a graph (its own, or at the grad level of its own under vmap or
+            # forward mode) gets its differentiable inputs as leaves: autograd refuses their writes.
             # (torch words it "is being used in an in-place operation" for an operator, "has been
             # used ..." for a custom Function's mark_dirty)
-            if grad_forward and "leaf Variable that requires grad" in str(e) and "in-place" in str(e):
+            own_level = forward and self._made_at_own_level is not None
+            if (grad_forward or own_level) and "leaf Variable that requires grad" in str(e) and "in-place" in str(e):
                 raise _in_place_error(self.name) from e
             if forward or isinstance(e, torch.OutOfMemoryError):
                 raise
