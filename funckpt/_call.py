@@ -20,6 +20,7 @@ import contextlib
 import functools
 import gc
 import types
+import warnings
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -1186,6 +1187,7 @@ class UserRegion(Region):
         if grad_forward:
             self.moved_hooks = _move_input_hooks(flat, given, self.name)
             _move_retain_grad(flat, given, run.substitute)
+            self._carry_data_rebinds(flat, given)
         tensors, slots = flatten(out)
         tensors = _substituted(tensors, run.substitute)
         self._refuse_hidden_tensors(slots.leaves, plain_autograd)
@@ -1253,6 +1255,47 @@ class UserRegion(Region):
         if not self.substitutes_again:
             self.forward_substitutes = [weakref.ref(t) for t in substitute.mapping.values()]
         return tuple(tensors)
+
+    def _carry_data_rebinds(self, flat: tuple[torch.Tensor, ...], given: tuple[torch.Tensor, ...]) -> None:
+        """Give the caller's tensors the memory that ``.data = ...`` put into their local leaves.
+
+        Under plain autograd the function gets a fresh leaf for each differentiable input
+        (:func:`local_input`), which also sits in its module's place while it runs. Setting its
+        ``.data`` (weight clipping written ``w.data = w.data.clamp(...)``; ``Module.to``,
+        ``.half()`` or ``.float()`` inside a forward, which set each ``param.data``) swaps that
+        leaf's memory, not the caller's tensor's: without this the parameter would keep its old
+        values, where without remat (and under ``torch.utils.checkpoint``) it holds the new ones.
+        The setter moves no version counter: it is found by the leaf's memory having moved, and
+        the recomputation starts from the old values (snapshotted, as before an in-place write;
+        here, where no write watch ran, from the caller's tensor, which still holds them).
+
+        A setter that changes the shape, dtype or device is refused: the caller's graph was built
+        with the input as it was at the call (its ``AccumulateGrad`` expects that dtype), so the
+        gradient would reach the parameter in its old dtype.
+        """
+        moved = [
+            i
+            for i, (t, g) in enumerate(zip(flat, given))
+            if t is not g and t.data_ptr() != g.data_ptr() and not g.is_inference()  # (an inference input's leaf is a copy)
+        ]
+        for i in moved:
+            t, g = flat[i], given[i]
+            if (t.shape, t.dtype, t.device) != (g.shape, g.dtype, g.device):
+                was, now = (g.shape, g.dtype, g.device), (t.shape, t.dtype, t.device)
+                raise CheckpointError(
+                    f"remat({self.name}): the function set the .data of {self.describe_input(i, g)} to a tensor "
+                    f"of another shape, dtype or device ({tuple(was[0])}, {was[1]}, {was[2]} to {tuple(now[0])}, "
+                    f"{now[1]}, {now[2]}). Module.to(), .half() or .float() inside a forward do this (the routers "
+                    "of HF SwitchTransformers and NLLB-MoE cast their classifier to router_dtype). The caller's "
+                    "graph was built with the tensor as it was at the call, so its gradient would arrive in the "
+                    "old dtype or shape. Convert the module before calling it (for those routers: "
+                    "router.classifier.to(router_dtype) once after loading), so that the conversion inside "
+                    "the forward changes nothing."
+                )
+            if i not in self.snapshots:  # (no write watch ran: every input was differentiable)
+                self.snapshots[i] = clone_together([g.detach()])[0]
+            self.written_without_grad.add(i)
+            g.data = t.detach()
 
     def _forward_run_at_a_grad_level(self, flat: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
         """The forward run under a grad level of its own, where the call had inputs requiring grad.
@@ -1480,7 +1523,15 @@ class UserRegion(Region):
                 if any(self._escapes_held()):
                     assert run.substitute is not None
                     run.substitute.keep = {k: None for k, held in zip(self.escaped_at, self._escapes_held()) if held}
-                out = self._call_fn(run.args, run.kwargs, False, False)
+                if self.written_without_grad:
+                    # Those inputs start from their snapshots, as ``t + (snapshot - t).detach()``: not
+                    # leaves, as their stand-ins were in the forward run. ``Module.to`` reads each
+                    # parameter's ``.grad``, which for a non-leaf warns (ours, not the user's).
+                    with warnings.catch_warnings():
+                        warnings.filterwarnings("ignore", "The .grad attribute of a Tensor that is not a leaf", UserWarning)
+                        out = self._call_fn(run.args, run.kwargs, False, False)
+                else:
+                    out = self._call_fn(run.args, run.kwargs, False, False)
         except Exception as e:
             # Without the mode, a tensor reached another way than in the forward run (a module
             # rebound to one of another shape) fails inside fn: under it, the mode names it.

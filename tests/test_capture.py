@@ -1147,6 +1147,81 @@ def test_old_style_weight_norm_whose_pre_hook_rebinds_the_weight_with_a_graph():
     assert_close(grads(remat(net)), grads(reference))
 
 
+class _ShrinksItsWeight(torch.nn.Module):
+    """Rebinds its weight's ``.data`` in its forward (weight decay, then clipping, written as
+    ``w.data = ...``: new memory, as ``Module.to`` makes), then reads it."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(4, 4, dtype=D, generator=torch.Generator().manual_seed(5)))
+
+    def forward(self, x):
+        self.w.data = (self.w.data * 0.9).clamp(-0.5, 0.5)
+        return torch.tanh(x @ self.w)
+
+
+@pytest.mark.parametrize("x_requires_grad", [False, True])  # (with a non-differentiable input, a write watch runs)
+@pytest.mark.parametrize("route", ["remat", "remat(Sequential)"])
+def test_a_data_setter_on_a_parameter_in_the_forward_reaches_the_parameter(route, x_requires_grad):
+    """``w.data = ...`` inside the call lands on the module's parameter, as without remat, once per
+    forward pass: the recomputation starts from the old values (the update is not idempotent).
+    The second step starts from the first one's weights; the gradients are the plain module's."""
+    import copy
+
+    reference = torch.nn.Sequential(_ShrinksItsWeight(), _ShrinksItsWeight())
+    net = copy.deepcopy(reference)
+    model = torch.nn.Sequential(*[remat(layer) for layer in net]) if route == "remat" else remat(net)
+    for _ in range(2):
+        for m in (reference, model):
+            x = X.clone().requires_grad_(x_requires_grad)
+            m(x).square().sum().backward()
+        assert_close(dict(net.named_parameters()), dict(reference.named_parameters()))
+        assert_close(dict((k, p.grad) for k, p in net.named_parameters()), dict((k, p.grad) for k, p in reference.named_parameters()))
+
+
+@pytest.mark.filterwarnings("error:The .grad attribute of a Tensor that is not a leaf")
+def test_module_to_its_own_dtype_inside_the_forward_keeps_its_parameters():
+    """HF SwitchTransformers' router runs ``self.classifier = self.classifier.to(router_dtype)`` in
+    its forward: with the classifier in that dtype already, the parameters stay the module's own,
+    the gradients are the plain module's, and remat's recomputation warns of nothing."""
+    import copy
+
+    class Router(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.classifier = torch.nn.Linear(4, 3, dtype=D)
+
+        def forward(self, x):
+            self.classifier = self.classifier.to(D)
+            return self.classifier(x)
+
+    reference = Router()
+    net = copy.deepcopy(reference)
+    params = list(net.parameters())
+    for m in (reference, remat(net)):
+        m(X).square().sum().backward()
+    assert all(p is q for p, q in zip(net.parameters(), params))
+    assert_close(dict((k, p.grad) for k, p in net.named_parameters()), dict((k, p.grad) for k, p in reference.named_parameters()))
+
+
+def test_module_to_another_dtype_inside_the_forward_raises_in_the_forward_pass():
+    """Converting a parameter to another dtype inside the call (``Module.to`` sets ``param.data``)
+    cannot reach the caller's graph, built for the old dtype: a clear error, not a parameter
+    silently left in its old dtype."""
+
+    class Router(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.classifier = torch.nn.Linear(4, 3, dtype=D)
+
+        def forward(self, x):
+            self.classifier = self.classifier.to(torch.float32)
+            return self.classifier(x.float()).double()
+
+    with pytest.raises(CheckpointError, match=r"set the \.data of Router's 'classifier.weight'.*router_dtype"):
+        remat(Router())(X)
+
+
 @pytest.mark.filterwarnings("ignore:Converting a tensor with requires_grad=True to a scalar")
 def test_the_previous_steps_kept_tensor_read_as_a_number_inside_the_call():
     """A module logging last step's ``self.aux`` (whose backward has run) with ``.item()``,
