@@ -34,6 +34,7 @@ from torch.nn.parameter import is_lazy
 from . import _aliasing, _autocast, _rng
 from ._autograd import Phase, Region, apply, eager_under_compile, local_input
 from ._capture import (
+    attributes_as_at_the_call,
     SPENT,
     Captured,
     Roots,
@@ -533,7 +534,13 @@ class _Running:
             if region.captured.modules:
                 loop = None if region.recomputes_like_forward else region.name
                 run_starts = first_node if region.escapes_allowed else None  # (see reparametrized)
-                places = reparametrized(region.captured, replace, keep_rebound=forward, loop=loop, first_node=run_starts)
+                # (A loop's steps run again in the schedule's order, from other states: not recorded.)
+                attributes = None
+                if forward and loop is None:
+                    attributes = region.rebound_attributes = []
+                places = reparametrized(
+                    region.captured, replace, keep_rebound=forward, loop=loop, first_node=run_starts, attributes=attributes
+                )
                 self._enter(places)
             if region.options.context_fn is not None:
                 recording = torch.is_grad_enabled() and not torch.is_inference_mode_enabled()
@@ -628,6 +635,9 @@ class UserRegion(Region):
     _at_a_grad_level = False
     _made_at_own_level: list[weakref.ref[torch.Tensor]] | None = None  # (during that run, what it made)
     escapes_live: list[bool] | None = None  # per escaped output: held after the call? (settle_escapes)
+    # The plain module attributes the forward run rebound with a tensor place of their module,
+    # with their values at the call: a recomputation starts from those (see _capture.reparametrized).
+    rebound_attributes: Sequence[tuple[torch.nn.Module, str, Any]] = ()
 
     def __init__(
         self,
@@ -1491,6 +1501,8 @@ class UserRegion(Region):
             contexts.append(_rng.replay(self.rng))
         if self.captured.training:
             contexts.append(training_as_at_the_call(self.captured.training))
+        if self.rebound_attributes:
+            contexts.append(attributes_as_at_the_call(self.rebound_attributes))
         if self.default_device is not None and self.default_device != _default_device():
             # The caller's ``with torch.device(...)`` is not in force where the
             # autograd engine runs the backward (a device thread, for instance).

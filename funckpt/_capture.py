@@ -39,6 +39,7 @@ import collections
 import contextlib
 import dis
 import functools
+import operator
 import sys
 import threading
 import types
@@ -620,9 +621,21 @@ class reparametrized:
     a tensor from before the call) raises, except the weight that the old-style
     ``nn.utils.spectral_norm`` and ``weight_norm`` pre-hooks compute at every call, kept
     detached (the next call computes it again before reading it).
+
+    A module a place of which the forward run rebound has its plain attributes put back with
+    it for a recomputation (:class:`attributes_as_at_the_call`): those the run rebound too,
+    recorded into ``attributes``. They describe that tensor (HF's ``dynamic_rope_update``
+    rebinds the ``inv_freq`` buffer with ``self.max_seq_len_cached`` and branches on the
+    latter: a recomputation seeing the call's buffer but the run's length would skip the
+    update and compute something else). A plain attribute rebound alone (``self.calls += 1``)
+    is left as the runs leave it, as under ``torch.utils.checkpoint``: the recomputation
+    counts too.
     """
 
-    __slots__ = ("by_name", "captured", "first_node", "keep_rebound", "loop", "replace", "swapped", "thread")
+    __slots__ = (
+        "attributes", "by_name", "captured", "first_node", "keep_rebound", "loop", "replace", "snapshots", "swapped",
+        "thread",
+    )  # fmt: skip
 
     def __init__(
         self,
@@ -631,6 +644,7 @@ class reparametrized:
         keep_rebound: bool = False,
         loop: str | None = None,
         first_node: int | None = None,
+        attributes: list[tuple[torch.nn.Module, str, Any]] | None = None,
     ) -> None:
         # ``loop``: the name of a checkpointed loop whose forward sweep this is. Its steps run again
         # from kept carries, in the schedule's order, and cannot replay state a step rebinds: refused.
@@ -638,6 +652,10 @@ class reparametrized:
         # later was computed by the run, and escapes it (UserRegion._escaped_tensors says what then).
         self.captured, self.replace, self.keep_rebound, self.loop = captured, replace, keep_rebound, loop
         self.first_node = first_node
+        # ``attributes``: in a forward run, where to record the plain attributes to put back for a
+        # recomputation (see above), from ``snapshots`` of the modules' attributes at the call.
+        self.attributes = attributes
+        self.snapshots: list[tuple[torch.nn.Module, dict[str, Any]]] = []
         # each place set: ``[module, key, what it held before, what this run put there]``
         self.swapped: list[list[Any]] = []
         self.thread: int | None = None  # the thread whose run holds the places, while it does
@@ -659,6 +677,8 @@ class reparametrized:
                     for owner, key, t in places:
                         placed = replace.get(id(t), t)
                         swapped.append([owner, key, _swap_tensor(owner, key, placed), placed])
+            if self.attributes is not None:
+                self.snapshots = _attribute_snapshots(captured)
         except BaseException:
             self.__exit__()
             raise
@@ -668,6 +688,8 @@ class reparametrized:
         keep = self.keep_rebound and exc[:1] in ((), (None,))
         with_graph: list[tuple[torch.nn.Module, str, torch.Tensor]] = []
         in_loop: list[tuple[torch.nn.Module, str]] = []
+        snapshots, self.snapshots = self.snapshots, []
+        rebound_owners: set[int] = set()  # the modules a place of which the function rebound
         with _runs_lock:
             thread, self.thread = self.thread, None
             later: list[reparametrized] = []  # runs that entered after this one, of other threads
@@ -690,6 +712,7 @@ class reparametrized:
                 if keep:
                     held = _held(owner, key)
                     if held is not placed:
+                        rebound_owners.add(id(owner))
                         if _recomputed_at_every_call(owner, key) and isinstance(held, torch.Tensor):
                             # Its value, without the run's local graph: a later call (which computes it
                             # again) then does not route the stale weight, and its graph, through remat.
@@ -704,6 +727,10 @@ class reparametrized:
                         else:
                             with_graph.append((owner, key, held))
                 _swap_tensor(owner, key, before)
+        if rebound_owners and self.attributes is not None:
+            for m, then in snapshots:
+                if id(m) in rebound_owners:
+                    self.attributes += _plain_rebinds(m, then)
         if in_loop:
             owner, key = in_loop[-1]
             raise CheckpointError(
@@ -886,6 +913,81 @@ class training_as_at_the_call:
         changed, self.changed = self.changed, []
         for module, before in reversed(changed):
             module.training = before
+
+
+#: Values of a module attribute that a recomputation puts back as they were at the call: numbers,
+#: strings, flags, dtypes, devices, shapes (``self.max_seq_len_cached``, ``self.attention_scaling``).
+_PLAIN_VALUES = frozenset({bool, int, float, complex, str, bytes, type(None), torch.dtype, torch.device, torch.Size})
+
+
+def _plain(value: Any) -> bool:
+    kind = type(value)
+    return kind in _PLAIN_VALUES or value is _ABSENT or (kind is tuple and all(type(v) in _PLAIN_VALUES for v in value))
+
+
+def _attribute_snapshots(captured: Captured) -> list[tuple[torch.nn.Module, dict[str, Any]]]:
+    """A shallow copy of the attributes of each module ``captured`` reaches whose class stores
+    attributes (:func:`_stores_attributes`), for :func:`_plain_rebinds` after a forward run."""
+    known = _STORES.get  # (the classes' answers, read once each: here without a call per module)
+    return [
+        (m, dict(m.__dict__))
+        for m, _ in captured.training
+        if known(type(m)) or (type(m) not in _STORES and _stores_attributes(type(m)))
+    ]
+
+
+def _plain_rebinds(m: torch.nn.Module, then: dict[str, Any]) -> list[tuple[torch.nn.Module, str, Any]]:
+    """``(m, key, value at the call)`` for each attribute of ``m`` that held a plain value at the
+    call (:data:`_PLAIN_VALUES`, or nothing) and now holds another plain value or a tensor
+    without a graph (HF's cached length is ``torch.max(position_ids) + 1``); a tensor with a
+    graph is an escape of the run, seen elsewhere."""
+    now = m.__dict__
+    if now.keys() == then.keys() and all(map(operator.is_, now.values(), then.values())):
+        return []  # (the common case, told in C: nothing rebound)
+    found = []
+    for key, value in now.items():
+        old = then.get(key, _ABSENT)
+        if old is not value and key != "training" and _plain(old) and _now_recorded(value):
+            found.append((m, key, old))
+    for key in then.keys() - now.keys():  # (deleted by the run)
+        if _plain(then[key]):
+            found.append((m, key, then[key]))
+    return found
+
+
+def _now_recorded(value: Any) -> bool:
+    return _plain(value) or (isinstance(value, torch.Tensor) and not value.requires_grad)
+
+
+class attributes_as_at_the_call:
+    """Put the plain attributes a forward run rebound with a tensor place of their module (see
+    :class:`reparametrized`) back to their values at the call for a recomputation, and what
+    they hold now back on leaving: the forward run updated them once, as without remat."""
+
+    __slots__ = ("found", "rebound")
+
+    def __init__(self, rebound: Sequence[tuple[torch.nn.Module, str, Any]]) -> None:
+        self.rebound = rebound
+        self.found: list[tuple[torch.nn.Module, str, Any]] = []
+
+    def __enter__(self) -> None:
+        self.found = [(m, key, m.__dict__.get(key, _ABSENT)) for m, key, _ in self.rebound]
+        for m, key, value in self.rebound:
+            _set_attribute(m, key, value)
+
+    def __exit__(self, *exc: Any) -> None:
+        found, self.found = self.found, []
+        for m, key, value in reversed(found):
+            _set_attribute(m, key, value)
+
+
+def _set_attribute(m: torch.nn.Module, key: str, value: Any) -> None:
+    # (In the instance's dict, as the function's own assignment put it there: a class's
+    # __setattr__, or nn.Module's for a tensor, would do more than undo that assignment.)
+    if value is _ABSENT:
+        m.__dict__.pop(key, None)
+    else:
+        m.__dict__[key] = value
 
 
 def _is_library(fn: types.FunctionType) -> bool:

@@ -1147,6 +1147,126 @@ def test_old_style_weight_norm_whose_pre_hook_rebinds_the_weight_with_a_graph():
     assert_close(grads(remat(net)), grads(reference))
 
 
+class _DynamicRope(torch.nn.Module):
+    """HF's ``dynamic_rope_update``: on an input longer than the cached length, or back to the
+    original length, rebind the ``inv_freq`` buffer and record the new length (a tensor, as HF's
+    ``torch.max(position_ids) + 1``, or the original int) and a float scaling; read all of them."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("inv_freq", torch.linspace(1.0, 0.1, 4, dtype=D), persistent=False)
+        self.original_inv_freq = self.inv_freq
+        self.max_seq_len_cached = self.original_max_seq_len = 4
+        self.attention_scaling = 1.0
+
+    def forward(self, x):
+        seq_len = torch.tensor(x.shape[0]) if x.shape[0] > 4 else x.shape[0]
+        if seq_len > self.max_seq_len_cached:  # growth
+            self.register_buffer("inv_freq", self.original_inv_freq / x.shape[0], persistent=False)
+            self.max_seq_len_cached, self.attention_scaling = seq_len, 1.0 + 0.1 * x.shape[0]
+        if seq_len < self.original_max_seq_len < self.max_seq_len_cached:  # reset
+            self.register_buffer("inv_freq", self.original_inv_freq, persistent=False)
+            self.max_seq_len_cached, self.attention_scaling = self.original_max_seq_len, 1.0
+        positions = torch.arange(x.shape[0], dtype=D)[:, None]
+        return x * torch.cos(positions * self.inv_freq) * self.attention_scaling
+
+
+def _rope_net():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(4, 4, dtype=D), _DynamicRope(), torch.nn.Tanh())
+
+
+@pytest.mark.parametrize("route", ["remat", "checkpoint", "remat(Sequential)"])
+def test_a_buffer_rebound_with_a_python_length_is_recomputed_from_both_at_the_call(route):
+    """The recomputation starts from the module's state at the call, its plain attributes (the
+    cached length, the scaling) as well as its buffer: it makes the same update and computes
+    the forward run's values. Growing and shrinking steps, each with its own backward."""
+    import copy
+
+    from funckpt import checkpoint
+
+    reference = _rope_net()
+    net = copy.deepcopy(reference)
+    if route == "remat":
+        model = torch.nn.Sequential(net[0], remat(net[1]), net[2])
+    elif route == "checkpoint":
+        model = lambda x: checkpoint(net, x, use_reentrant=False)  # noqa: E731
+    else:
+        model = remat(net)
+    for n in (6, 6, 8, 3, 7):
+        for m in (reference, model):
+            m(torch.linspace(-1, 1, 4 * n, dtype=D).view(n, 4)).square().sum().backward()
+        assert_close(dict((k, p.grad) for k, p in net.named_parameters()), dict((k, p.grad) for k, p in reference.named_parameters()))
+        assert_close(dict(net.named_buffers()), dict(reference.named_buffers()))
+        assert (net[1].max_seq_len_cached, net[1].attention_scaling) == (reference[1].max_seq_len_cached, reference[1].attention_scaling)
+
+
+@pytest.mark.parametrize("order", [(0, 1), (1, 0)])
+def test_a_buffer_rebound_with_a_python_length_by_two_forwards_before_their_backwards(order):
+    """Gradient accumulation over a long and a short sequence: each backward recomputes from its
+    own call's state (the second forward reset what the first grew), and the state stays the
+    second forward's."""
+    import copy
+
+    reference = _rope_net()
+    net = copy.deepcopy(reference)
+    inputs = [torch.linspace(-1, 1, 4 * n, dtype=D).view(n, 4).requires_grad_() for n in (7, 3)]
+
+    def program(m, module):
+        outs = [m(x).square().sum() for x in inputs]
+        return [torch.autograd.grad(outs[k], [inputs[k], *module.parameters()]) for k in order]
+
+    expected = program(reference, reference)
+    assert_close(program(remat(net), net), expected)
+    assert_close(dict(net.named_buffers()), dict(reference.named_buffers()))
+    assert net[1].max_seq_len_cached == reference[1].max_seq_len_cached
+
+
+class _CachesATableForItsLength(torch.nn.Module):
+    """Caches a tensor built for the input's length (a plain tensor attribute) with the length it
+    was built for and a flag that it was rebuilt, rebinding all three when the length changes,
+    and reads all three."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4, dtype=D)
+        self.table, self.built_for, self.rebuilt = torch.ones(1, dtype=D), 1, False
+
+    def forward(self, x):
+        n = x.shape[0]
+        if n != self.built_for:
+            self.table = torch.linspace(0.5, 1.5, n, dtype=D)
+            self.built_for, self.rebuilt = n, True
+        return torch.tanh(self.lin(x)) * self.table[:, None] * (2.0 if self.rebuilt else 1.0)
+
+
+@pytest.mark.parametrize("how", ["backward", "torch.func.grad"])
+def test_a_cached_tensor_attribute_and_its_flags_are_recomputed_from_their_values_at_the_call(how):
+    """Where the forward run rebinds a module's tensor attribute, the recomputation gets it as at
+    the call, and the plain attributes the run rebound with it (the length, the flag) too: it
+    rebuilds the table as the forward run did and computes the same values. Afterwards the module
+    holds the forward run's state, as without remat."""
+    import copy
+
+    torch.manual_seed(0)
+    reference = _CachesATableForItsLength()
+    net = copy.deepcopy(reference)
+
+    def grads(m, module, n):
+        x = torch.linspace(-1, 1, 4 * n, dtype=D).view(n, 4)
+        if how == "backward":
+            module.zero_grad()
+            m(x).square().sum().backward()
+            return {k: p.grad.clone() for k, p in module.named_parameters()}
+        params = {k: v.detach() for k, v in module.named_parameters()}
+        return tf.grad(lambda p: tf.functional_call(m, p, (x,)).square().sum())(params)
+
+    for n in (3, 3, 5, 2):
+        assert_close(grads(remat(net), net, n), grads(reference, reference, n))
+        assert (net.built_for, net.rebuilt) == (reference.built_for, reference.rebuilt)
+        assert_close(net.table, reference.table)
+
+
 class _ShrinksItsWeight(torch.nn.Module):
     """Rebinds its weight's ``.data`` in its forward (weight decay, then clipping, written as
     ``w.data = ...``: new memory, as ``Module.to`` makes), then reads it."""

@@ -478,3 +478,31 @@ def test_recurrent_gemma_two_training_steps(how):
         results.append((losses, m.state_dict(), opt.state_dict()["state"]))
     assert calls
     assert_close(results[1], results[0])
+
+
+@pytest.mark.parametrize("route", ["remat(model)", "remat(model.model)"])
+def test_dynamic_rope_with_sequences_growing_and_shrinking(route):
+    """Llama with dynamic RoPE: its rotary embedding (HF's ``dynamic_rope_update``, used by
+    hundreds of models) rebinds the ``inv_freq`` buffer and ``self.max_seq_len_cached`` when a
+    sequence is longer than the cached one or back within the original length. remat of a region
+    holding it recomputes from the state at the call, buffer and length alike: the gradients and
+    the rotary state equal the model's without remat at each step."""
+    config = C.LlamaConfig(**{**common_dec, "max_position_embeddings": 4}, num_key_value_heads=1,
+                           rope_scaling={"rope_type": "dynamic", "factor": 2.0})
+    torch.manual_seed(0)
+    reference = C.LlamaForCausalLM(config).to(D)
+    net = copy.deepcopy(reference)
+    if route == "remat(model)":
+        model = funckpt.remat(net)
+    else:
+        net.model = funckpt.remat(net.model)
+        model = net
+    for n in (10, 10, 3, 7):
+        x = ids(B, n)
+        for m in (reference, model):
+            m.zero_grad()
+            m(input_ids=x).logits.square().mean().backward()
+        assert_close({k: p.grad for k, p in net.named_parameters()}, {k: p.grad for k, p in reference.named_parameters()})
+        rotary, expected = net.model.rotary_emb, reference.model.rotary_emb
+        assert_close(rotary.inv_freq, expected.inv_freq)
+        assert int(rotary.max_seq_len_cached) == int(expected.max_seq_len_cached)
