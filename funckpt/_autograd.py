@@ -426,7 +426,11 @@ class VmapRegion(Region):
             return tuple(torch.zeros_like(p) if g is None else g for p, g in zip(flat, grads))
 
         in_dims = (*self.in_dims, *(0,) * len(cotangents))
-        grads = torch.func.vmap(batched, in_dims=in_dims, out_dims=0, randomness=self.randomness)(*primals, *cotangents)
+        # Each gradient is batched where its primal is (a loop vmapped over in_dims=1); that of an
+        # unbatched primal, which every example used, is the sum of the examples' gradients.
+        out_dims = tuple(0 if d is None else d for d in self.in_dims)
+        grads = torch.func.vmap(batched, in_dims=in_dims, out_dims=out_dims, randomness=self.randomness)(*primals, *cotangents)
+        grads = tuple(g.sum(0) if d is None else g for g, d in zip(grads, self.in_dims))
         return [None if i in unused or not need else g for i, (g, need) in enumerate(zip(grads, needs))]
 
 

@@ -845,3 +845,27 @@ class _LiveBf16Casts(torch.utils._python_dispatch.TorchDispatchMode):
     def alive(self):
         gc.collect()
         return sum(r() is not None for r in self.casts)
+
+
+@pytest.mark.parametrize("in_dim", [1, -1])
+@pytest.mark.parametrize("checkpoints", [None, 1])
+def test_vmap_over_a_non_leading_dim_gives_each_gradient_its_inputs_layout(in_dim, checkpoints):
+    """``vmap(loop, in_dims=1)`` differentiated: the loop's batched vjp returns each input's
+    gradient batched where the input is (it came back at dim 0: transposed, silently, for a
+    square input), and an unbatched weight's as the sum over the examples."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(4, 4, dtype=D, generator=g)
+    c = torch.randn(4, 4, dtype=D, generator=g)  # (square: a transposed gradient would fit)
+    weights = torch.arange(1.0, 5.0, dtype=D)
+
+    def loss(loop):
+        def f(w, c):
+            body = lambda i, c: torch.tanh(c @ w) * (i + 1)  # noqa: E731
+            out = tf.vmap(lambda c: loop(body, c), in_dims=in_dim)(c)
+            return (out * weights[:, None]).sum()
+
+        return f
+
+    plain = lambda body, c: body(2, body(1, body(0, c)))  # noqa: E731
+    checkpointed = lambda body, c: funckpt.fori_loop(0, 3, body, c, checkpoints=checkpoints)  # noqa: E731
+    assert_close(tf.grad(loss(checkpointed), argnums=(0, 1))(w, c), tf.grad(loss(plain), argnums=(0, 1))(w, c))
