@@ -17,7 +17,9 @@ So the forward run classifies each output by storage (:func:`plan`):
   caller gets that view of the Function's output ``r``;
 * **a copy**: two outputs that are both views of an internal tensor neither of
   them is; values and gradients are right, in-place aliasing between them is
-  not kept.
+  not kept. So is an output aliasing an input through a custom
+  ``autograd.Function`` (a gradient-reversal layer returning ``x.view_as(x)``):
+  rebuilt as a view, its gradient would be the view's, not the Function's.
 
 Views are rebuilt with ``as_strided`` on the same storage (after
 ``view_as_real``/``view_as_complex``/``view(dtype)`` when the dtype differs),
@@ -97,7 +99,9 @@ def plan(inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor], grad_r
         copied.update(bits)  # as_strided drops the conjugate and negative bits: copies
         members = [i for i in members if i not in bits]
         if key in inputs_on:
-            for i in members:
+            through = [i for i in members if grad_recorded and _through_a_custom_function(outputs[i])]
+            copied.update(through)
+            for i in (i for i in members if i not in through):
                 o = outputs[i]
                 j = _source(o, inputs, inputs_on[key])
                 differentiable = o.requires_grad if grad_recorded else has_gradient_dtype(o)
@@ -119,6 +123,28 @@ def plan(inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor], grad_r
                 views[i] = _view(r, False, o, outputs[r], differentiable)
     owned = tuple(i for i, v in enumerate(views) if v is None)
     return Plan(tuple(views), owned, frozenset(copied))
+
+
+def _through_a_custom_function(t: torch.Tensor) -> bool:
+    """Does ``t``'s graph reach the tensor it views through a custom ``autograd.Function`` (whose
+    forward returned its input, or a view of it, with a backward of its own)?
+
+    Views made by torch's view operators lead back through a chain of single-input nodes; a
+    Function's node is found on it as a ``BackwardCFunction``."""
+    node = t.grad_fn
+    for _ in range(_LONGEST_VIEW_CHAIN):
+        if node is None:
+            return False
+        if isinstance(node, torch.autograd.function.BackwardCFunction):
+            return True
+        edges = [n for n, _ in node.next_functions if n is not None]
+        if len(edges) != 1:
+            return False
+        node = edges[0]
+    return False
+
+
+_LONGEST_VIEW_CHAIN = 64
 
 
 def _has_bits(t: torch.Tensor) -> bool:

@@ -129,6 +129,54 @@ def test_an_input_only_dropped_outputs_depend_on_gets_no_gradient():
     assert grads(remat(f))[1] is None
 
 
+class _GradReverse(torch.autograd.Function):
+    """A gradient-reversal layer: the forward returns a view of its input."""
+
+    @staticmethod
+    def forward(x):
+        return x.view_as(x)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    @staticmethod
+    def backward(ctx, g):
+        return -0.5 * g
+
+
+class _Doubling(torch.autograd.Function):
+    """Returns its input itself, with a backward of its own."""
+
+    @staticmethod
+    def forward(x):
+        return x
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    @staticmethod
+    def backward(ctx, g):
+        return 2 * g
+
+
+@pytest.mark.parametrize("function", [_GradReverse, _Doubling])
+def test_an_output_aliasing_an_input_through_a_custom_function_keeps_its_backward(function):
+    """An output sharing an input's memory through a custom Function, not a view operator: rebuilt
+    as a view of the caller's tensor it got the view's gradient, and the Function's backward was
+    skipped (silently, under .backward() and torch.func alike)."""
+    f = lambda x: function.apply(x)  # noqa: E731
+
+    def backward(g):
+        x = X.clone().requires_grad_()
+        g(x).sin().sum().backward()
+        return x.grad
+
+    assert_close(backward(remat(f)), backward(f))
+    assert_close(tf.grad(lambda x: remat(f)(x).sin().sum())(X), tf.grad(lambda x: f(x).sin().sum())(X))
+
+
 def test_functional_call_of_module_with_remat_submodule():
     class Net(torch.nn.Module):
         def __init__(self):
