@@ -52,6 +52,7 @@ from ._internals import (
     forward_ad_level,
     set_fwd_grad_enabled,
     set_grad_enabled,
+    torch_function_mode_enabled,
     transforms_active,
 )
 
@@ -460,7 +461,10 @@ def digest(tensors: Sequence[torch.Tensor]) -> list[Digest | None]:
     functorch and forward-mode AD, so it records nothing and costs one or two
     small reductions per output.
     """
-    plain = not transforms_active() and forward_ad_level() < 0
+    # (A torch-function mode on: an enclosing region's substitution mode, where a loop nested in its
+    # run digests its steps. The digest's operators are funckpt's, not the function's to check.)
+    modes = torch_function_mode_enabled()
+    plain = not transforms_active() and forward_ad_level() < 0 and not modes
     grad_was = torch.is_grad_enabled()
     set_grad_enabled(False)  # no_grad without its Python frames
     try:
@@ -468,6 +472,8 @@ def digest(tensors: Sequence[torch.Tensor]) -> list[Digest | None]:
             fast = not DEFER_ON_CPU and not dispatch_modes_active()
             return [_on_cpu(t) if fast and _read_at_once(t) else _one(t) if _digestible(t) else None for t in tensors]
         with contextlib.ExitStack() as stack:
+            if modes:
+                stack.enter_context(torch._C.DisableTorchFunction())
             if transforms_active():
                 stack.enter_context(DisableFuncTorch())
             if forward_ad_level() >= 0:

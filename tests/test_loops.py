@@ -869,3 +869,26 @@ def test_vmap_over_a_non_leading_dim_gives_each_gradient_its_inputs_layout(in_di
     plain = lambda body, c: body(2, body(1, body(0, c)))  # noqa: E731
     checkpointed = lambda body, c: funckpt.fori_loop(0, 3, body, c, checkpoints=checkpoints)  # noqa: E731
     assert_close(tf.grad(loss(checkpointed), argnums=(0, 1))(w, c), tf.grad(loss(plain), argnums=(0, 1))(w, c))
+
+
+@pytest.mark.parametrize("transform", ["grad_of_vmap", "vmap_of_grad", "backward"])
+def test_remat_of_a_loop_that_carries_its_weights_through(transform):
+    """A remat around a loop whose step returns a carry leaf as it is (an RNN's weights carried
+    read-only): the loop's digests of its steps, taken inside the enclosing call's run, are
+    funckpt's own operators, not the function's use of a tensor it was not given."""
+    g = torch.Generator().manual_seed(0)
+    w, xs = torch.randn(4, 4, dtype=D, generator=g), torch.randn(5, 4, dtype=D, generator=g)
+    body = lambda i, c: (c[0], torch.tanh(c[1] @ c[0]))  # noqa: E731
+    plain = lambda w, x: body(2, body(1, body(0, (w, x))))[1]  # noqa: E731
+    looped = funckpt.remat(lambda w, x: funckpt.fori_loop(0, 3, body, (w, x))[1])
+
+    def run(f):
+        if transform == "grad_of_vmap":
+            return tf.grad(lambda w: tf.vmap(f, in_dims=(None, 0))(w, xs).sum())(w)
+        if transform == "vmap_of_grad":
+            return tf.vmap(tf.grad(lambda w, x: f(w, x).sum()), in_dims=(None, 0))(w, xs)
+        leaf = w.clone().requires_grad_()
+        f(leaf, xs).sum().backward()
+        return leaf.grad
+
+    assert_close(run(looped), run(plain))
