@@ -380,19 +380,27 @@ class VmapRegion(Region):
     def __init__(self, base: Region, in_dims: Sequence[int | None], randomness: str) -> None:
         self.base, self.in_dims, self.randomness = base, tuple(in_dims), randomness
         self.name = base.name
+        # Per output: not batched at this vmap (computed from unbatched inputs only), as the run found.
+        self.unbatched: tuple[bool, ...] = ()
 
     def release_kept(self) -> None:
         self.base.release_kept()
 
     def run(self, flat: Tensors, phase: Phase) -> Tensors:
+        unbatched: list[bool] = []
+
         def body(*xs: torch.Tensor) -> Tensors:
-            return self.base.run(xs, phase)
+            outs = self.base.run(xs, phase)
+            top = peek_interpreter_stack()
+            unbatched[:] = [not _batched_at(o, top.level()) for o in outs]
+            return outs
 
         outs = torch.func.vmap(body, in_dims=self.in_dims, out_dims=0, randomness=self.randomness)(*flat)
-        # An output that is not batched (computed from unbatched inputs only) comes back expanded
-        # along the batch: one element for the whole batch, which forward-mode AD above this
-        # Function refuses to write its tangent into. Each example gets its own, as without remat.
-        return tuple(o.contiguous() if o.dim() > 0 and o.size(0) > 1 and o.stride(0) == 0 else o for o in outs)
+        # An output that is not batched comes back expanded along the batch: it leaves unbatched
+        # (the vmap rule says so, out_dims None), as it would without remat (vmap(f, out_dims=None)
+        # accepts it, and forward-mode AD above writes one tangent into it, not one per example).
+        self.unbatched = tuple(unbatched)
+        return tuple(o.select(0, 0) if u else o for o, u in zip(outs, unbatched))
 
     def note_mutated_inputs(self, indices: list[int]) -> None:
         self.base.note_mutated_inputs(indices)
@@ -992,9 +1000,10 @@ class _RematFunction(torch.autograd.Function):
         return tuple(t if d else None for t, d in zip(out, ctx.output_differentiable))
 
     @staticmethod
-    def vmap(info: Any, in_dims: tuple[Any, ...], region: Region, *flat: torch.Tensor) -> tuple[Tensors, tuple[int, ...]]:
-        outs = apply(VmapRegion(region, in_dims[1:], info.randomness), flat)
-        return outs, (0,) * len(outs)
+    def vmap(info: Any, in_dims: tuple[Any, ...], region: Region, *flat: torch.Tensor) -> tuple[Tensors, tuple[int | None, ...]]:
+        batched = VmapRegion(region, in_dims[1:], info.randomness)
+        outs = apply(batched, flat)
+        return outs, tuple(None if u else 0 for u in batched.unbatched)
 
 
 class _RematAtLevel(SingleLevelFunction):  # type: ignore[misc]  # torch's private class, typed Any in _internals

@@ -177,6 +177,22 @@ def test_an_output_aliasing_an_input_through_a_custom_function_keeps_its_backwar
     assert_close(tf.grad(lambda x: remat(f)(x).sin().sum())(X), tf.grad(lambda x: f(x).sin().sum())(X))
 
 
+def test_vmap_returns_an_output_of_the_unbatched_inputs_unbatched():
+    """``vmap(f, out_dims=(None, 0))`` where f's first output depends on unbatched inputs only:
+    remat's vmap rule says it is not batched, as the function without remat does (it batched
+    every output, which torch then refused to return with out_dims None); and differentiated."""
+
+    def f(w, x):
+        return w.sin(), x @ w
+
+    w = torch.randn(4, 4, dtype=D, generator=torch.Generator().manual_seed(5))
+    run = lambda g, w: tf.vmap(g, in_dims=(None, 0), out_dims=(None, 0))(w, X)  # noqa: E731
+    assert_close(run(remat(f), w), run(f, w))
+    loss = lambda g: lambda w: sum(o.sum() for o in run(g, w))  # noqa: E731
+    assert_close(tf.grad(loss(remat(f)))(w), tf.grad(loss(f))(w))
+    assert_close(tf.jacfwd(loss(remat(f)))(w), tf.jacfwd(loss(f))(w))
+
+
 def test_functional_call_of_module_with_remat_submodule():
     class Net(torch.nn.Module):
         def __init__(self):
