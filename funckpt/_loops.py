@@ -135,7 +135,7 @@ def fori_loop(
 
     options = RematOptions(policy=policy)
     n = max(upper - lower, 0)
-    carry, _ = _run(step, callable_name(body), body, init, None, n, False, checkpoints, options, reaches=body)
+    carry, _ = _run(step, callable_name(body), body, init, None, n, False, checkpoints, options, reaches=body, api="fori_loop")
     return carry
 
 
@@ -168,7 +168,8 @@ def while_loop(
 
     options = RematOptions(policy=policy)
     carry, _ = _run(
-        step, callable_name(body), body, init, None, None, False, checkpoints, options, go_on, reaches=Roots((body, cond))
+        step, callable_name(body), body, init, None, None, False, checkpoints, options, go_on, reaches=Roots((body, cond)),
+        api="while_loop",
     )
     return carry
 
@@ -312,6 +313,7 @@ def _run(
     options: RematOptions,
     go_on: Callable[[int, Any], bool] | None = None,
     reaches: Any = None,
+    api: str = "scan",
 ) -> tuple[Any, Any]:
     """Run the loop: remat'd step by step (``checkpoints=None``), or as one :class:`LoopRegion`.
 
@@ -322,7 +324,7 @@ def _run(
     per_step_policy = checkpoints is None and options.policy is not None
     if per_step_policy or nothing_to_differentiate():
         return _remat_each_step(step, name, init, xs, n, reverse, options, go_on, per_step_policy, reaches)
-    loop = Loop(step, user_fn, n, reverse, checkpoints, go_on)
+    loop = Loop(step, user_fn, n, reverse, checkpoints, go_on, api)
 
     def make_region(*args: Any, **kwargs: Any) -> LoopRegion:
         return LoopRegion(loop, *args, **kwargs)
@@ -377,9 +379,11 @@ class Loop:
         reverse: bool,
         checkpoints: int | None,
         go_on: Callable[[int, Any], bool] | None,
+        api: str = "scan",
     ) -> None:
         self.step, self.user_fn, self.n, self.reverse = step, user_fn, n, reverse
         self.checkpoints, self.go_on = checkpoints, go_on
+        self.api = api  # the function that made it (scan, fori_loop, while_loop), for errors
 
     def schedule(self, n: int) -> list[_schedule.Action]:
         """The whole schedule for ``n`` steps (known in advance)."""
@@ -509,9 +513,9 @@ class LoopRegion(UserRegion):
     def forward_run(self, flat: Tensors) -> Tensors:
         self._inputs = flat
         out = super().forward_run(flat)
-        if self.snapshots:
+        if self.snapshots and any(self.differentiable):  # (with nothing to differentiate, nothing runs again)
             raise CheckpointError(
-                f"scan({self.name}): a step modified one of the loop's inputs in place (for example a "
+                f"{self.loop.api}({self.name}): a step modified one of the loop's inputs in place (for example a "
                 "BatchNorm's running statistics in training mode). A checkpointed loop runs steps again "
                 "from its kept carries and cannot replay such updates. Carry the state in the loop's "
                 "carry, put the module in eval mode, or write the loop in Python with funckpt.remat on "
@@ -523,7 +527,7 @@ class LoopRegion(UserRegion):
         changed = changed_captures(self.loop.user_fn, self.captured)
         if changed:
             raise CheckpointError(
-                f"scan({self.name}): between the forward pass and the backward pass the step function came "
+                f"{self.loop.api}({self.name}): between the forward pass and the backward pass the step function came "
                 "to reach other differentiable tensors than at the call (a closure variable, global or "
                 "partial argument was rebound); the recomputation would use them and the gradient would "
                 "be wrong. Pass such tensors in the carry or xs, or do not rebind them before the backward."
@@ -568,13 +572,13 @@ class LoopRegion(UserRegion):
         (``outputs``: its carry's tensors and its y's, :func:`_step_outputs`)?"""
         if k < len(self.step_metas) and len(outputs) != len(self.step_metas[k]):
             raise CheckpointError(
-                f"scan({self.name}): run again in the backward pass, step {k} returned {len(outputs)} tensors (its "
+                f"{self.loop.api}({self.name}): run again in the backward pass, step {k} returned {len(outputs)} tensors (its "
                 f"carry's and its y's) where the forward pass had {len(self.step_metas[k])}. A step must compute the same "
                 "thing when called again with the same carry: it may depend on state that changed (a counter, a "
                 "global, an iterator). Pass such values in the carry or xs."
             )
         if k < len(self.step_digests) and self._compares_values():
-            check_same_values(f"scan({self.name})", self.step_digests[k], digest(outputs), None)
+            check_same_values(f"{self.loop.api}({self.name})", self.step_digests[k], digest(outputs), None)
 
     def _forward_sweep(self, init: Any, xs: Any) -> tuple[Any, Any]:
         loop = self.loop
@@ -759,7 +763,7 @@ class StepRegion(Region):
         for t, (shape, dtype) in zip(tensors, self.expected):
             if t.shape != shape or (has_gradient_dtype(t) and t.dtype != dtype):
                 raise CheckpointError(
-                    f"scan({self.name}): run again in the backward pass, step {self.k} returned a tensor of "
+                    f"{self.region.loop.api}({self.name}): run again in the backward pass, step {self.k} returned a tensor of "
                     f"shape {tuple(t.shape)} and dtype {t.dtype} where the forward pass had shape "
                     f"{tuple(shape)} and dtype {dtype}. A step must compute the same thing when called again "
                     "with the same carry: it may depend on state that changed (a counter, a global, an "

@@ -892,3 +892,31 @@ def test_remat_of_a_loop_that_carries_its_weights_through(transform):
         return leaf.grad
 
     assert_close(run(looped), run(plain))
+
+
+@pytest.mark.parametrize("checkpoints", [None, 2])
+def test_a_step_writing_its_carry_in_place_with_nothing_to_differentiate_runs(checkpoints):
+    """A step updating its carry in place (``c[i] = ...``, JAX's dynamic_update_slice) cannot be
+    replayed from a kept carry, so a loop differentiated through raises; with nothing requiring
+    grad nothing runs again, and the loop runs as the Python loop does."""
+
+    def body(i, c):
+        c[i] = i + 1.0
+        return c
+
+    expected = body(2, body(1, body(0, torch.zeros(3, dtype=D))))
+    assert_close(funckpt.fori_loop(0, 3, body, torch.zeros(3, dtype=D), checkpoints=checkpoints), expected)
+    with pytest.raises(funckpt.CheckpointError, match="modified one of its differentiable inputs in place"):
+        funckpt.fori_loop(0, 3, body, torch.zeros(3, dtype=D).requires_grad_() * 1, checkpoints=checkpoints)
+
+
+def test_a_loops_errors_name_the_loop_function():
+    """A fori_loop's (or while_loop's) refusal says fori_loop, not scan."""
+    count = torch.zeros(())
+
+    def body(i, c):
+        count.add_(1)  # (state updated in place, as a BatchNorm's statistics)
+        return c.sin()
+
+    with pytest.raises(funckpt.CheckpointError, match=r"^fori_loop\(body\): a step modified"):
+        funckpt.fori_loop(0, 3, body, torch.ones(3, dtype=D).requires_grad_() * 1, checkpoints=2)
