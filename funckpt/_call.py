@@ -32,6 +32,7 @@ from torch.nn.modules.lazy import LazyModuleMixin
 from torch.nn.parameter import is_lazy
 
 from . import _aliasing, _autocast, _rng
+from ._draws import Redraw, differs_here, enter_run, functorch_at_the_call, leave_run
 from ._autograd import Phase, Region, apply, eager_under_compile, local_input
 from ._capture import (
     attributes_as_at_the_call,
@@ -576,6 +577,14 @@ class _Running:
             )
             substitute = Substitute(mapping, flat, forward, region.name, first_node, self.watch) if substitutes else None
             unsubstituted = not substitutes and checkable
+            # Dropouts draw as at the call (see _draws): the substitution mode redraws them where
+            # the kernel differs; without it, a mode of its own does, where the forward run saw
+            # one whose mask depends on the layout.
+            functorch = region.functorch_draws
+            enter_run(functorch)
+            self.exits.append(leave_run)
+            if substitute is None and region.draws_by_layout and differs_here(functorch):
+                self._enter(Redraw())
             if substitute is not None:
                 self._enter(substitute)
             for mode in self.modes:
@@ -638,6 +647,7 @@ class UserRegion(Region):
     # The plain module attributes the forward run rebound with a tensor place of their module,
     # with their values at the call: a recomputation starts from those (see _capture.reparametrized).
     rebound_attributes: Sequence[tuple[torch.nn.Module, str, Any]] = ()
+    draws_by_layout = False  # did the forward run call a dropout whose mask depends on the layout (_draws)?
 
     def __init__(
         self,
@@ -662,6 +672,8 @@ class UserRegion(Region):
         self._originals = {id(t): t for t in captured.tensors}
         # Like torch.utils.checkpoint, the forward run executes with the caller's grad mode.
         self.caller_grad_enabled = torch.is_grad_enabled()
+        # Does a dropout here take functorch's kernel? Every run's then does too (see _draws).
+        self.functorch_draws = functorch_at_the_call()
         self.out_digest: list[Digest | None] = []
         self.constant: set[int] = set()  # outputs that did not require grad in the forward run's graph
         self.moved_hooks: set[int] = set()  # inputs whose hooks fn registered went to the caller's tensors
@@ -1192,6 +1204,8 @@ class UserRegion(Region):
             self._refuse_container_writes(containers, run.args, run.kwargs)
         if out is _SUPPRESSED:
             raise _suppressed(self.name)
+        if run.substitute is not None and run.substitute.layout_draws:
+            self.draws_by_layout = True
         if at_own_level and run.substitute is not None and run.substitute.made is not None:
             self._made_at_own_level, run.substitute.made = run.substitute.made, None
         if grad_forward:

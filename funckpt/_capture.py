@@ -51,6 +51,7 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
+from ._draws import LAYOUT_DRAWS, layout_draw, redrawn
 from ._errors import CheckpointError
 from ._naming import OnThreadStack
 from ._saving import WriteWatch
@@ -1150,6 +1151,8 @@ class Substitute(OnThreadStack, TorchFunctionMode):
         # Ids of the inputs the run called ``retain_grad()`` on: a local leaf in the forward
         # run, where it does nothing; the caller's tensor is the one to retain its grad.
         self.retained: set[int] = set()
+        # Did the run call a dropout whose mask depends on its input's layout (see ``_draws``)?
+        self.layout_draws = False
 
     def _thread_stack(self) -> list[Any]:
         return _active.substitutes
@@ -1247,6 +1250,16 @@ class Substitute(OnThreadStack, TorchFunctionMode):
                 "an argument (or make it a parameter or buffer of the module you remat)."
             )
 
+    def _layout_draw(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Callable[[], Any] | None:
+        """A dropout whose mask depends on its input's layout: noted (a recomputation without this
+        mode then redraws its dropouts too), and computed as at the call where the kernel in force
+        here differs from the call's (see ``_draws``): the call to make instead, if so."""
+        draw = layout_draw(func, args, kwargs)
+        if draw is None:
+            return None
+        self.layout_draws = True
+        return redrawn(draw)
+
     def __torch_function__(
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
     ) -> Any:
@@ -1290,15 +1303,20 @@ class Substitute(OnThreadStack, TorchFunctionMode):
                 if isinstance(v, (torch.Tensor, list, tuple)):  # else nothing to swap or check
                     kwargs = {k: self._swap(v, used) for k, v in kwargs.items()}
                     break
+        redraw = None
         if func in _UNINITIALIZED:
             self.uninitialized = True
         elif func is _RETAIN_GRAD and args and id(args[0]) in known:
             self.retained.add(id(args[0]))
+        elif func in LAYOUT_DRAWS and not compiling:
+            redraw = self._layout_draw(func, args if swapped is None else tuple(swapped), kwargs or {})
         watch = self.watch
         # (funckpt's own work for a region nested in this run, such as reading its inputs'
         # storages, writes none of them: only the user's code is watched.)
         if watch is not None and not compiling and not _active.internal:
-            out = watch.call(func, args if swapped is None else tuple(swapped), kwargs or {})
+            out = watch.call(func, args if swapped is None else tuple(swapped), kwargs or {}, redraw)
+        elif redraw is not None:
+            out = redraw()
         else:
             out = func(*(args if swapped is None else swapped), **(kwargs or {}))
         # Every tensor made here is the run's own, whatever it becomes later: a leaf

@@ -43,7 +43,9 @@ __all__ = [
     "SingleLevelFunction",
     "has_torch_function",
     "autograd_grad",
+    "functorch_depth",
     "functorch_dispatches_first",
+    "functorch_kernels_now",
     "set_single_level_function_allowed",
     "single_level_function_allowed",
     "StorageWeakRef",
@@ -81,6 +83,7 @@ __all__ = [
     "maybe_get_level",
     "peek_interpreter_stack",
     "parametrization_cache",
+    "privateuse1_backend_name",
     "set_fwd_grad_enabled",
     "fwd_grad_enabled",
     "set_fwd_grad_mode",
@@ -220,6 +223,30 @@ def functorch_dispatches_first() -> bool:
         and not included.has(_PRE_DISPATCH)
         and not torch._C._dispatch_tls_local_exclude_set().has(_FUNCTORCH_FRONT)
     )
+
+
+def functorch_kernels_now() -> bool:
+    """Would an ATen operator called now reach functorch's front key (on, and not excluded)?
+
+    That key is on while any torch.func transform is active, whatever the tensors, and
+    functorch registers its own kernels for a few composite operators there (dropout's:
+    see ``_draws``), which then replace ATen's even for plain tensors.
+    """
+    return bool(
+        torch._C._dispatch_tls_local_include_set().has(_FUNCTORCH_FRONT)
+        and not torch._C._dispatch_tls_local_exclude_set().has(_FUNCTORCH_FRONT)
+    )
+
+
+#: The device type of the out-of-tree backend registered as ``privateuse1`` ("privateuseone" until renamed).
+privateuse1_backend_name: Callable[[], str] = torch._C._get_privateuse1_backend_name
+
+
+def functorch_depth() -> int:
+    """How many torch.func transforms are active: the innermost one's level (functorch numbers
+    a level one more than the number of levels below it), 0 outside torch.func."""
+    top = peek_interpreter_stack()
+    return 0 if top is None else cast(int, top.level())
 
 
 #: Would a call with these arguments go to a ``__torch_function__`` (a mode or a subclass)?

@@ -42,6 +42,7 @@ from . import _autocast, _rng, _schedule
 from ._autograd import Phase, Region, StepVjp, Tensors, apply, eager_under_compile
 from ._call import UserRegion, finish, nothing_to_differentiate, prepare, run_prepared
 from ._capture import Roots, Substitute, changed_captures, reparametrized
+from ._draws import Drawing, differs_here
 from ._errors import CheckpointError, Digest, check_same_values, digest
 from ._internals import (
     autograd_excluded,
@@ -668,7 +669,11 @@ class LoopRegion(UserRegion):
         try:
             # Autocast as in the forward run, around the step only: its vjp runs under the
             # backward's autocast, as the loop's would without remat.
-            with _autocast.replay(self.autocast):
+            # Its dropouts as at the loop's call (see _draws): a step's vjp may run it under transforms
+            # the call was not made under, or below those it was.
+            functorch = self.functorch_draws
+            drawing = Drawing(functorch, self.draws_by_layout and differs_here(functorch))
+            with _autocast.replay(self.autocast), drawing:
                 cache_was_on = _autocast.cache_off()  # (see _autocast.cache_off)
                 try:
                     return self.loop.step(k, carry, x)

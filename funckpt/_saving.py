@@ -526,8 +526,11 @@ class WriteWatch(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's
         self._watch(func, args, kwargs)
         return func(*args, **kwargs)
 
-    def call(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        """``func(*args, **kwargs)``, a torch function as a torch-function mode receives it, watched.
+    def call(
+        self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], run: Callable[[], Any] | None = None
+    ) -> Any:
+        """``func(*args, **kwargs)``, a torch function as a torch-function mode receives it, watched
+        (``run()`` instead, where given: the same call computed another way, ``_draws.redrawn``).
 
         The same watch as :meth:`__torch_dispatch__` gives every ATen operator, asked of
         the torch function instead, where its writes are known beforehand
@@ -539,18 +542,18 @@ class WriteWatch(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's
         """
         if type(func) is OpOverload:
             self._watch(func, args, kwargs)
-            return func(*args, **kwargs)
+            return func(*args, **kwargs) if run is None else run()
         known = _FUNCTION_WRITES.get(func, _UNCLASSIFIED)
         if known is _UNCLASSIFIED:
             known = _FUNCTION_WRITES[func] = _function_writes(func)
         rule = cast("_Writes | None", known)
         if rule is None:
             with self:
-                return func(*args, **kwargs)
+                return func(*args, **kwargs) if run is None else run()
         if rule.positions or kwargs:
             for target in rule.targets(args, kwargs):
                 self._before_writing(target)
-        return func(*args, **kwargs)
+        return func(*args, **kwargs) if run is None else run()
 
     def _before_writing(self, target: Any) -> None:
         """``before_write`` for the inputs ``target`` (a tensor, or a sequence of them) is on the storage of."""

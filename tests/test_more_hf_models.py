@@ -383,14 +383,6 @@ def test_vmap_grad_per_example(name, how, randomness):
 # ---------------------------------------------------------------------------
 
 
-_NONCONTIGUOUS_DROPOUT = pytest.mark.xfail(
-    strict=True,
-    reason="README limit: torch.func.grad lays out its tensors contiguously, so dropout on a non-contiguous "
-    "tensor draws another mask under the transform than in eager mode with the same seed; remat's forward "
-    "runs below the transform and replays the eager mask (its gradient is the eager function's).",
-)
-
-
 class _PermutedDropout(nn.Module):
     # Whisper's encoder: conv features permuted to (batch, time, channels), plus the
     # positions, then dropout on that non-contiguous sum.
@@ -403,13 +395,12 @@ class _PermutedDropout(nn.Module):
         return F.dropout((x * self.w).permute(0, 2, 1) + self.pos, 0.5, training=True)
 
 
-@_NONCONTIGUOUS_DROPOUT
 def test_dropout_on_a_permuted_tensor_torch_func_grad():
     """Under torch.func.grad, dropout's mask on a non-contiguous tensor differs from
-    the one drawn outside the transform (torch.func's wrapper tensors are laid out
-    contiguously, so the Bernoulli draws land on other elements). The un-remat'd
-    module under grad draws the transform's mask; remat must draw the same, as it
-    does under .backward()."""
+    the one drawn outside the transform (functorch's own dropout kernel draws a
+    contiguous noise, ATen's one laid out as the input: see funckpt/_draws.py). The
+    un-remat'd module under grad draws the transform's mask; remat must draw the same,
+    although its forward run executes below the transform."""
     torch.manual_seed(0)
     module = _PermutedDropout()
     wrapped = funckpt.remat(module)
@@ -435,7 +426,6 @@ def test_remat_whole_encoder_returning_a_model_output(name):
     assert_close(_func_grad(spec, model, inp, params, 9), _func_grad(spec, reference, inp, params, 9))
 
 
-@_NONCONTIGUOUS_DROPOUT
 def test_whisper_remat_whole_encoder_torch_func_grad_with_dropout():
     # the same as a user meets it: the whole Whisper encoder remat'd (it returns a
     # BaseModelOutput, which funckpt flattens as transformers registered it with torch)

@@ -326,3 +326,127 @@ def test_an_autocast_torch_reports_separately_is_not_taken_for_off(monkeypatch):
     monkeypatch.setattr(torch, "is_autocast_enabled", lambda device_type="cpu": device_type == "mps")
     monkeypatch.setattr(_autocast, "_MPS", True)  # a torch built with MPS (only there is it asked)
     assert _autocast.capture([]) is not _autocast.OFF
+
+
+# A dropout's mask depends on its input's layout in torch, differently with and without
+# torch.func transforms (funckpt/_draws.py): outside them ATen's kernel draws a non-contiguous
+# input's mask in memory order, under any of them functorch's own kernel draws it in
+# row-major order. remat runs the function where the caller's transforms are not all active
+# (one level lower, or under a vjp of its own): its masks must still be the function's.
+
+_DROPOUTS = {
+    "dropout": lambda r: torch.nn.functional.dropout(r, 0.5),
+    "in_place": lambda r: torch.nn.Dropout(0.3, inplace=True)(r * 1),
+    "alpha": lambda r: torch.nn.functional.alpha_dropout(r, 0.4, training=True),
+}
+
+
+def _on_columns(drop):
+    """``drop`` of a column-major (non-contiguous) tensor, as of ``conv1d(...).transpose(1, 2)``."""
+    return lambda w, x: drop(torch.tanh(x @ w).t().contiguous().t()).sin()
+
+
+def _twice(fn):
+    return lambda w, x: fn(w, fn(w, x)) * 1.5
+
+
+_DRAWING_TRANSFORMS = {
+    "grad": lambda fn: tf.grad(lambda w, x: _twice(fn)(w, x).sum(), argnums=(0, 1))(W, X),
+    "vjp": lambda fn: tf.vjp(_twice(fn), W, X)[1](torch.ones_like(X)),
+    "jacrev": lambda fn: tf.jacrev(_twice(fn), argnums=(0, 1))(W, X[:2]),
+    "jacfwd": lambda fn: tf.jacfwd(_twice(fn), argnums=(0, 1), randomness="same")(W, X[:2]),
+    "jvp": lambda fn: tf.jvp(_twice(fn), (W, X), (torch.ones_like(W), X)),
+    "jvp_of_grad": lambda fn: tf.jvp(tf.grad(lambda w: _twice(fn)(w, X).sum()), (W,), (torch.ones_like(W),)),
+    "grad_of_grad": lambda fn: tf.grad(lambda w: tf.grad(lambda v: _twice(fn)(v, X).sum())(w).sin().sum())(W),
+    # made under plain autograd, differentiated under torch.func's vmap (the recomputation then
+    # runs under a torch.func.vjp, where functorch's kernel is in force)
+    "vmapped_backward": lambda fn: (
+        lambda w, y: tf.vmap(lambda v: torch.autograd.grad(y, w, v, retain_graph=True)[0])(torch.stack([y, -y]))
+    )(*(lambda w: (w, _twice(fn)(w, X)))(W.clone().requires_grad_())),
+}
+
+
+@pytest.mark.parametrize("drop", list(_DROPOUTS))
+@pytest.mark.parametrize("transform", list(_DRAWING_TRANSFORMS))
+def test_dropout_of_a_non_contiguous_tensor_draws_as_without_remat(transform, drop):
+    """Same mask, values and gradients as the function without remat, under every transform;
+    no recomputation that draws another mask (a false CheckpointError)."""
+    assert_as_without_remat(_DRAWING_TRANSFORMS[transform], _on_columns(_DROPOUTS[drop]))
+
+
+@pytest.mark.parametrize(
+    "transform",
+    [
+        lambda fn: tf.vmap(tf.grad(lambda w, x: fn(w, x).sum()), in_dims=(None, 0), randomness="different")(W, X[:, None]),
+        lambda fn: tf.vmap(tf.grad(lambda w, x: fn(w, x).sum()), in_dims=(None, 0), randomness="same")(W, X[:, None]),
+        lambda fn: tf.grad(lambda w: tf.vmap(lambda x: fn(w, x), randomness="same")(X[:, None]).sum())(W),
+        lambda fn: _backward(_twice(fn)),
+    ],
+    ids=["vmap_of_grad_different", "vmap_of_grad_same", "grad_of_vmap", "backward"],
+)
+def test_dropout_of_a_non_contiguous_tensor_where_the_kernel_does_not_change(transform):
+    """Where every run of the function has the caller's kernel (a vmap stays below the grad
+    level remat steps under; plain autograd has no transform at all), masks stay as they were."""
+    assert_as_without_remat(transform, _on_columns(_DROPOUTS["dropout"]))
+
+
+def _backward(fn):
+    w = W.clone().requires_grad_()
+    return torch.autograd.grad(fn(w, X).sum(), w, create_graph=True)[0]
+
+
+def test_transformer_layer_in_training_under_functional_call_draws_as_without_remat():
+    """``nn.TransformerEncoderLayer(batch_first=True)`` drops out its attention's output transposed
+    back to batch-first (non-contiguous): a training step and a Jacobian as without remat."""
+    torch.manual_seed(0)
+    layer = torch.nn.TransformerEncoderLayer(8, 2, 16, dropout=0.1, batch_first=True).to(D).train()
+    x, params = torch.randn(2, 5, 8, dtype=D), dict(layer.named_parameters())
+
+    def step(module):
+        return lambda: tf.grad_and_value(lambda p: tf.functional_call(module, p, (x,)).sin().sum())(params)
+
+    def jacobian(module):
+        return lambda: tf.jacrev(lambda x: module(x).sum(-1))(x)
+
+    for run in (step, jacobian):
+        (expected, state_expected), (got, state_got) = seeded(run(layer)), seeded(run(remat(layer)))
+        assert_close(got, expected)
+        assert torch.equal(state_got, state_expected)
+
+
+def test_channels_last_dropout_in_a_nested_call_and_a_checkpointed_loop_draws_as_without_remat():
+    """A channels-last convolution's output dropped out: in a remat'd call nested in another, and
+    in each step of a checkpointed loop reversed under grad and jacrev."""
+    import funckpt
+
+    conv = torch.nn.Conv2d(3, 3, 3, padding=1).to(D)
+    x = torch.randn(2, 3, 5, 5, dtype=D).contiguous(memory_format=torch.channels_last)
+
+    def block(t):
+        return torch.nn.functional.dropout(conv(t), 0.5).tanh()
+
+    def nested(r):
+        return lambda t: r(lambda u: r(block)(u.cos()) * 2)(t)
+
+    def loop(r):
+        return lambda t: funckpt.scan(lambda c, _: (block(c), None), t, None, length=3, checkpoints=2)[0] if r is remat else (
+            block(block(block(t)))
+        )
+
+    for make in (nested, loop):
+        for run in (lambda fn: tf.grad(lambda t: fn(t).sum())(x), lambda fn: tf.jacrev(lambda t: fn(t).sum((1, 2, 3)))(x)):
+            expected, _ = seeded(lambda: run(make(lambda fn: fn)))
+            got, _ = seeded(lambda: run(make(remat)))
+            assert_close(got, expected)
+
+
+def test_dropout_of_a_non_contiguous_tensor_with_a_saving_policy_draws_as_without_remat():
+    """A policy's kept values are matched with the recomputation's operators: its redrawn dropout
+    runs the operators functorch's kernel runs, in the same order."""
+    from funckpt import policies
+
+    for policy in (policies.dots_saveable, policies.everything_saveable):
+        for run in (_DRAWING_TRANSFORMS["grad"], _DRAWING_TRANSFORMS["jacrev"]):
+            expected, _ = seeded(lambda: run(_on_columns(_DROPOUTS["alpha"])))
+            got, _ = seeded(lambda: run(remat(_on_columns(_DROPOUTS["alpha"]), policy=policy)))
+            assert_close(got, expected)
