@@ -32,7 +32,6 @@ from torch.nn.modules.lazy import LazyModuleMixin
 from torch.nn.parameter import is_lazy
 
 from . import _aliasing, _autocast, _rng
-from ._draws import Redraw, differs_here, enter_run, functorch_at_the_call, leave_run
 from ._autograd import Phase, Region, apply, eager_under_compile, local_input
 from ._capture import (
     attributes_as_at_the_call,
@@ -56,6 +55,7 @@ from ._capture import (
     training_as_at_the_call,
 )
 from ._compile import can_lower, lowered_call, skip_as_frame
+from ._draws import Redraw, differs_here, enter_run, functorch_at_the_call, leave_run
 from ._errors import (
     KEPT_HINT,
     CheckpointError,
