@@ -160,26 +160,29 @@ class Draw:
     alpha: bool
 
 
-def _functional(input: Any, p: Any = 0.5, training: Any = True, inplace: Any = False) -> tuple[Any, Any, Any, Any]:
+_Bound = tuple[Any, Any, Any, Any]  # (input, p, train, inplace)
+
+
+def _functional(input: Any, p: Any = 0.5, training: Any = True, inplace: Any = False) -> _Bound:
     return input, p, training, inplace
 
 
-def _functional_alpha(input: Any, p: Any = 0.5, training: Any = False, inplace: Any = False) -> tuple[Any, Any, Any, Any]:
+def _functional_alpha(input: Any, p: Any = 0.5, training: Any = False, inplace: Any = False) -> _Bound:
     return input, p, training, inplace
 
 
-def _builtin(input: Any, p: Any, train: Any) -> tuple[Any, Any, Any, Any]:
+def _builtin(input: Any, p: Any, train: Any) -> _Bound:
     return input, p, train, False
 
 
-def _builtin_in_place(input: Any, p: Any, train: Any) -> tuple[Any, Any, Any, Any]:
+def _builtin_in_place(input: Any, p: Any, train: Any) -> _Bound:
     return input, p, train, True
 
 
 #: The torch functions that reach ATen's ``dropout``/``alpha_dropout`` (in place or not), as a
 #: torch-function mode receives them: each with how its arguments bind and whether it is alpha
 #: dropout. (``nn.Dropout`` and ``nn.AlphaDropout`` call the ``torch.nn.functional`` ones.)
-LAYOUT_DRAWS: dict[Any, tuple[Callable[..., tuple[Any, Any, Any, Any]], bool]] = {
+LAYOUT_DRAWS: dict[Any, tuple[Callable[..., _Bound], bool]] = {
     F.dropout: (_functional, False),
     F.alpha_dropout: (_functional_alpha, True),
     torch.dropout: (_builtin, False),

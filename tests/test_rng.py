@@ -374,11 +374,16 @@ def test_dropout_of_a_non_contiguous_tensor_draws_as_without_remat(transform, dr
     assert_as_without_remat(_DRAWING_TRANSFORMS[transform], _on_columns(_DROPOUTS[drop]))
 
 
+def _per_example_grads(randomness):
+    grad = tf.grad(lambda w, x, fn: fn(w, x).sum())
+    return lambda fn: tf.vmap(grad, in_dims=(None, 0, None), randomness=randomness)(W, X[:, None], fn)
+
+
 @pytest.mark.parametrize(
     "transform",
     [
-        lambda fn: tf.vmap(tf.grad(lambda w, x: fn(w, x).sum()), in_dims=(None, 0), randomness="different")(W, X[:, None]),
-        lambda fn: tf.vmap(tf.grad(lambda w, x: fn(w, x).sum()), in_dims=(None, 0), randomness="same")(W, X[:, None]),
+        _per_example_grads("different"),
+        _per_example_grads("same"),
         lambda fn: tf.grad(lambda w: tf.vmap(lambda x: fn(w, x), randomness="same")(X[:, None]).sum())(W),
         lambda fn: _backward(_twice(fn)),
     ],
@@ -429,12 +434,18 @@ def test_channels_last_dropout_in_a_nested_call_and_a_checkpointed_loop_draws_as
         return lambda t: r(lambda u: r(block)(u.cos()) * 2)(t)
 
     def loop(r):
-        return lambda t: funckpt.scan(lambda c, _: (block(c), None), t, None, length=3, checkpoints=2)[0] if r is remat else (
-            block(block(block(t)))
-        )
+        if r is not remat:
+            return lambda t: block(block(block(t)))
+        return lambda t: funckpt.scan(lambda c, _: (block(c), None), t, None, length=3, checkpoints=2)[0]
+
+    def grad(fn):
+        return tf.grad(lambda t: fn(t).sum())(x)
+
+    def jacobian(fn):
+        return tf.jacrev(lambda t: fn(t).sum((1, 2, 3)))(x)
 
     for make in (nested, loop):
-        for run in (lambda fn: tf.grad(lambda t: fn(t).sum())(x), lambda fn: tf.jacrev(lambda t: fn(t).sum((1, 2, 3)))(x)):
+        for run in (grad, jacobian):
             expected, _ = seeded(lambda: run(make(lambda fn: fn)))
             got, _ = seeded(lambda: run(make(remat)))
             assert_close(got, expected)
