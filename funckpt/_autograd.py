@@ -102,6 +102,7 @@ from ._internals import (
     unpack_dual,
     unwrap_batched,
     unwrap_for_grad,
+    saved_tensors_hooks_on,
     user_saved_tensors_hooks,
     unwrap_if_dead,
     wrap_for_grad,
@@ -902,7 +903,7 @@ class _RematFunction(torch.autograd.Function):
         # Under the caller's saved-tensor hooks the inputs come back as the hooks unpack them: a
         # digest of them now tells the backward whether they come back with other values.
         ctx.packed = None
-        if user_saved_tensors_hooks() is not None:
+        if saved_tensors_hooks_on() and user_saved_tensors_hooks() is not None:
             ctx.packed = [i for i, t in enumerate(saved) if t is not None], digest([t for t in saved if t is not None])
         # The versions saved with the check, to name a modified input if the check fails.
         # Weakly: the context lives as long as the caller's graph (the loss keeps it), and a strong

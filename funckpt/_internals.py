@@ -420,6 +420,14 @@ class autograd_included:
         self.guard.__exit__(None, None, None)  # (restores grad modes and dispatch keys as they were)
 
 
+#: Are any saved-tensor hooks on (``saved_tensors_hooks``, torch's checkpoint's own)? One C call.
+def saved_tensors_hooks_on() -> bool:
+    return _top_saved_tensors_hooks(False) is not None
+
+
+_top_saved_tensors_hooks = torch._C._autograd._top_saved_tensors_default_hooks
+
+
 def _as_is(x: Any) -> Any:
     return x
 

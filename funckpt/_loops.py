@@ -674,7 +674,7 @@ class LoopRegion(UserRegion):
             functorch = self.functorch_draws
             drawing = Drawing(functorch, self.draws_by_layout and differs_here(functorch))
             with _autocast.replay(self.autocast), drawing:
-                cache_was_on = _autocast.cache_off()  # (see _autocast.cache_off)
+                cache_was_on = self.autocast is not _autocast.OFF and _autocast.cache_off()  # (see _autocast.cache_off)
                 try:
                     return self.loop.step(k, carry, x)
                 finally:
