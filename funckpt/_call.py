@@ -819,13 +819,24 @@ class UserRegion(Region):
             kind: type[CheckpointError] = type(f"CheckpointError[{type(e).__name__}]", (CheckpointError, type(e)), {})
         except TypeError:  # incompatible layouts: a plain CheckpointError, chained to e
             kind = CheckpointError
-        return kind(
-            f"remat({self.name}): {the_recomputation()} raised {type(e).__name__}: {e} "
-            "where the forward pass did not. The function must compute the same thing when called again "
-            "with the same inputs: it may depend on state that changed between the forward and the backward "
-            "pass (an exhausted iterator or generator, a counter, a global, a module attribute). Pass such "
-            "values as tensors, or compute them outside the remat'd function."
-        )
+        if forward_mode_active():
+            # Forward-mode AD runs code the forward pass never ran (custom Functions' jvp rules, the
+            # operators' tangent formulas): the error may be its own, not a changed state's.
+            why = (
+                "The recomputation computes the tangents too, with code the forward pass did not run (an "
+                "autograd.Function's jvp, which must return a view where its forward does, and read what it "
+                "saved with ctx.save_for_forward; an operator without a forward-mode formula): the error may "
+                "come from there. Otherwise the function may depend on state that changed since the forward "
+                "pass (an exhausted iterator, a counter, a global): pass such values as tensors."
+            )
+        else:
+            why = (
+                "The function must compute the same thing when called again with the same inputs: it may "
+                "depend on state that changed between the forward and the backward pass (an exhausted "
+                "iterator or generator, a counter, a global, a module attribute). Pass such values as "
+                "tensors, or compute them outside the remat'd function."
+            )
+        return kind(f"remat({self.name}): {the_recomputation()} raised {type(e).__name__}: {e} where the forward pass did not. {why}")
 
     def _check_captures_unchanged(self) -> None:
         changed = changed_captures(self.fn, self.captured)

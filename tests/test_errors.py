@@ -964,3 +964,33 @@ def test_a_multi_grad_hook_registered_on_the_inputs_inside_is_refused():
 
     with pytest.raises(CheckpointError, match="register_multi_grad_hook"):
         remat(f)(torch.randn(4, 4, dtype=D, requires_grad=True) * 1, X.clone().requires_grad_() * 1)
+
+
+def test_an_error_only_forward_mode_reaches_is_not_blamed_on_changed_state():
+    """A custom Function's jvp reading ``ctx.saved_tensors`` without ``save_for_forward`` fails
+    only where tangents are computed: the recomputation's error says that code runs there, and
+    stays an instance of the error's own type."""
+
+    class Sin(torch.autograd.Function):
+        @staticmethod
+        def forward(x):
+            return torch.sin(x)
+
+        @staticmethod
+        def setup_context(ctx, inputs, output):
+            ctx.save_for_backward(inputs[0])  # (not save_for_forward)
+
+        @staticmethod
+        def backward(ctx, g):
+            return torch.cos(ctx.saved_tensors[0]) * g
+
+        @staticmethod
+        def jvp(ctx, t):
+            (x,) = ctx.saved_tensors
+            return torch.cos(x) * t
+
+    with pytest.raises(ValueError):
+        tf.jvp(Sin.apply, (X,), (torch.ones_like(X),))
+    with pytest.raises(CheckpointError, match="save_for_forward") as raised:
+        tf.jvp(remat(Sin.apply), (X,), (torch.ones_like(X),))
+    assert isinstance(raised.value, ValueError)
