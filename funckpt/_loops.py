@@ -551,10 +551,21 @@ class LoopRegion(UserRegion):
         assert self.carry_slots is not None
         tensors, slots = flatten(new)
         if (slots.treespec, slots.tensor_positions) != (self.carry_slots.treespec, self.carry_slots.tensor_positions):
+            if slots.treespec == self.carry_slots.treespec:
+                # Same structure, a leaf became a tensor (or stopped being one): JAX's weakly typed init=0.
+                was, now = set(self.carry_slots.tensor_positions), set(slots.tensor_positions)
+                leaf = min(was ^ now)
+                raise TypeError(
+                    f"{self.loop.api}({self.name}): a step returned a carry whose leaf {leaf} is "
+                    f"{'a tensor' if leaf in now else type(slots.leaves[leaf]).__name__} where the loop's initial "
+                    f"carry has {'a tensor' if leaf in was else type(self.carry_slots.leaves[leaf]).__name__}: a "
+                    "loop's carry keeps its structure and which leaves are tensors. Give the initial carry a "
+                    "tensor there (torch.tensor(0.0), not 0)."
+                )
             raise TypeError(
-                f"{self.name}: a step returned a carry of structure {slots.treespec}, but the loop's initial "
-                f"carry has structure {self.carry_slots.treespec} (with tensors at the same places): a loop's "
-                "carry keeps its structure"
+                f"{self.loop.api}({self.name}): a step returned a carry of structure {slots.treespec}, but the "
+                f"loop's initial carry has structure {self.carry_slots.treespec} (with tensors at the same "
+                "places): a loop's carry keeps its structure"
             )
         y = _tensor_leaves(y)
         if self._stand_ins:  # a captured tensor returned as it is: its stand-in, as an operator would get

@@ -920,3 +920,13 @@ def test_a_loops_errors_name_the_loop_function():
 
     with pytest.raises(funckpt.CheckpointError, match=r"^fori_loop\(body\): a step modified"):
         funckpt.fori_loop(0, 3, body, torch.ones(3, dtype=D).requires_grad_() * 1, checkpoints=2)
+
+
+def test_a_carry_leaf_that_becomes_a_tensor_is_named():
+    """``scan(f, 0, xs)`` with a step returning a tensor carry (JAX's weakly typed ``init=0``): the
+    error names the leaf and says to start from a tensor, not two identical structures."""
+    xs = torch.arange(4.0, dtype=D)
+    with pytest.raises(TypeError, match=r"leaf 0 is a tensor where the loop's initial carry has int.*torch.tensor\(0.0\)"):
+        funckpt.scan(lambda c, x: (c + x, c + x), 0, xs)
+    carry, _ = funckpt.scan(lambda c, x: (c + x, c + x), torch.tensor(0.0, dtype=D), xs)
+    assert_close(carry, xs.sum())
