@@ -54,6 +54,7 @@ from ._internals import (
     is_dead_tensor_wrapper,
     peek_interpreter_stack,
     restore_saved_tensors_hooks,
+    vmap_active,
 )
 from ._options import RematOptions, callable_name
 from ._pytree import NAMESPACE, TreeSlots, flatten, tree_flatten
@@ -225,7 +226,14 @@ def _truth(value: Any) -> bool:
             )
         try:
             return bool(value.item())
-        except RuntimeError as e:  # a condition batched by vmap: data-dependent control flow
+        except RuntimeError as e:  # data-dependent control flow: batched by vmap, or traced
+            if not vmap_active():  # (a trace of the program, linearize's make_fx: no value to read)
+                raise CheckpointError(
+                    "while_loop: cond returned a tensor whose value cannot be read here (the program is "
+                    "being traced, as torch.func.linearize does), and the number of steps depends on it. "
+                    "Use fori_loop or scan with a fixed number of steps (and torch.where to stop updating), "
+                    "or differentiate without tracing (torch.func.jvp, jacfwd)."
+                ) from e
             raise CheckpointError(
                 "while_loop: cond returned a tensor whose value differs across a vmap's batch, so the "
                 "number of steps would differ per example; funckpt.while_loop runs one Python loop. "

@@ -930,3 +930,12 @@ def test_a_carry_leaf_that_becomes_a_tensor_is_named():
         funckpt.scan(lambda c, x: (c + x, c + x), 0, xs)
     carry, _ = funckpt.scan(lambda c, x: (c + x, c + x), torch.tensor(0.0, dtype=D), xs)
     assert_close(carry, xs.sum())
+
+
+def test_a_tensor_condition_under_linearize_says_the_program_is_traced():
+    """``torch.func.linearize`` traces the program: a while_loop's tensor condition has no value to
+    read there, and the error says so (not that it differs across a vmap's batch)."""
+    x = torch.tensor([0.5], dtype=D)
+    loop = lambda x: funckpt.while_loop(lambda c: c.sum() < 2, lambda c: c * 1.5, x)  # noqa: E731
+    with pytest.raises(funckpt.CheckpointError, match="being traced"):
+        tf.linearize(loop, x)
