@@ -99,7 +99,6 @@ from ._internals import (
     transforms_active,
     user_saved_tensors_hooks,
     vmap_active,
-    wrap_for_grad,
 )
 from ._options import RematOptions, callable_name, check_static_argnums
 from ._pytree import ArgSpec, TreeSlots, flatten, flatten_args
@@ -426,6 +425,7 @@ def _rebatched(name: str, t: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
     if not is_batchedtensor(t):
         return _rebatched(name, unwrap_one_level(t), value)
     inner, dim = unwrap_batched(t, level)
+    assert dim is not None  # (t is batched at its own level)
     value = _rebatched(name, inner, value)
     # Made as a plain construction: dispatched through the levels above this one (a grad level
     # of the recomputation's vjp), the new batched tensor trips functorch's internal assert.
@@ -1355,12 +1355,12 @@ class UserRegion(Region):
             return self.forward_run(flat)
 
         def run(*xs: torch.Tensor) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
-            # The other inputs join the level too, as torch.func.grad wraps all its arguments: a
-            # tensor captured from below a grad level may not be written in place there (BatchNorm's
-            # num_batches_tracked.add_(1) on a vmapped ensemble's buffers), where at the caller's
-            # level, wrapped by its grad, it may.
-            level = peek_interpreter_stack().level()
-            full = [wrap_for_grad(t, level) for t in flat]
+            # (The other inputs stay captured from below this level, where torch refuses an in-place
+            # write to them: a vmapped ensemble's BatchNorm statistics under vmap(grad) with the
+            # BatchNorm inside a larger remat'd block. Wrapping them all at the level, as
+            # torch.func.grad wraps its arguments, let tensors of the level outlive it in nested
+            # calls: not done.)
+            full = list(flat)
             for i, x in zip(wrt, xs):
                 full[i] = x
             outs = self.forward_run(tuple(full))

@@ -386,7 +386,7 @@ def user_saved_tensors_hooks() -> tuple[Callable[[torch.Tensor], Any], Callable[
     that was on top when they were pushed (``_user_hooks``); before, they name nothing, and
     what is under them is not this call's to pack through (``None``).
     """
-    hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    hooks: Any = torch._C._autograd._top_saved_tensors_default_hooks(False)
     while hooks is not None and getattr(hooks[0], "__module__", None) == "torch.utils.checkpoint":
         hooks = getattr(hooks[0], "_user_hooks", None)
     return None if hooks is None else (hooks[0], hooks[1])
@@ -412,7 +412,7 @@ class autograd_included:
     def __enter__(self) -> None:
         grad, forward_grad = torch.is_grad_enabled(), fwd_grad_enabled()
         self.guard = torch._C._InferenceMode(False)
-        self.guard.__enter__()
+        self.guard.__enter__()  # type: ignore[no-untyped-call]  # (torch's C guard, untyped)
         set_grad_enabled(grad)
         set_fwd_grad_mode(forward_grad)
 
@@ -444,7 +444,7 @@ def hide_saved_tensors_hooks() -> bool:
     """
     if torch._C._autograd._top_saved_tensors_default_hooks(False) is None:
         return False
-    if not torch._C._autograd._saved_tensors_hooks_is_enabled():
+    if not torch._C._autograd._saved_tensors_hooks_is_enabled():  # type: ignore[attr-defined]  # (in torch's C module, not its stubs)
         return False  # (disabled where they are on, as inside a torch.func transform: nothing to push)
     torch._C._autograd._push_saved_tensors_default_hooks(_as_is, _as_is)
     return True

