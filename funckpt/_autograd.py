@@ -401,7 +401,8 @@ class VmapRegion(Region):
         # (the vmap rule says so, out_dims None), as it would without remat (vmap(f, out_dims=None)
         # accepts it, and forward-mode AD above writes one tangent into it, not one per example).
         self.unbatched = tuple(unbatched)
-        return tuple(o.select(0, 0) if u else o for o, u in zip(outs, unbatched))
+        # (its first example, as a view that exists for an empty batch too)
+        return tuple(o.as_strided(o.shape[1:], o.stride()[1:], o.storage_offset()) if u else o for o, u in zip(outs, unbatched))
 
     def note_mutated_inputs(self, indices: list[int]) -> None:
         self.base.note_mutated_inputs(indices)
@@ -932,8 +933,11 @@ class _RematFunction(torch.autograd.Function):
             ctx.mark_non_differentiable(*non_diff)
         # Outputs no gradient reaches (the caller dropped them) come to the backward as None, and
         # the backward drops them: an input only they depend on gets None, as without remat, not a
-        # zero (on which an optimizer's weight decay and moments would move it).
-        ctx.set_materialize_grads(False)
+        # zero (on which an optimizer's weight decay and moments would move it). Not for a region
+        # with a vjp of its own (a checkpointed loop, batched or not, reversed along its schedule),
+        # which takes every cotangent (zeros for the dropped ones), unless outputs escaped.
+        if type(region).own_vjp is Region.own_vjp or region.escaped_outputs():
+            ctx.set_materialize_grads(False)
 
     @staticmethod
     @eager_under_compile

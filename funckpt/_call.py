@@ -1313,7 +1313,8 @@ class UserRegion(Region):
         moved = [
             i
             for i, (t, g) in enumerate(zip(flat, given))
-            if t is not g and t.data_ptr() != g.data_ptr() and not g.is_inference()  # (an inference input's leaf is a copy)
+            # (an inference input's leaf is a copy; a sparse one has no data pointer, nor a .data to set)
+            if t is not g and t.layout == torch.strided and t.data_ptr() != g.data_ptr() and not g.is_inference()
         ]
         for i in moved:
             t, g = flat[i], given[i]

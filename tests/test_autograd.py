@@ -210,6 +210,33 @@ def test_vmap_returns_an_output_of_the_unbatched_inputs_unbatched():
     assert_close(tf.jacfwd(loss(remat(f)))(w), tf.jacfwd(loss(f))(w))
 
 
+def test_vmap_over_an_empty_batch_with_an_output_of_the_unbatched_inputs():
+    """An empty batch: the unbatched output's first example is a view that exists without one."""
+    w = torch.randn(3, dtype=D)
+
+    def f(x, w):
+        return x * w, w.exp()
+
+    x = torch.randn(0, 3, dtype=D)
+    run = lambda g: tf.vmap(g, in_dims=(0, None))(x, w)  # noqa: E731
+    assert_close(run(remat(f)), run(f))
+
+
+def test_a_sparse_input_requiring_grad():
+    """A sparse input has no data pointer (nor a .data a setter could have moved)."""
+    dense = torch.randn(3, 3, dtype=D) * (torch.rand(3, 3, generator=torch.Generator().manual_seed(1)) > 0.5)
+    w = torch.randn(3, 4, dtype=D)
+
+    def grads(g):
+        s = dense.to_sparse().requires_grad_()
+        ww = w.clone().requires_grad_()
+        g(s, ww).square().sum().backward()
+        return s.grad.to_dense(), ww.grad
+
+    f = lambda s, w: torch.sparse.mm(s, w).tanh()  # noqa: E731
+    assert_close(grads(remat(f)), grads(f))
+
+
 def test_functional_call_of_module_with_remat_submodule():
     class Net(torch.nn.Module):
         def __init__(self):

@@ -943,3 +943,28 @@ def test_a_tensor_condition_under_linearize_says_the_program_is_traced():
     loop = lambda x: funckpt.while_loop(lambda c: c.sum() < 2, lambda c: c * 1.5, x)  # noqa: E731
     with pytest.raises(funckpt.CheckpointError, match="being traced"):
         tf.linearize(loop, x)
+
+
+@pytest.mark.parametrize("use", ["ys", "carry"])
+def test_a_loss_on_some_outputs_still_reverses_the_loop_along_its_schedule(use):
+    """A loss on the ys alone (an RNN's) or the final carry alone leaves the other outputs without
+    a gradient: the loop is still reversed step by step from its kept carries (as many step runs
+    as with every output used), not recomputed whole at once with every step's internals alive."""
+    runs = []
+
+    def step(c, x):
+        runs.append(1)
+        out = torch.tanh(torch.tanh(c * x) * 1.5)
+        return out, out.sum()
+
+    xs = torch.randn(30, 5, dtype=D, generator=torch.Generator().manual_seed(0))
+
+    def step_runs_in_the_backward(which):
+        c0 = torch.randn(5, dtype=D, requires_grad=True)
+        carry, ys = funckpt.scan(step, c0, xs, checkpoints=3)
+        loss = {"both": carry.sum() + ys.sum(), "ys": ys.sum(), "carry": carry.sum()}[which]
+        runs.clear()
+        loss.backward()
+        return len(runs)
+
+    assert step_runs_in_the_backward(use) == step_runs_in_the_backward("both") > len(xs)
