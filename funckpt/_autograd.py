@@ -435,7 +435,14 @@ class VmapRegion(Region):
             unused.update(i for i, g in enumerate(grads) if g is None)
             return tuple(torch.zeros_like(p) if g is None else g for p, g in zip(flat, grads))
 
-        in_dims = (*self.in_dims, *(0,) * len(cotangents))
+        # An output the run found unbatched left with out_dims None: its cotangent is not batched,
+        # and every example's vjp would take it whole; each takes its share, so that their sum (an
+        # unbatched primal's gradient) takes it once.
+        unbatched = self.unbatched or (False,) * len(cotangents)
+        size = next((p.shape[d] for p, d in zip(primals, self.in_dims) if d is not None), 1)
+        if any(unbatched) and size > 1:
+            cotangents = tuple(c / size if u else c for c, u in zip(cotangents, unbatched))
+        in_dims = (*self.in_dims, *(None if u else 0 for u in unbatched))
         # Each gradient is batched where its primal is (a loop vmapped over in_dims=1); that of an
         # unbatched primal, which every example used, is the sum of the examples' gradients.
         out_dims = tuple(0 if d is None else d for d in self.in_dims)

@@ -968,3 +968,28 @@ def test_a_loss_on_some_outputs_still_reverses_the_loop_along_its_schedule(use):
         return len(runs)
 
     assert step_runs_in_the_backward(use) == step_runs_in_the_backward("both") > len(xs)
+
+
+@pytest.mark.parametrize("checkpoints", [None, 1])
+@pytest.mark.parametrize("transform", ["grad", "backward"])
+def test_vmap_of_a_loop_with_an_unbatched_output_used(checkpoints, transform):
+    """``vmap(loop, out_dims=(None, 0))``, the unbatched output (computed from the weights alone)
+    used by the loss: the loop's batched vjp gives each example a share of its cotangent, so the
+    weights' gradient takes it once, not once per example."""
+    g = torch.Generator().manual_seed(0)
+    w, xs = torch.randn(4, 4, dtype=D, generator=g), torch.randn(5, 4, dtype=D, generator=g)
+    body = lambda i, c: (c[0] * 1.1, torch.tanh(c[1] @ c[0]))  # noqa: E731
+
+    def grad_of(loop):
+        def loss(w):
+            a, b = tf.vmap(lambda x: loop((w, x)), out_dims=(None, 0))(xs)
+            return a.sum() * 0.7 + b.sum()
+
+        if transform == "grad":
+            return tf.grad(loss)(w)
+        leaf = w.clone().requires_grad_()
+        loss(leaf).backward()
+        return leaf.grad
+
+    plain = lambda c: body(2, body(1, body(0, c)))  # noqa: E731
+    assert_close(grad_of(lambda c: funckpt.fori_loop(0, 3, body, c, checkpoints=checkpoints)), grad_of(plain))
