@@ -1,4 +1,7 @@
-"""Test doubles shared by the policy tests (a module, not a test file)."""
+"""Test doubles and probes shared by test files (a module, not a test file)."""
+
+import gc
+import weakref
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -46,3 +49,22 @@ class CountComputing(TorchDispatchMode):
         if func is not aten.detach.default and not any(r.alias_info is not None for r in func._schema.returns):
             self.n += 1
         return func(*args, **(kwargs or {}))
+
+
+class LiveBf16Casts(TorchDispatchMode):
+    """Weak references to the bfloat16 casts autocast makes under it; ``alive()`` counts those
+    still held (by autocast's cast cache, or anything else)."""
+
+    def __init__(self):
+        super().__init__()
+        self.casts = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func is torch.ops.aten._to_copy.default and out.dtype == torch.bfloat16:
+            self.casts.append(weakref.ref(out))
+        return out
+
+    def alive(self):
+        gc.collect()
+        return sum(r() is not None for r in self.casts)

@@ -9,8 +9,6 @@ only what the loop executes: how often it calls the step, and what it holds.
 from __future__ import annotations
 
 import functools
-import gc
-import weakref
 
 import pytest
 import torch
@@ -20,6 +18,7 @@ from torch.testing import assert_close
 import funckpt
 from benchmarks._common import held_bytes, peak_bytes
 from funckpt import _schedule
+from tests.fakes import LiveBf16Casts
 
 D = torch.float64
 CHECKPOINTS = [None, 1, 2, 3, 50]
@@ -829,26 +828,12 @@ def test_autocast_cache_keeps_no_cast_of_the_steps_run_again():
     counts = []
     with torch.autocast("cpu", dtype=torch.bfloat16):
         for n in (4, 12):
-            with _LiveBf16Casts() as casts:
+            with LiveBf16Casts() as casts:
                 funckpt.fori_loop(0, n, step, c0, checkpoints=2).sum().backward()
                 counts.append(casts.alive())
     assert counts[1] <= counts[0]
 
 
-class _LiveBf16Casts(torch.utils._python_dispatch.TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.casts = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        if func is torch.ops.aten._to_copy.default and out.dtype == torch.bfloat16:
-            self.casts.append(weakref.ref(out))
-        return out
-
-    def alive(self):
-        gc.collect()
-        return sum(r() is not None for r in self.casts)
 
 
 @pytest.mark.parametrize("in_dim", [1, -1])

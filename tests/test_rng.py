@@ -1,16 +1,13 @@
 """Random ops replay exactly during recomputation, and the caller's RNG never notices."""
 
-import gc
-import weakref
-
 import pytest
 import torch
 import torch.func as tf
 from torch.testing import assert_close
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
 
 from funckpt import CheckpointError, remat
+from tests.fakes import LiveBf16Casts
 
 D = torch.float64
 W = torch.randn(6, 6, dtype=D, generator=torch.Generator().manual_seed(7))
@@ -249,24 +246,6 @@ def test_recomputation_runs_without_autocast_when_the_forward_had_none():
     assert_close(w32.grad, w_ref.grad)
 
 
-class _LiveCasts(TorchDispatchMode):
-    """Weak references to the bfloat16 casts autocast makes under it."""
-
-    def __init__(self):
-        super().__init__()
-        self.casts = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        if func is torch.ops.aten._to_copy.default and out.dtype == torch.bfloat16:
-            self.casts.append(weakref.ref(out))
-        return out
-
-    def alive(self):
-        gc.collect()
-        return sum(r() is not None for r in self.casts)
-
-
 def test_autocast_cache_keeps_no_cast_of_a_calls_own_leaves():
     """Autocast caches the cast of every leaf requiring grad until its block exits; a remat'd
     call's runs make leaves of their own of its inputs. Cached, the casts of every call's input
@@ -277,7 +256,7 @@ def test_autocast_cache_keeps_no_cast_of_a_calls_own_leaves():
 
     def alive_at_the_end_of_the_forward(call):
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            with _LiveCasts() as casts:
+            with LiveBf16Casts() as casts:
                 h = x * 1
                 for _ in range(6):
                     h = h + call(h).float()  # a float32 residual stream through one shared layer
