@@ -307,7 +307,9 @@ def test_remat_blocks(name, monkeypatch):
     _refuse_torch_checkpoint(monkeypatch)
     expected = backward_results(reference, name)
     assert_close(backward_results(model, name), expected)
-    assert_close(func_grad_results(model, name), expected)
+    # (against the model under torch.func.grad too: its dropout of a non-contiguous tensor takes
+    # functorch's kernel there, which draws another mask than ATen's under .backward())
+    assert_close(func_grad_results(model, name), func_grad_results(reference, name))
 
 
 def test_gradient_checkpointing_func_argument(monkeypatch):
@@ -324,7 +326,7 @@ def test_gradient_checkpointing_func_argument(monkeypatch):
     model.enable_gradient_checkpointing(gradient_checkpointing_func=ckpt)
     expected = backward_results(reference, "unet_cond")
     assert_close(backward_results(model, "unet_cond"), expected)
-    assert_close(func_grad_results(model, "unet_cond"), expected)
+    assert_close(func_grad_results(model, "unet_cond"), func_grad_results(reference, "unet_cond"))
     assert calls
 
 
