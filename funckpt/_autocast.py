@@ -85,9 +85,11 @@ class replay:
         return stack.__exit__(*exc) if stack is not None else None
 
 
-def cache_off() -> bool:
-    """Turn autocast's cast cache off for a run, where autocast is on and the cache with it;
-    return whether it did (then :func:`cache_on` must follow).
+def cache_off(states: Sequence[AutocastState]) -> bool:
+    """Turn autocast's cast cache off for a run of a call whose forward run recorded autocast
+    ``states`` (:func:`capture`), where the cache is on; return whether it did (then
+    :func:`cache_on` must follow). Where the forward run had autocast off (``OFF``), its runs
+    have it off too, with nothing to cache.
 
     The cache keeps the cast of every leaf that requires grad until the outermost autocast
     block exits. A remat'd call's runs make their own leaves of its inputs each time: cached,
@@ -96,7 +98,7 @@ def cache_off() -> bool:
     like a tensor that outlived the call. Without the cache a weight used twice in one run is
     cast twice: the same values.
     """
-    if not (torch.is_autocast_cache_enabled() and any_enabled()):
+    if states is OFF or not torch.is_autocast_cache_enabled():
         return False
     torch.set_autocast_cache_enabled(False)
     return True

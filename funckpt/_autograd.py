@@ -59,7 +59,6 @@ from . import _rng
 from ._capture import has_tangent, made_by_nested_region, set_internal
 from ._errors import CheckpointError, differing_digests, digest
 from ._internals import (
-    autograd_excluded,
     autograd_included,
     has_gradient_dtype,
     GradInterpreter,
@@ -102,7 +101,6 @@ from ._internals import (
     unpack_dual,
     unwrap_batched,
     unwrap_for_grad,
-    saved_tensors_hooks_on,
     user_saved_tensors_hooks,
     unwrap_if_dead,
     wrap_for_grad,
@@ -548,9 +546,8 @@ def vjp(
         grad_was = torch.is_grad_enabled()
         # Below a torch.func level entered in inference_mode autograd is excluded from dispatch:
         # the recomputation and, with create_graph, its vjp must record all the same.
-        included = autograd_included() if autograd_excluded() else None
-        if included is not None:
-            included.__enter__()
+        included = autograd_included()
+        included.__enter__()
         set_grad_enabled(True)  # torch.enable_grad() without its Python frames
         try:
             if create_graph:
@@ -575,8 +572,7 @@ def vjp(
                 grads = _vjp_around_reentrant_checkpoint(region, primals, cotangents, needs, wrt, create_graph, e)
         finally:
             set_grad_enabled(grad_was)
-            if included is not None:
-                included.__exit__()
+            included.__exit__()
     else:
         # Under torch.func transforms: a fresh vjp level on top of the current stack.
         differentiable: list[bool] = []
@@ -911,7 +907,7 @@ class _RematFunction(torch.autograd.Function):
         # Under the caller's saved-tensor hooks the inputs come back as the hooks unpack them: a
         # digest of them now tells the backward whether they come back with other values.
         ctx.packed = None
-        if saved_tensors_hooks_on() and user_saved_tensors_hooks() is not None:
+        if user_saved_tensors_hooks() is not None:
             ctx.packed = [i for i, t in enumerate(saved) if t is not None], digest([t for t in saved if t is not None])
         # The versions saved with the check, to name a modified input if the check fails.
         # Weakly: the context lives as long as the caller's graph (the loss keeps it), and a strong
@@ -997,15 +993,14 @@ class _RematFunction(torch.autograd.Function):
         # Autograd calls jvp with forward-mode AD off; enclosing jvp levels must
         # still see this computation (jvp of jvp), so turn it back on. Under a level entered
         # in inference_mode, the recomputation's duals need autograd dispatched to.
-        included = autograd_included() if autograd_excluded() else contextlib.nullcontext()
         if interpreter is None:
-            with included, set_fwd_grad_enabled(True):
+            with autograd_included(), set_fwd_grad_enabled(True):
                 out = _jvp_here(region, primals, filled, with_tangent)
         else:
             level = interpreter.level()
             lowered_p = tuple(unwrap_for_grad(p, level) for p in primals)
             lowered_t = tuple(unwrap_for_grad(t, level) for t in filled)
-            with lowered(interpreter), included, set_fwd_grad_enabled(True):
+            with lowered(interpreter), autograd_included(), set_fwd_grad_enabled(True):
                 lowered_out = _jvp_here(region, lowered_p, lowered_t, with_tangent)
             out = tuple(wrap_for_grad(t, level) for t in lowered_out)
         # Outputs marked non-differentiable (integer tensors) take no tangent.

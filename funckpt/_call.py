@@ -81,7 +81,6 @@ from ._internals import (
     has_own_hooks,
     has_gradient_dtype,
     hide_saved_tensors_hooks,
-    saved_tensors_hooks_on,
     bottom,
     forward_ad_level,
     forward_mode_active,
@@ -558,15 +557,14 @@ class _Running:
                 grad_was = torch.is_grad_enabled()
                 set_grad_enabled(True)
                 self.exits.append(lambda *exc: set_grad_enabled(grad_was))
-            if saved_tensors_hooks_on() and hide_saved_tensors_hooks():  # (the run's internals are not theirs to pack)
+            if hide_saved_tensors_hooks():  # (the run's internals are not the user's hooks' to pack)
                 self.exits.append(restore_saved_tensors_hooks)
             if forward:
                 region._capture_state(flat)
             else:
                 for context in region._replays():
                     self._enter(context)
-            # (where the forward run had autocast off, its runs have it off, with nothing to cache)
-            if region.autocast is not _autocast.OFF and _autocast.cache_off():
+            if _autocast.cache_off(region.autocast):
                 self.exits.append(_autocast.cache_on)
             # A recomputation substitutes only where the forward run showed it must (see
             # UserRegion._substitutes_again): modules' own tensors are in their places already,

@@ -386,7 +386,7 @@ def user_saved_tensors_hooks() -> tuple[Callable[[torch.Tensor], Any], Callable[
     that was on top when they were pushed (``_user_hooks``); before, they name nothing, and
     what is under them is not this call's to pack through (``None``).
     """
-    hooks: Any = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    hooks: Any = _top_saved_tensors_hooks(False)
     while hooks is not None and getattr(hooks[0], "__module__", None) == "torch.utils.checkpoint":
         hooks = getattr(hooks[0], "_user_hooks", None)
     return None if hooks is None else (hooks[0], hooks[1])
@@ -403,13 +403,16 @@ _AUTOGRAD_KEY = torch._C.DispatchKey.AutogradFunctionality
 
 
 class autograd_included:
-    """Run the body with autograd dispatched to, where :func:`autograd_excluded` says it is not
+    """Run the body with autograd dispatched to where :func:`autograd_excluded` says it is not
     (``torch.inference_mode(False)``, keeping grad mode and forward grad mode as they are, as
-    functorch's own ``_disable_inference_mode`` does around a ``vjp_fn``)."""
+    functorch's own ``_disable_inference_mode`` does around a ``vjp_fn``); elsewhere, nothing."""
 
     __slots__ = ("guard",)
 
     def __enter__(self) -> None:
+        self.guard = None
+        if not autograd_excluded():
+            return
         grad, forward_grad = torch.is_grad_enabled(), fwd_grad_enabled()
         self.guard = torch._C._InferenceMode(False)
         self.guard.__enter__()  # type: ignore[no-untyped-call]  # (torch's C guard, untyped)
@@ -417,14 +420,11 @@ class autograd_included:
         set_fwd_grad_mode(forward_grad)
 
     def __exit__(self, *exc: Any) -> None:
-        self.guard.__exit__(None, None, None)  # (restores grad modes and dispatch keys as they were)
+        if self.guard is not None:
+            self.guard.__exit__(None, None, None)  # (restores grad modes and dispatch keys as they were)
 
 
-#: Are any saved-tensor hooks on (``saved_tensors_hooks``, torch's checkpoint's own)? One C call.
-def saved_tensors_hooks_on() -> bool:
-    return _top_saved_tensors_hooks(False) is not None
-
-
+#: The innermost saved-tensor hooks pushed (a user's, or torch's checkpoint's own), or ``None``.
 _top_saved_tensors_hooks = torch._C._autograd._top_saved_tensors_default_hooks
 
 
@@ -442,7 +442,7 @@ def hide_saved_tensors_hooks() -> bool:
     them); packed there, the forward run's would be copied away and never asked for again, and
     the recomputation's copied away and straight back.
     """
-    if torch._C._autograd._top_saved_tensors_default_hooks(False) is None:
+    if _top_saved_tensors_hooks(False) is None:
         return False
     if not torch._C._autograd._saved_tensors_hooks_is_enabled():  # type: ignore[attr-defined]  # (in torch's C module, not its stubs)
         return False  # (disabled where they are on, as inside a torch.func transform: nothing to push)

@@ -45,7 +45,6 @@ from ._capture import Roots, Substitute, changed_captures, reparametrized
 from ._draws import Drawing, differs_here
 from ._errors import CheckpointError, Digest, check_same_values, digest
 from ._internals import (
-    autograd_excluded,
     autograd_included,
     forward_mode_active,
     graph_task_keeps_graph,
@@ -693,7 +692,7 @@ class LoopRegion(UserRegion):
             functorch = self.functorch_draws
             drawing = Drawing(functorch, self.draws_by_layout and differs_here(functorch))
             with _autocast.replay(self.autocast), drawing:
-                cache_was_on = self.autocast is not _autocast.OFF and _autocast.cache_off()  # (see _autocast.cache_off)
+                cache_was_on = _autocast.cache_off(self.autocast)
                 try:
                     return self.loop.step(k, carry, x)
                 finally:
@@ -740,7 +739,7 @@ class LoopRegion(UserRegion):
         try:
             # (the steps run again record the graphs the gradient comes from, also below a
             # torch.func level entered in inference_mode: see UserRegion's recomputation)
-            with autograd_included() if autograd_excluded() else contextlib.nullcontext():
+            with autograd_included():
                 return Reversal(self, primals, cotangents, needs, create_graph, advancing, step_vjp).run()
         finally:
             if hidden:
