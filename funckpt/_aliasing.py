@@ -15,9 +15,13 @@ So the forward run classifies each output by storage (:func:`plan`):
   whole of it), so autograd records a view of the caller's tensor;
 * **a view of owned output r**: not an output of the Function either; the
   caller gets that view of the Function's output ``r``;
-* **a copy**: two outputs that are both views of an internal tensor neither of
-  them is; values and gradients are right, in-place aliasing between them is
-  not kept. So is an output aliasing an input through a custom
+* **a view of a hidden base**: two outputs that are both views of an internal
+  tensor neither of them is (``h = ...; return h.t(), h[0]``): that tensor
+  becomes an output of the Function the caller never sees, and each of them
+  is rebuilt as its view, so an in-place update through one reaches the other,
+  as without remat (the views keep the tensor's memory alive either way);
+* **a copy**: outputs sharing a storage some other way (no common ``_base``),
+  and an output aliasing an input through a custom
   ``autograd.Function`` (a gradient-reversal layer returning ``x.view_as(x)``):
   rebuilt as a view, its gradient would be the view's, not the Function's.
 
@@ -45,7 +49,7 @@ from ._internals import bottom, has_gradient_dtype, storage_of
 class View:
     """Output rebuilt as ``source.as_strided(size, stride, offset)`` in ``dtype``."""
 
-    source: int  # an input index ("input") or an owned output's position ("output")
+    source: int  # an input index ("input"), or an output's position ("output"; a hidden base's: past the last output)
     of_input: bool
     size: tuple[int, ...]
     stride: tuple[int, ...]
@@ -62,6 +66,9 @@ class Plan:
     views: tuple[View | None, ...]
     owned: tuple[int, ...]  # positions of the Function's outputs
     copied: frozenset[int]  # positions returned as copies
+    # Per hidden base (the Function's outputs after the owned ones): the position of an output
+    # whose ``_base`` it is, in every run.
+    bases: tuple[int, ...] = ()
 
 
 def _geometry(t: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...], int]:
@@ -94,6 +101,7 @@ def plan(inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor], grad_r
         return None
     views: list[View | None] = [None] * len(outputs)
     copied: set[int] = set()
+    bases: list[int] = []
     for key, members in groups.items():
         bits = [i for i in members if _has_bits(outputs[i])]
         copied.update(bits)  # as_strided drops the conjugate and negative bits: copies
@@ -111,7 +119,15 @@ def plan(inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor], grad_r
             continue
         roots = [i for i in members if outputs[i]._base is None]
         if not roots:  # views of an internal tensor none of them is
-            copied.update(members[1:])
+            base = outputs[members[0]]._base
+            if not all(outputs[i]._base is base for i in members):
+                copied.update(members[1:])
+                continue
+            for i in members:  # views of the hidden base, the Function's output
+                o = outputs[i]
+                differentiable = o.requires_grad if grad_recorded else has_gradient_dtype(o)
+                views[i] = _view(len(outputs) + len(bases), False, o, base, differentiable)
+            bases.append(members[0])
             continue
         # A differentiable root, if any: rebuilding a differentiable output as a view of
         # a detached one (``return h.detach(), h``) would cut its gradient.
@@ -122,7 +138,7 @@ def plan(inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor], grad_r
                 differentiable = o.requires_grad if grad_recorded else has_gradient_dtype(o)
                 views[i] = _view(r, False, o, outputs[r], differentiable)
     owned = tuple(i for i, v in enumerate(views) if v is None)
-    return Plan(tuple(views), owned, frozenset(copied))
+    return Plan(tuple(views), owned, frozenset(copied), tuple(bases))
 
 
 def _through_a_custom_function(t: torch.Tensor) -> bool:
@@ -186,10 +202,13 @@ def _source(out: torch.Tensor, inputs: Sequence[torch.Tensor], candidates: list[
 
 
 def owned_outputs(p: Plan | None, outputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """The Function's outputs: the owned ones, copies made where planned."""
+    """The Function's outputs: the owned ones, copies made where planned, then the hidden bases."""
     if p is None:
         return list(outputs)
-    return [_copy(outputs[i]) if i in p.copied else outputs[i] for i in p.owned]
+    owned = [_copy(outputs[i]) if i in p.copied else outputs[i] for i in p.owned]
+    # (A recomputation whose output is no view any more returns it in the base's place: its
+    # shape then differs from the forward run's, which the determinism check reports.)
+    return owned + [outputs[i] if outputs[i]._base is None else cast(torch.Tensor, outputs[i]._base) for i in p.bases]
 
 
 def _copy(t: torch.Tensor) -> torch.Tensor:
@@ -198,19 +217,20 @@ def _copy(t: torch.Tensor) -> torch.Tensor:
 
 
 def rebuild(p: Plan | None, owned: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """Every output, from the Function's ``owned`` outputs and the caller's ``inputs``."""
+    """Every output, from the Function's ``owned`` outputs (the hidden bases last) and the caller's ``inputs``."""
     if p is None:
         return list(owned)
     full: list[torch.Tensor | None] = [None] * len(p.views)
     for i, o in zip(p.owned, owned):
         full[i] = o
+    full += owned[len(p.owned) :]
     for i, v in enumerate(p.views):
         if v is None:
             continue
         base = inputs[v.source] if v.of_input else full[v.source]
         assert base is not None
         full[i] = _make_view(base, v)
-    return full  # type: ignore[return-value]
+    return full[: len(p.views)]  # type: ignore[return-value]
 
 
 def _make_view(base: torch.Tensor, v: View) -> torch.Tensor:

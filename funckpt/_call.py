@@ -1266,8 +1266,11 @@ class UserRegion(Region):
             i for i, t in enumerate(flat) if not t.requires_grad and id(t) in substitute.used and i not in self.snapshots
         }
         if grad_forward:  # what the caller's graph must know (read before copies, made without grad)
-            owned = self.plan.owned if self.plan is not None else range(len(tensors))
-            self.constant = {k for k, i in enumerate(owned) if not tensors[i].requires_grad}
+            owned = [tensors[i] for i in self.plan.owned] if self.plan is not None else tensors
+            if self.plan is not None:  # (and the hidden bases, last)
+                owned = owned + [cast(torch.Tensor, tensors[i]._base) for i in self.plan.bases]
+            self.constant = {k for k, t in enumerate(owned) if not t.requires_grad}
+            del owned  # (a hidden base, with the run's graph: it must not look escaped)
         tensors = _aliasing.owned_outputs(self.plan, tensors)
         if grad_forward:  # drop the run's local graph
             tensors = [t.detach() if t.requires_grad else t for t in tensors]

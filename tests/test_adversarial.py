@@ -2247,6 +2247,52 @@ def test_outputs_that_are_views_of_an_internal_tensor_neither_of_them_is(how):
     assert_close(derivative(how, via_remat, x), derivative(how, f, x))
 
 
+_UNDER_VMAP_VIEWS_ARE_SEPARATE = pytest.mark.xfail(
+    strict=True,
+    reason="under a vmap around a grad level the outputs are the Function's own, "
+    "each a separate tensor at the caller's level: the write reaches the others' values but not their gradients",
+)
+
+
+@pytest.mark.parametrize(
+    "how",
+    [
+        "backward",
+        "autograd_create_graph",
+        "grad",
+        "vjp",
+        "jacrev",
+        "jvp",
+        "jacfwd",
+        pytest.param("hessian", marks=_UNDER_VMAP_VIEWS_ARE_SEPARATE),
+        pytest.param("vmap_grad", marks=_UNDER_VMAP_VIEWS_ARE_SEPARATE),
+    ],
+)
+@pytest.mark.parametrize(
+    "views",
+    [lambda h: (h.t(), h[0]), lambda h: (h[1:], h[:2], h.sum()), lambda h: (h.view(-1)[2:7], h[:, 1])],
+    ids=["transpose and row", "overlapping slices", "flat slice and column"],
+)
+def test_caller_writing_one_of_several_views_of_an_internal_tensor_changes_the_others(views, how):
+    """Without remat, outputs that view one intermediate (neither being it) share its memory: the
+    caller's in-place update of one shows in the others, and in their gradients."""
+
+    def fn(x):
+        outs = views(x.sin() @ x)
+        outs[0].mul_(3)
+        return torch.cat([o.reshape(-1) * torch.arange(1, o.numel() + 1, dtype=o.dtype) for o in outs])
+
+    g = lambda x: views(x.sin() @ x)  # noqa: E731
+
+    def via_remat(x):
+        outs = remat(g)(x)
+        outs[0].mul_(3)
+        return torch.cat([o.reshape(-1) * torch.arange(1, o.numel() + 1, dtype=o.dtype) for o in outs])
+
+    x = randn(3, 3, seed=1)
+    assert_close(derivative(how, via_remat, x), derivative(how, fn, x))
+
+
 @pytest.mark.parametrize("leaf", [True, False])
 def test_hook_registered_on_an_input_applies_to_its_whole_gradient(leaf):
     """Without remat the hook sees the input's gradient from every use, not only through fn."""
