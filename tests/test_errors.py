@@ -847,6 +847,33 @@ def test_value_check_sees_a_change_in_values_whose_squares_overflow_float32(monk
     assert_close(x.grad, x_ref.grad)
 
 
+@pytest.mark.parametrize("scale", [1e-160, 1e-20, 1e150, 1e18], ids=["tiny f64", "tiny f32", "huge f64", "huge f32"])
+@pytest.mark.parametrize("transform", ["backward", "grad", "jacrev", "vmap"])
+@pytest.mark.parametrize("scalar", [True, False], ids=["0-d", "2-d"])
+def test_values_at_the_ends_of_their_dtypes_range_raise_no_false_alarm(scale, transform, scalar):
+    """Values whose squares leave the normal range (subnormal or overflowing): the digest of one
+    run, taken on the plain tensor, and of the other, taken under a transform (a scalar's under
+    jacrev), still agree."""
+    dtype = torch.float64 if scale in (1e-160, 1e150) else torch.float32
+    x = ((X[0, 0] if scalar else X) * scale).to(dtype)
+
+    def f(x):
+        return (x * 1.5).sin() if scale < 1 else x * 1.5
+
+    def run(g):
+        if transform == "backward":
+            x_ = x.clone().requires_grad_()
+            g(x_).sum().backward()
+            return x_.grad
+        if transform == "grad":
+            return tf.grad(lambda x: g(x).sum())(x)
+        if transform == "jacrev":
+            return tf.jacrev(g)(x)
+        return tf.vmap(tf.grad(lambda x: g(x).sum()))(x.unsqueeze(0).repeat(2, *[1] * x.dim()))
+
+    assert_close(run(remat(f)), run(f))
+
+
 OTHER_DTYPES = [torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.int8, torch.bool]
 
 
