@@ -87,6 +87,8 @@ def plan(inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor], grad_r
     ``grad_recorded``: the run recorded a local graph, so an output's
     ``requires_grad`` says whether it is differentiable (a ``detach()``ed view is not).
     """
+    if _apart(inputs, outputs):
+        return None
     inputs_on: dict[int, list[int]] = {}
     for j, t in enumerate(inputs):
         key = storage_of(t)
@@ -139,6 +141,22 @@ def plan(inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor], grad_r
                 views[i] = _view(r, False, o, outputs[r], differentiable)
     owned = tuple(i for i, v in enumerate(views) if v is None)
     return Plan(tuple(views), owned, frozenset(copied), tuple(bases))
+
+
+def _apart(inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor]) -> bool:
+    """Does no output share memory with an input or another output? Told by where each one's
+    storage starts, without making storage objects (the common case, on every call). A tensor
+    whose storage has no memory or cannot tell where it starts answers no: the exact test decides."""
+    starts: set[int] = set()
+    try:
+        for t in (*inputs, *outputs):
+            start = t.data_ptr() - t.storage_offset() * t.element_size()
+            if start == 0 or start in starts:
+                return False
+            starts.add(start)
+    except (RuntimeError, NotImplementedError, TypeError, AttributeError):  # (sparse, wrapped, opaque)
+        return False
+    return True
 
 
 def _through_a_custom_function(t: torch.Tensor) -> bool:

@@ -1071,6 +1071,13 @@ _UNINITIALIZED = frozenset(
 
 
 _RETAIN_GRAD = torch.Tensor.retain_grad
+#: The torch functions the substitution mode notes (by kind: the set or function above, or
+#: ``LAYOUT_DRAWS`` for a dropout whose mask depends on the layout).
+_SPECIAL: dict[Any, Any] = {
+    **{f: LAYOUT_DRAWS for f in LAYOUT_DRAWS},
+    **{f: _UNINITIALIZED for f in _UNINITIALIZED},
+    _RETAIN_GRAD: _RETAIN_GRAD,
+}
 
 
 def _metadata_reads() -> frozenset[Any]:
@@ -1304,11 +1311,15 @@ class Substitute(OnThreadStack, TorchFunctionMode):
                     kwargs = {k: self._swap(v, used) for k, v in kwargs.items()}
                     break
         redraw = None
-        if func in _UNINITIALIZED:
+        special = _SPECIAL.get(func)  # (one lookup for the few functions noted here)
+        if special is None:
+            pass
+        elif special is _UNINITIALIZED:
             self.uninitialized = True
-        elif func is _RETAIN_GRAD and args and id(args[0]) in known:
-            self.retained.add(id(args[0]))
-        elif func in LAYOUT_DRAWS and not compiling:
+        elif special is _RETAIN_GRAD:
+            if args and id(args[0]) in known:
+                self.retained.add(id(args[0]))
+        elif not compiling:  # a dropout (LAYOUT_DRAWS)
             redraw = self._layout_draw(func, args if swapped is None else tuple(swapped), kwargs or {})
         watch = self.watch
         # (funckpt's own work for a region nested in this run, such as reading its inputs'
@@ -1324,10 +1335,16 @@ class Substitute(OnThreadStack, TorchFunctionMode):
         # (One loop for a tensor and a tuple alike: on torch 2.11, Dynamo tracing this handler
         # guards id(out) taken directly on the output's source, a fresh tensor, and fails.)
         outs = out if isinstance(out, (tuple, list)) else (out,)
+        made = self.made
         if compiling or _active.internal:  # (inline where Dynamo traces this: torch 2.11 fails on the call)
             for o in outs:
                 if isinstance(o, torch.Tensor):
                     inside.add(id(o))
+        elif made is not None:  # (note_made's forward run, inline: this runs for every operator)
+            for o in outs:
+                if isinstance(o, torch.Tensor):
+                    inside.add(id(o))
+                    made.append(weakref.ref(o))
         else:
             self.note_made(outs)
         return out
