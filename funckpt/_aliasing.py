@@ -122,7 +122,7 @@ def plan(inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor], grad_r
         roots = [i for i in members if outputs[i]._base is None]
         if not roots:  # views of an internal tensor none of them is
             base = outputs[members[0]]._base
-            if not all(outputs[i]._base is base for i in members):
+            if base is None or not all(outputs[i]._base is base for i in members):
                 copied.update(members[1:])
                 continue
             for i in members:  # views of the hidden base, the Function's output
@@ -150,7 +150,7 @@ def _apart(inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor]) -> b
     starts: set[int] = set()
     try:
         for t in (*inputs, *outputs):
-            start = t.data_ptr() - t.storage_offset() * t.element_size()
+            start = t.data_ptr() - cast(int, t.storage_offset()) * t.element_size()
             if start == 0 or start in starts:
                 return False
             starts.add(start)
