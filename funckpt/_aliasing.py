@@ -32,6 +32,12 @@ recomputation returns the owned outputs only, at the positions the forward run
 chose. This runs where the forward run is plain autograd and the caller is not
 inside ``vmap`` (whose batched tensors have no storage to view); elsewhere every
 output is owned and the Function itself makes input views (``_autograd.py``).
+
+There, outputs viewing one intermediate come back to the caller as separate
+tensors over one memory: the caller's in-place update of one reaches the others'
+values but not their gradients. Nothing rebuilds them as views there; instead
+each such memory is watched (:func:`watch_shared_memory`) and the backward
+refuses a write into it (:func:`written`), rather than compute a wrong gradient.
 """
 
 from __future__ import annotations
@@ -42,7 +48,7 @@ from typing import cast
 
 import torch
 
-from ._internals import bottom, has_gradient_dtype, storage_of
+from ._internals import DisableFuncTorch, bottom, has_gradient_dtype, set_versions, storage_of
 
 
 @dataclass(frozen=True)
@@ -272,3 +278,77 @@ def _reinterpret(base: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     if not flat.is_complex() and torch.empty(0, dtype=dtype).is_complex() and torch.empty(0, dtype=dtype).real.dtype == flat.dtype:
         return torch.view_as_complex(flat.reshape(-1, 2))
     return flat.view(dtype)
+
+
+# ----------------------------------------------------- where nothing rebuilds views: watched
+
+
+@dataclass(frozen=True)
+class Watch:
+    """An intermediate's version counter at the end of the forward run, through ``counter``: a
+    tensor sharing that counter (every view of the intermediate bumps it on a write) but not its
+    memory, which stays the caller's to free."""
+
+    counter: torch.Tensor
+    version: int
+
+
+def watch_shared_memory(inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor]) -> tuple[Watch, ...]:
+    """A :class:`Watch` per memory of an intermediate (no input's) that two ``outputs`` of the
+    Function overlap in; ``()`` if there is none (the common case).
+
+    Where no plan is made (under ``vmap`` around a grad level: ``hessian``, ``vmap(grad(f))``),
+    ``h = ...; return h.t(), h[0]`` gives the caller two tensors of its own level over the
+    memory of ``h`` (the plain tensors under functorch's wrappers): the caller writing one in
+    place changes the other's values, but autograd at the caller's level does not see the
+    relation, so the other's gradient would miss the write. Outputs apart in that memory
+    (``h.chunk(3, -1)``) are not watched: a write into one changes nothing the others hold.
+    """
+    plain = [bottom(o) for o in outputs]
+    if len(plain) < 2 or _apart((), plain):
+        return ()
+    taken = {storage_of(bottom(t)) for t in inputs}
+    groups: dict[int, list[torch.Tensor]] = {}
+    for o in plain:
+        key = storage_of(o)
+        if key is not None and key not in taken:
+            groups.setdefault(key, []).append(o)
+    shared = [members for members in groups.values() if len(members) > 1 and _overlapping(members)]
+    return tuple(w for w in map(_watch, (members[0] for members in shared)) if w is not None)
+
+
+def _overlapping(ts: Sequence[torch.Tensor]) -> bool:
+    """Do two of ``ts`` (plain tensors on one storage) share an element? Told exactly on a map of
+    the storage's elements; views in other dtypes, or tensors without data, are taken to."""
+    first = ts[0]
+    if any(t.dtype != first.dtype for t in ts):
+        return True
+    try:
+        with DisableFuncTorch(), torch.no_grad():
+            elements = first.untyped_storage().nbytes() // first.element_size()
+            seen = torch.zeros(elements, dtype=torch.bool, device=first.device)
+            for t in ts:
+                marks = seen.as_strided(t.size(), t.stride(), t.storage_offset())
+                if marks.any():
+                    return True
+                marks.fill_(True)
+    except (RuntimeError, NotImplementedError, TypeError, AttributeError):  # (fake or meta memory, exotic layouts)
+        return True
+    return False
+
+
+def _watch(t: torch.Tensor) -> Watch | None:
+    try:
+        version = t._version
+        with DisableFuncTorch(), torch.no_grad():
+            counter = t.detach()  # (shares the version counter)
+            counter.set_(counter.new_empty(0).untyped_storage())  # (no memory: bumps the counter, set back below)
+        set_versions((counter,), (version,))
+    except (RuntimeError, NotImplementedError, TypeError, AttributeError):  # (inference tensors, subclasses)
+        return None
+    return Watch(counter, version)
+
+
+def written(watches: Sequence[Watch]) -> bool:
+    """Was a watched memory written since the forward run?"""
+    return any(w.counter._version != w.version for w in watches)

@@ -44,7 +44,6 @@ so Dynamo does not trace the argument flattening and closure discovery either.
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import enum
 import functools
@@ -55,7 +54,7 @@ from typing import Any, cast
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from . import _rng
+from . import _aliasing, _rng
 from ._capture import has_tangent, made_by_nested_region, set_internal
 from ._errors import CheckpointError, differing_digests, digest
 from ._internals import (
@@ -874,9 +873,7 @@ class _RematFunction(torch.autograd.Function):
             return outs
         storages = {storage_of(t): t for t in flat}
         storages.pop(None, None)
-        out_storages = [storage_of(o) for o in outs]
-        sharing = collections.Counter(out_storages)
-        return tuple(_as_view_of(storages.get(key), o, sharing[key] == 1) for o, key in zip(outs, out_storages))
+        return tuple(_as_view_of(storages.get(storage_of(o)), o) for o in outs)
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Tensors) -> None:
@@ -941,6 +938,9 @@ class _RematFunction(torch.autograd.Function):
         # which takes every cotangent (zeros for the dropped ones), unless outputs escaped.
         if type(region).own_vjp is Region.own_vjp or region.escaped_outputs():
             ctx.set_materialize_grads(False)
+        # Outputs the caller gets as separate tensors over one intermediate's memory (no views
+        # rebuilt: see _aliasing.watch_shared_memory): the backward refuses a write into it.
+        ctx.watches = () if region.outputs_share_no_input_storage() else _aliasing.watch_shared_memory(flat, output)
 
     @staticmethod
     @eager_under_compile
@@ -948,6 +948,16 @@ class _RematFunction(torch.autograd.Function):
         needs = ctx.needs_input_grad[1:]
         primals = _saved_primals(ctx)
         region: Region = ctx.region
+        if ctx.watches and _aliasing.written(ctx.watches):
+            raise CheckpointError(
+                f"remat({region.name}): the caller wrote in place into an output that shares memory with "
+                "another output (views of one tensor made inside the function, as in h = ...; return h.t(), "
+                "h[0]). Under torch.func.vmap with reverse mode at or around it (torch.func.hessian, "
+                "vmap(grad(f)), grad(vmap(f)), vmap(f) then .backward()) remat returns such outputs as separate "
+                "tensors, not views: the write reaches the other outputs' values but not their gradients, which "
+                "would be wrong. Write into a clone (out = out.clone() before the update), or make the update "
+                "inside the remat'd function."
+            )
         if ctx.packed is not None:
             positions, packed = ctx.packed
             if differing_digests(packed, digest([primals[i] for i in positions])):
@@ -1134,18 +1144,18 @@ def _unversioned_alias(t: torch.Tensor) -> torch.Tensor | None:
         return None
 
 
-def _as_view_of(base: torch.Tensor | None, out: torch.Tensor, alone: bool) -> torch.Tensor:
-    """``out`` as a view of the input ``base`` it shares storage with; with no such input, and
-    no other output on its storage (``alone``), as a tensor of its own."""
+def _as_view_of(base: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:
+    """``out`` as a view of the input ``base`` it shares storage with; with no such input, as a
+    tensor of its own."""
     if base is None:
         # A view of the run's own intermediate (torch.func.vmap and jvp return views of what they
         # unwrap; fn may return lin(x).t()): autograd would take it for a view made inside the
         # Function and refuse the caller's in-place update of it, which without remat is allowed.
-        # Where nothing else the caller gets is on that intermediate, the output is its data under
-        # a tensor of its own (detach() makes an alias that is no view). Outputs viewing one
-        # intermediate together stay views: a write through one changes the others, which
-        # autograd would not know of (it refuses the write instead).
-        return out.detach() if alone and out._is_view() else out
+        # The output is its data under a tensor of its own (detach() makes an alias that is no
+        # view). Outputs viewing one intermediate together become such aliases too: a write
+        # through one that changes another is refused by the backward (setup_context watches
+        # their memory: _aliasing.watch_shared_memory); one that changes no other is right as it is.
+        return out.detach() if out._is_view() else out
     if base.dtype != out.dtype or out.is_conj() or out.is_neg():
         # A view with another dtype (x.view(torch.int64), .real), or a lazy conjugate or
         # negative view, which as_strided would not keep: a copy.

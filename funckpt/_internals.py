@@ -47,6 +47,7 @@ __all__ = [
     "functorch_dispatches_first",
     "functorch_kernels_now",
     "set_single_level_function_allowed",
+    "set_versions",
     "single_level_function_allowed",
     "StorageWeakRef",
     "TransformType",
@@ -333,6 +334,9 @@ def set_grad_enabled(enabled: bool) -> None:
 
 #: The sequence number the next autograd node created on this thread gets (torch >= 2.1).
 sequence_nr: Callable[[], int] = torch._C._autograd._get_sequence_nr
+#: Set the version counters of ``tensors`` (shared with their views) to ``versions`` (torch >= 2.5
+#: takes the two tuples; what torch.compile's functionalization uses to undo its own bumps).
+set_versions: Callable[[tuple[torch.Tensor, ...], tuple[int, ...]], None] = torch._C._autograd._unsafe_set_version_counter
 #: The type of the node that accumulates a leaf's gradient (its ``.variable`` is the leaf).
 AccumulateGrad: type[Any] = torch._C._functions.AccumulateGrad  # type: ignore[attr-defined]
 
