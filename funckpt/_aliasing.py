@@ -33,11 +33,12 @@ chose. This runs where the forward run is plain autograd and the caller is not
 inside ``vmap`` (whose batched tensors have no storage to view); elsewhere every
 output is owned and the Function itself makes input views (``_autograd.py``).
 
-There, outputs viewing one intermediate come back to the caller as separate
-tensors over one memory: the caller's in-place update of one reaches the others'
-values but not their gradients. Nothing rebuilds them as views there; instead
-each such memory is watched (:func:`watch_shared_memory`) and the backward
-refuses a write into it (:func:`written`), rather than compute a wrong gradient.
+There, outputs viewing one intermediate (or an input) come back to the caller as
+separate tensors over one memory: the caller's in-place update of one reaches the
+others' values (and the input's) but not their gradients. Nothing rebuilds them as
+views there; instead each such memory is watched (:func:`watch_shared_memory`)
+and the backward refuses a write into it (:func:`written`), rather than compute a
+wrong gradient.
 """
 
 from __future__ import annotations
@@ -294,27 +295,38 @@ class Watch:
 
 
 def watch_shared_memory(inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor]) -> tuple[Watch, ...]:
-    """A :class:`Watch` per memory of an intermediate (no input's) that two ``outputs`` of the
-    Function overlap in; ``()`` if there is none (the common case).
+    """A :class:`Watch` per memory that two ``outputs`` of the Function overlap in, or that one
+    shares with an input that requires grad; ``()`` if there is none (the common case).
 
-    Where no plan is made (under ``vmap`` around a grad level: ``hessian``, ``vmap(grad(f))``),
-    ``h = ...; return h.t(), h[0]`` gives the caller two tensors of its own level over the
-    memory of ``h`` (the plain tensors under functorch's wrappers): the caller writing one in
-    place changes the other's values, but autograd at the caller's level does not see the
-    relation, so the other's gradient would miss the write. Outputs apart in that memory
-    (``h.chunk(3, -1)``) are not watched: a write into one changes nothing the others hold.
+    Where no plan is made (under ``vmap`` with reverse mode at or around it: ``hessian``,
+    ``vmap(grad(f))``), ``h = ...; return h.t(), h[0]`` gives the caller two tensors of its own
+    level over the memory of ``h`` (the plain tensors under functorch's wrappers): the caller
+    writing one in place changes the other's values, but autograd at the caller's level does not
+    see the relation, so the other's gradient would miss the write. So for ``return x[0]`` and
+    the input ``x`` (and the recomputation, which would start from the written values). Outputs
+    apart in an intermediate's memory (``h[0]``, ``h[1]``) are not watched: a write into one
+    changes nothing the others hold. Nor is an input no gradient flows into (a buffer the caller
+    may write), whose change the determinism check sees; one that requires grad is saved with a
+    version check, which refuses the caller's writes into it directly: this one sees those
+    through an output.
     """
     plain = [bottom(o) for o in outputs]
-    if len(plain) < 2 or _apart((), plain):
+    given = [bottom(t) for t in inputs]
+    if _apart(given, plain):
         return ()
-    taken = {storage_of(bottom(t)) for t in inputs}
+    differentiable = {storage_of(t) for t, x in zip(given, inputs) if x.requires_grad}
+    others = {storage_of(t) for t, x in zip(given, inputs) if not x.requires_grad} - differentiable
     groups: dict[int, list[torch.Tensor]] = {}
     for o in plain:
         key = storage_of(o)
-        if key is not None and key not in taken:
+        if key is not None and key not in others:
             groups.setdefault(key, []).append(o)
-    shared = [members for members in groups.values() if len(members) > 1 and _overlapping(members)]
-    return tuple(w for w in map(_watch, (members[0] for members in shared)) if w is not None)
+    shared = [
+        members[0]
+        for key, members in groups.items()
+        if key in differentiable or (len(members) > 1 and _overlapping(members))
+    ]
+    return tuple(w for w in map(_watch, shared) if w is not None)
 
 
 def _overlapping(ts: Sequence[torch.Tensor]) -> bool:

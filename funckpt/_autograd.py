@@ -951,12 +951,12 @@ class _RematFunction(torch.autograd.Function):
         if ctx.watches and _aliasing.written(ctx.watches):
             raise CheckpointError(
                 f"remat({region.name}): the caller wrote in place into an output that shares memory with "
-                "another output (views of one tensor made inside the function, as in h = ...; return h.t(), "
-                "h[0]). Under torch.func.vmap with reverse mode at or around it (torch.func.hessian, "
-                "vmap(grad(f)), grad(vmap(f)), vmap(f) then .backward()) remat returns such outputs as separate "
-                "tensors, not views: the write reaches the other outputs' values but not their gradients, which "
-                "would be wrong. Write into a clone (out = out.clone() before the update), or make the update "
-                "inside the remat'd function."
+                "another output or with an input of the call (views of one tensor, as in h = ...; return h.t(), "
+                "h[0], or return x[0]). Under torch.func.vmap with reverse mode at or around it "
+                "(torch.func.hessian, vmap(grad(f)), grad(vmap(f)), vmap(f) then .backward()) remat returns such "
+                "outputs as separate tensors, not views: the write reaches the values of the others (and of the "
+                "input) but not their gradients, which would be wrong. Write into a clone (out = out.clone() "
+                "before the update), or make the update inside the remat'd function."
             )
         if ctx.packed is not None:
             positions, packed = ctx.packed
