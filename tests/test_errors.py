@@ -325,6 +325,7 @@ def test_recomputation_computing_something_else_with_same_shapes_raises():
         y.sum().backward()
 
 
+@pytest.mark.parametrize("numpy", [True, False], ids=["through NumPy", "torch without NumPy"])
 @pytest.mark.parametrize("defer", [False, True], ids=["read at once", "deferred, as on an accelerator"])
 @pytest.mark.parametrize(
     "change",
@@ -334,12 +335,15 @@ def test_recomputation_computing_something_else_with_same_shapes_raises():
     ],
     ids=["rolled by a counter", "LayerNorm of a counter-dependent input"],
 )
-def test_recomputation_with_the_same_sum_and_norm_but_other_values_raises(monkeypatch, change, defer):
+def test_recomputation_with_the_same_sum_and_norm_but_other_values_raises(monkeypatch, change, defer, numpy):
     """Values that moved (a roll) or changed keeping their sum and norm (a LayerNorm's rows keep
-    sum 0 and norm sqrt(n) whatever its input): the digest's position-weighted sum sees them."""
+    sum 0 and norm sqrt(n) whatever its input): the digest's position-weighted sum sees them
+    (a small output's on the CPU through NumPy, or through torch where torch has no NumPy)."""
     from funckpt import _errors
 
     monkeypatch.setattr(_errors, "DEFER_ON_CPU", defer)
+    if not numpy:
+        monkeypatch.setattr(_errors, "_NUMPY_WEIGHTS", {})
     calls = []
     w = torch.randn(6, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(0), requires_grad=True)
 
