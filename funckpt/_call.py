@@ -332,16 +332,20 @@ def _container_snapshot(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[
     return spec, leaves
 
 
-def _hook_keys(t: torch.Tensor) -> set[Any]:
-    hooks = getattr(t, "_backward_hooks", None)
-    return set(hooks) if hooks else set()
+#: Where a tensor keeps the hooks ``register_hook`` and ``register_post_accumulate_grad_hook`` add.
+_HOOK_DICTS = ("_backward_hooks", "_post_accumulate_grad_hooks")
 
 
-def _remove_hooks_since(t: torch.Tensor, before: set[Any]) -> None:
-    hooks = getattr(t, "_backward_hooks", None)
-    if hooks:
-        for key in [k for k in hooks if k not in before]:
-            del hooks[key]
+def _hook_keys(t: torch.Tensor) -> dict[str, set[Any]]:
+    return {where: set(getattr(t, where, None) or ()) for where in _HOOK_DICTS}
+
+
+def _remove_hooks_since(t: torch.Tensor, before: dict[str, set[Any]]) -> None:
+    for where in _HOOK_DICTS:
+        hooks = getattr(t, where, None)
+        if hooks:
+            for key in [k for k in hooks if k not in before[where]]:
+                del hooks[key]
 
 
 def _refused_by_fullgraph_compile(e: Exception) -> bool:
@@ -359,6 +363,20 @@ def _move_input_hooks(leaves: tuple[torch.Tensor, ...], given: tuple[torch.Tenso
     """
     moved = set()
     for i, (leaf, t) in enumerate(zip(leaves, given)):
+        accumulated = getattr(leaf, "_post_accumulate_grad_hooks", None)
+        if accumulated and leaf is not t and t.requires_grad:
+            # ``p.register_post_accumulate_grad_hook(...)`` (an optimizer step in the backward pass)
+            # on a local leaf would never be called: nothing accumulates into it.
+            if t.grad_fn is not None:
+                raise CheckpointError(
+                    f"remat({name}): the function registered a post-accumulate-grad hook on an input that "
+                    "is not a leaf outside the call (torch refuses that: post accumulate grad hooks cannot "
+                    "be registered on non-leaf tensors). Register it on the leaf tensor."
+                )
+            for hook in list(accumulated.values()):
+                t.register_post_accumulate_grad_hook(hook)  # type: ignore[no-untyped-call]
+            accumulated.clear()
+            moved.add(i)
         hooks = getattr(leaf, "_backward_hooks", None)
         if hooks and leaf is not t and t.requires_grad:
             if any("register_multi_grad_hook" in getattr(hook, "__qualname__", "") for hook in hooks.values()):

@@ -2411,6 +2411,58 @@ def test_hook_registered_on_an_input_applies_to_its_whole_gradient(leaf):
     assert_close(run(remat(fn)), run(fn))
 
 
+@pytest.mark.parametrize("once", [True, False], ids=["registered once", "registered at every call"])
+@pytest.mark.parametrize("wrap", ["remat", "checkpoint"])
+def test_post_accumulate_grad_hook_registered_inside_the_function_steps_the_optimizer(once, wrap):
+    """A module that registers its parameters' post-accumulate-grad hooks in its forward (an
+    optimizer step in the backward pass, set up lazily) gets them called as without remat: once
+    per parameter and backward pass, with the accumulated gradient, on the caller's parameter."""
+
+    def train(use_remat):
+        torch.manual_seed(0)
+        steps = []
+
+        def step(p):
+            if p.grad is None:  # (a hook registered at an earlier call; the first one stepped)
+                return
+            steps.append(p.grad.clone())
+            with torch.no_grad():
+                p.sub_(0.1 * p.grad)
+            p.grad = None
+
+        class Layer(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.lin, self.hooked = nn.Linear(3, 3, dtype=D), False
+
+            def forward(self, x):
+                if not (once and self.hooked):
+                    for p in self.parameters():
+                        p.register_post_accumulate_grad_hook(step)
+                    self.hooked = True
+                return self.lin(x).tanh()
+
+        layer = Layer()
+        if not use_remat:
+            call = layer
+        elif wrap == "remat":
+            call = remat(layer)
+        else:
+            call = functools.partial(checkpoint, layer, use_reentrant=False)
+        outs = []
+        for s in range(3):
+            x = randn(2, 3, seed=s).requires_grad_()
+            y = call(x)
+            y.sin().sum().backward()
+            outs.append((y.detach(), x.grad))
+        steps.sort(key=lambda g: g.numel())  # (the order of the parameters' hooks is autograd's)
+        return outs, steps, [p.detach() for p in layer.parameters()]
+
+    expected = train(False)
+    assert len(expected[1]) == 6
+    assert_close(train(True), expected)
+
+
 # =============================================================================================
 # Found by a sweep of real models: tensors escaping the forward run, writes into argument dicts.
 # =============================================================================================
