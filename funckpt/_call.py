@@ -158,6 +158,8 @@ def run_prepared(region: UserRegion, routed: list[torch.Tensor]) -> Any:
     """Apply a :func:`prepare`'d region and :func:`finish` its result (then settle its escapes)."""
     outs = apply(region, routed)
     result = finish(region, routed, outs)
+    if region.escaped_views:
+        region.point_kept_views()
     escaped = region.escaped_outputs()
     if escaped:  # which of them the caller's code holds, once nothing here does
         refs = [weakref.ref(t) for t in outs[len(outs) - escaped :]]
@@ -722,6 +724,9 @@ class UserRegion(Region):
         self.escapes_allowed = self.escapes_become_outputs and not transforms_active()
         self.escaped_at: list[int] = []
         self.escape_doubts: list[str | None] = []  # per escaped output (see _doubt)
+        # Escaped views of another escaped tensor (h[:, 0] kept beside h): views of that output
+        # for the caller, not outputs of their own (see _kept_as_outputs).
+        self.escaped_views: list[weakref.ref[torch.Tensor]] = []
 
     def _user_context(self, forward: bool) -> Any:
         """``context_fn``'s first context for the forward run, its second for a recomputation.
@@ -1055,6 +1060,41 @@ class UserRegion(Region):
             )
         return escaped
 
+    def _kept_as_outputs(
+        self,
+        escaped: list[tuple[int, torch.Tensor]],
+        tensors: list[torch.Tensor],
+        returned: dict[int, tuple[int, weakref.ref[torch.Tensor]]],
+    ) -> list[tuple[int, torch.Tensor]]:
+        """``escaped`` without those the caller gets otherwise, as without remat.
+
+        * A tensor ``fn`` both returns and keeps (``log.append(h); return h``): the Function
+          returns that very tensor (``tensors`` holds a detached alias of it until now), so
+          the caller's result and what it kept are one tensor, as without remat, and an
+          in-place update of one is recorded for the other.
+        * A view of an escaped or returned tensor (a forward hook keeping ``out[:, 0]`` keeps
+          ``out`` alive as its ``_base``): as an output of its own it would be one of a node
+          with several outputs, which autograd refuses to update in place (without remat the
+          caller may). It stays a view of its base, which is the output:
+          :meth:`point_kept_views`, after the call, points its graph there.
+        """
+        kept: list[tuple[int, torch.Tensor]] = []
+        outputs: set[int] = set()
+        for k, t in escaped:
+            entry = returned.get(id(t))
+            if entry is not None and entry[1]() is t and t.grad_fn is not None:
+                tensors[entry[0]] = t
+                outputs.add(id(t))
+            else:
+                kept.append((k, t))
+        bases = outputs | {id(t) for _, t in kept}
+        views = [t for _, t in kept if t._base is not None and id(t._base) in bases]
+        if views:
+            self.escaped_views = [weakref.ref(t) for t in views]
+            apart = {id(t) for t in views}
+            kept = [(k, t) for k, t in kept if id(t) not in apart]
+        return kept
+
     def _doubt(self, t: torch.Tensor, given: set[int]) -> str | None:
         """Why ``t``, an escaped tensor, cannot be right if someone outside the call holds it.
 
@@ -1080,6 +1120,16 @@ class UserRegion(Region):
                 "outside the call."
             )
         return None
+
+    def point_kept_views(self) -> None:
+        """After the call: the escaped views of the Function's outputs (see :meth:`_kept_as_outputs`)
+        become views of them for autograd too."""
+        views = [v for v in (r() for r in self.escaped_views) if v is not None]
+        self.escaped_views = []
+        for base in {id(v._base): cast(torch.Tensor, v._base) for v in views}.values():
+            # The base's graph is now the Function's node: a view's grad_fn, made when the base's
+            # graph was the run's own, is made again from the base's once its version moves.
+            torch.autograd.graph.increment_version(base)
 
     def settle_escapes(self, refs: Sequence[weakref.ref[torch.Tensor]]) -> None:
         """After the call: which of its escaped outputs (weakly, ``refs``) are still held outside.
@@ -1291,10 +1341,14 @@ class UserRegion(Region):
             del owned  # (a hidden base, with the run's graph: it must not look escaped)
         tensors = _aliasing.owned_outputs(self.plan, tensors)
         if grad_forward:  # drop the run's local graph
+            returned_at = {id(t): (k, weakref.ref(t)) for k, t in enumerate(tensors) if t.requires_grad}
             tensors = [t.detach() if t.requires_grad else t for t in tensors]
             del out
             escaped = self._escaped_tensors(substitute, flat, marks)
             self._refuse_stored_inputs(flat, given)
+            if escaped:
+                escaped = self._kept_as_outputs(escaped, tensors, returned_at)
+            del returned_at
             if escaped:  # (as they are: autograd points them at the Function's node)
                 self.escaped_at = [k for k, _ in escaped]
                 inputs = {id(t) for t in flat}

@@ -2494,6 +2494,75 @@ def test_a_forward_hook_that_keeps_a_submodule_output_passes_its_gradient():
     assert_close(_grads_of(lambda: loss(remat(block)), *leaves), _grads_of(lambda: loss(block), *leaves))
 
 
+@pytest.mark.parametrize("also_returned", [False, True], ids=["kept only", "its base returned too"])
+@pytest.mark.parametrize("view", ["slice", "transpose", "two views"])
+def test_a_kept_view_of_an_intermediate_can_be_updated_in_place_by_the_caller(view, also_returned):
+    """A forward hook keeping a view of a submodule's output (``out[:, 0]``, a CLS token) hands the
+    caller a tensor it may update in place, as without remat; gradients flow through the update."""
+    torch.manual_seed(0)
+    block = nn.Sequential(nn.Linear(4, 4, dtype=D), nn.Tanh(), nn.Linear(4, 4, dtype=D))
+    kept = []
+
+    def keep(module, inputs, out):
+        if view == "slice":
+            kept.append(out[:, :2])
+        elif view == "transpose":
+            kept.append(out.T)
+        else:
+            kept.extend([out[0], out[:, 1]])
+
+    block[0].register_forward_hook(keep)
+    wrapped = remat(block, segments=1)
+
+    def loss(use_remat):
+        kept.clear()
+        x = randn(3, 4, seed=1).requires_grad_()
+        if also_returned:
+            out, h = remat(lambda x: (block(x), kept[-1]._base))(x) if use_remat else (block(x), kept[-1]._base)
+        else:
+            out, h = (wrapped if use_remat else block)(x), None
+        for k, t in enumerate(kept):
+            t.mul_(k + 2)  # (allowed without remat: the linear layer saved nothing of its output)
+        total = out.square().sum() + sum(t.sin().sum() for t in kept) + (0 if h is None else h.cos().sum())
+        forward_kept = list(kept)  # (the recomputation appends its own)
+        total.backward()
+        return [t.detach() for t in forward_kept], x.grad, [p.grad for p in block.parameters()]
+
+    expected = loss(False)
+    block.zero_grad()
+    assert_close(loss(True), expected)
+
+
+@pytest.mark.parametrize("update", ["none", "the kept one", "the returned one"])
+def test_a_tensor_both_returned_and_kept_is_one_tensor_for_the_caller(update):
+    """``log.append(h); return h.tanh(), h``: without remat the caller's ``h`` and ``log[0]`` are one
+    tensor, so an in-place update through either is in the graph of both. remat gives the caller
+    that one tensor too (not two outputs sharing memory, whose graphs would not see each other's
+    updates: a silently wrong gradient)."""
+    torch.manual_seed(0)
+    lin = nn.Linear(4, 4, dtype=D)
+    log = []
+
+    def fn(x):
+        h = lin(x)
+        log.append(h)
+        return h.tanh(), h
+
+    def grads(f):
+        log.clear()
+        x = randn(3, 4, seed=1).requires_grad_()
+        y, h = f(x)
+        kept = log[0]
+        assert kept is h
+        if update == "the kept one":
+            kept.mul_(2)
+        elif update == "the returned one":
+            h.add_(1)
+        return _grads_of(lambda: y.sum() + h.sin().sum() + kept.square().sum(), x, *lin.parameters())
+
+    assert_close(grads(remat(fn)), grads(fn))
+
+
 class _AuxLoss(nn.Module):
     """An MoE layer's pattern: an auxiliary loss stored on the module, summed by the training loop."""
 
