@@ -150,6 +150,11 @@ def plan(inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor], grad_r
     return Plan(tuple(views), owned, frozenset(copied), tuple(bases))
 
 
+def view_of(source: int, out: torch.Tensor, base: torch.Tensor) -> View:
+    """A differentiable output rebuilt as a view of the Function's output at ``source`` (``base``)."""
+    return _view(source, False, out, base, True)
+
+
 def _apart(inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor]) -> bool:
     """Does no output share memory with an input or another output? Told by where each one's
     storage starts, without making storage objects (the common case, on every call). A tensor

@@ -273,8 +273,9 @@ def finish(region: UserRegion, routed: list[torch.Tensor], outs: tuple[torch.Ten
     """The caller's result: the region's outputs in ``fn``'s output structure, views rebuilt."""
     assert region.out_slots is not None
     escaped = region.escaped_outputs()
-    if escaped:  # (the caller reaches those where fn left them)
+    if escaped and region.plan is None:  # (the caller reaches those where fn left them)
         outs = outs[: len(outs) - escaped]
+    # (With a plan, rebuild returns the outputs fn returned; views of escaped ones among them.)
     return region.out_slots.fill(_aliasing.rebuild(region.plan, outs, routed))
 
 
@@ -1095,6 +1096,30 @@ class UserRegion(Region):
             kept = [(k, t) for k, t in kept if id(t) not in apart]
         return kept
 
+    def _outputs_viewing_kept(
+        self, tensors: list[torch.Tensor], escaped: list[tuple[int, torch.Tensor]], viewing: dict[int, int]
+    ) -> list[torch.Tensor]:
+        """The Function's outputs without the returned views of an escaped tensor (``log.append(h);
+        return h[:, 0]``): the caller gets them as views of that output, as without remat, where an
+        in-place update of ``h`` after the call is in the graph of the view too. (``viewing``: the
+        ids of the bases of the Function's outputs, by their index, as the run made them.)"""
+        n_owned = len(self.plan.owned) if self.plan is not None else len(tensors)
+        at = {id(t): j for j, (_, t) in enumerate(escaped)}
+        moved = {k: at[b] for k, b in viewing.items() if k < n_owned and b in at}
+        if not moved:
+            return tensors
+        plan = self.plan or _aliasing.Plan(tuple([None] * n_owned), tuple(range(n_owned)), frozenset())
+        views = list(plan.views)
+        past = len(views) + len(plan.bases)  # (the escaped outputs come after the hidden bases)
+        for k, j in moved.items():
+            views[plan.owned[k]] = _aliasing.view_of(past + j, tensors[k], escaped[j][1])
+        kept = [k for k in range(len(tensors)) if k not in moved]
+        self.constant = {n for n, k in enumerate(kept) if k in self.constant}
+        self.plan = _aliasing.Plan(
+            tuple(views), tuple(plan.owned[k] for k in kept if k < n_owned), plan.copied, plan.bases
+        )
+        return [tensors[k] for k in kept]
+
     def _doubt(self, t: torch.Tensor, given: set[int]) -> str | None:
         """Why ``t``, an escaped tensor, cannot be right if someone outside the call holds it.
 
@@ -1342,13 +1367,20 @@ class UserRegion(Region):
         tensors = _aliasing.owned_outputs(self.plan, tensors)
         if grad_forward:  # drop the run's local graph
             returned_at = {id(t): (k, weakref.ref(t)) for k, t in enumerate(tensors) if t.requires_grad}
+            viewing = {
+                k: id(t._base)
+                for k, t in enumerate(tensors)
+                if t.requires_grad and t._base is not None and not (t.is_conj() or t.is_neg())  # (as_strided drops those)
+            }
             tensors = [t.detach() if t.requires_grad else t for t in tensors]
             del out
             escaped = self._escaped_tensors(substitute, flat, marks)
             self._refuse_stored_inputs(flat, given)
             if escaped:
                 escaped = self._kept_as_outputs(escaped, tensors, returned_at)
-            del returned_at
+            if escaped and viewing and self.planned:
+                tensors = self._outputs_viewing_kept(tensors, escaped, viewing)
+            del returned_at, viewing
             if escaped:  # (as they are: autograd points them at the Function's node)
                 self.escaped_at = [k for k, _ in escaped]
                 inputs = {id(t) for t in flat}

@@ -2534,11 +2534,12 @@ def test_a_kept_view_of_an_intermediate_can_be_updated_in_place_by_the_caller(vi
 
 
 @pytest.mark.parametrize("update", ["none", "the kept one", "the returned one"])
-def test_a_tensor_both_returned_and_kept_is_one_tensor_for_the_caller(update):
+@pytest.mark.parametrize("returns", ["h", "a view of h", "two views of h"])
+def test_a_tensor_both_returned_and_kept_is_one_tensor_for_the_caller(returns, update):
     """``log.append(h); return h.tanh(), h``: without remat the caller's ``h`` and ``log[0]`` are one
-    tensor, so an in-place update through either is in the graph of both. remat gives the caller
-    that one tensor too (not two outputs sharing memory, whose graphs would not see each other's
-    updates: a silently wrong gradient)."""
+    tensor (or views of one), so an in-place update through either is in the graph of both. remat
+    gives the caller that one tensor too (not outputs sharing memory, whose graphs would not see
+    each other's updates: a silently wrong gradient)."""
     torch.manual_seed(0)
     lin = nn.Linear(4, 4, dtype=D)
     log = []
@@ -2546,21 +2547,52 @@ def test_a_tensor_both_returned_and_kept_is_one_tensor_for_the_caller(update):
     def fn(x):
         h = lin(x)
         log.append(h)
-        return h.tanh(), h
+        if returns == "h":
+            return h.tanh(), h
+        if returns == "a view of h":
+            return h.tanh(), h[:, 1]
+        return h.T, h[1]
 
     def grads(f):
         log.clear()
         x = randn(3, 4, seed=1).requires_grad_()
         y, h = f(x)
         kept = log[0]
-        assert kept is h
+        assert kept is h or h._base is kept
         if update == "the kept one":
             kept.mul_(2)
         elif update == "the returned one":
             h.add_(1)
-        return _grads_of(lambda: y.sum() + h.sin().sum() + kept.square().sum(), x, *lin.parameters())
+        loss = y.sin().sum() + h.sin().sum() + kept.square().sum()
+        return (loss.detach(), *_grads_of(lambda: loss, x, *lin.parameters()))
 
     assert_close(grads(remat(fn)), grads(fn))
+
+
+@pytest.mark.parametrize("returns", ["conj", "conj().imag", "real", "imag", "view_as_real"])
+def test_a_returned_complex_view_of_a_kept_tensor_keeps_its_values(returns):
+    """Lazy conjugate and negative views of a kept tensor (``h.conj()``) returned beside it: their
+    values and gradients, as without remat (``as_strided`` would drop the conjugate bit)."""
+    w = randn(4, 4, seed=2, dtype=torch.complex128)
+    log = []
+
+    def fn(x):
+        h = x @ w
+        log.append(h)
+        view = {"conj": h.conj, "conj().imag": lambda: h.conj().imag, "real": lambda: h.real,
+                "imag": lambda: h.imag, "view_as_real": lambda: torch.view_as_real(h)}[returns]()  # fmt: skip
+        return view, (h * 2).real
+
+    def run(f):
+        log.clear()
+        x = randn(3, 4, seed=1, dtype=torch.complex128).requires_grad_()
+        view, other = f(x)
+        values = torch.view_as_real(view.resolve_conj()) if view.is_complex() else view
+        loss = (values * torch.arange(values.numel()).reshape(values.shape)).sum() + other.sum()
+        loss = loss + torch.view_as_real(log[0]).square().sum()
+        return values.detach(), *torch.autograd.grad(loss, x)
+
+    assert_close(run(remat(fn)), run(fn))
 
 
 class _AuxLoss(nn.Module):
