@@ -299,6 +299,23 @@ def _in_place_error(name: str) -> CheckpointError:
     )
 
 
+def _returned_by_id(tensors: list[torch.Tensor]) -> tuple[dict[int, int], dict[int, int]]:
+    """The positions of the outputs that require grad, by id, and the ids of the bases of those that
+    are views (not lazy conjugate or negative ones, which ``as_strided`` would not keep), by position.
+
+    By id, as a function (no name of the caller's frame holds an output on past the run's end): a
+    tensor alive at the end of the run and one that escaped it (alive since) with the same id are one.
+    """
+    returned_at: dict[int, int] = {}
+    viewing: dict[int, int] = {}
+    for k, t in enumerate(tensors):
+        if t.requires_grad:
+            returned_at[id(t)] = k
+            if t._base is not None and not (t.is_conj() or t.is_neg()):
+                viewing[k] = id(t._base)
+    return returned_at, viewing
+
+
 def _substituted(tensors: list[torch.Tensor], substitute: Substitute | None) -> list[torch.Tensor]:
     """``fn``'s output tensors, with a captured tensor it returns untouched replaced as its uses are.
 
@@ -1065,7 +1082,7 @@ class UserRegion(Region):
         self,
         escaped: list[tuple[int, torch.Tensor]],
         tensors: list[torch.Tensor],
-        returned: dict[int, tuple[int, weakref.ref[torch.Tensor]]],
+        returned: dict[int, int],
     ) -> list[tuple[int, torch.Tensor]]:
         """``escaped`` without those the caller gets otherwise, as without remat.
 
@@ -1082,9 +1099,9 @@ class UserRegion(Region):
         kept: list[tuple[int, torch.Tensor]] = []
         outputs: set[int] = set()
         for k, t in escaped:
-            entry = returned.get(id(t))
-            if entry is not None and entry[1]() is t and t.grad_fn is not None:
-                tensors[entry[0]] = t
+            k_returned = returned.get(id(t))
+            if k_returned is not None and t.grad_fn is not None:
+                tensors[k_returned] = t
                 outputs.add(id(t))
             else:
                 kept.append((k, t))
@@ -1366,12 +1383,7 @@ class UserRegion(Region):
             del owned  # (a hidden base, with the run's graph: it must not look escaped)
         tensors = _aliasing.owned_outputs(self.plan, tensors)
         if grad_forward:  # drop the run's local graph
-            returned_at = {id(t): (k, weakref.ref(t)) for k, t in enumerate(tensors) if t.requires_grad}
-            viewing = {
-                k: id(t._base)
-                for k, t in enumerate(tensors)
-                if t.requires_grad and t._base is not None and not (t.is_conj() or t.is_neg())  # (as_strided drops those)
-            }
+            returned_at, viewing = _returned_by_id(tensors)
             tensors = [t.detach() if t.requires_grad else t for t in tensors]
             del out
             escaped = self._escaped_tensors(substitute, flat, marks)
