@@ -322,11 +322,14 @@ def _on_cpu(t: torch.Tensor) -> Digest:
     n = t.numel()
     small = n <= _WEIGHTED_AT_MOST and t.is_contiguous() and not torch._C._get_tracing_state()
     squares = None
-    if small and _NUMPY_WEIGHTS:
+    if small and _NUMPY_WEIGHTS and not t.is_neg():
         # Through NumPy on the tensor's own memory: its two dot products cost a fraction of
         # torch's operator calls here, where the call is all there is (the values are the same sums).
+        # (Not a lazy negative view, z.conj().imag of one element: NumPy refuses its memory. And
+        # squares that overflow, left to torch below, warn nothing: NumPy would, in the caller's code.)
         v = t.detach().numpy().reshape(-1)
-        squares = float(v.dot(v))
+        with _numpy_errstate(over="ignore", invalid="ignore"):
+            squares = float(v.dot(v))
     if squares is not None and _SQUARES_EXACT[t.dtype] <= squares < math.inf:
         total, norm = float(v.dot(_NUMPY_WEIGHTS[t.dtype][:n])), math.sqrt(squares)
     elif small:
@@ -394,15 +397,19 @@ def _weights(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
 _weights_of_length: dict[tuple[int, torch.dtype, torch.device], torch.Tensor] = {}
 
 
-def _numpy_weights() -> dict[torch.dtype, Any]:
-    """The CPU weights as NumPy arrays (sharing their memory), or nothing where torch has no NumPy."""
+def _numpy_weights() -> tuple[dict[torch.dtype, Any], Any]:
+    """The CPU weights as NumPy arrays (sharing their memory), and NumPy's ``errstate``; or nothing
+    where torch has no NumPy."""
     try:
-        return {dtype: w.numpy() for (dtype, _), w in _weights_made.items()}
+        weights = {dtype: w.numpy() for (dtype, _), w in _weights_made.items()}
+        import numpy
+
+        return weights, numpy.errstate
     except (ImportError, RuntimeError):  # ("Numpy is not available": torch runs without it)
-        return {}
+        return {}, None
 
 
-_NUMPY_WEIGHTS = _numpy_weights()
+_NUMPY_WEIGHTS, _numpy_errstate = _numpy_weights()
 #: A sum of squares at least this large keeps its dtype's precision: squares that fell below the
 #: normal range (subnormal, or zero) lose at most a relative ``eps`` of it together.
 _SQUARES_EXACT = {dtype: torch.finfo(dtype).tiny / torch.finfo(dtype).eps for dtype in (torch.float32, torch.float64)}

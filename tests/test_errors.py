@@ -878,6 +878,42 @@ def test_values_at_the_ends_of_their_dtypes_range_raise_no_false_alarm(scale, tr
     assert_close(run(remat(f)), run(f))
 
 
+@pytest.mark.parametrize("dtype, scale", [(torch.float32, 1e20), (torch.float64, 1e160)], ids=["f32", "f64"])
+def test_values_whose_squares_overflow_give_the_caller_no_warning(dtype, scale):
+    """The value digest of such an output (taken through NumPy where torch has it) warns nothing in
+    the caller's code: a suite turning warnings into errors runs the function as without remat."""
+
+    def f(x):
+        return x * 1.5
+
+    def run(g):
+        x = (X * scale).to(dtype).requires_grad_()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            g(x).sum().backward()
+        return x.grad
+
+    assert_close(run(remat(f)), run(f))
+
+
+@pytest.mark.parametrize("scalar", [True, False], ids=["0-d", "1 element"])
+def test_output_that_is_a_lazy_negative_view_is_checked_as_without_numpy(scalar):
+    """``z.conj().imag`` of one complex value is a contiguous float tensor with the negative bit
+    set, whose memory NumPy refuses: its digest is taken by torch, and the call runs as without remat."""
+
+    def f(x):
+        z = torch.complex(x[0, :1], x[1, :1] * 2)
+        return (z[0] if scalar else z).conj().imag, x.sin()
+
+    def run(g):
+        x = X.float().requires_grad_()
+        a, b = g(x)
+        (a * 3 + b.sum()).sum().backward()
+        return a.detach(), x.grad
+
+    assert_close(run(remat(f)), run(f))
+
+
 OTHER_DTYPES = [torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.int8, torch.bool]
 
 
