@@ -49,6 +49,7 @@ from typing import cast
 
 import torch
 
+from ._capture import has_tangent
 from ._internals import DisableFuncTorch, bottom, has_gradient_dtype, set_versions, storage_of
 
 
@@ -64,6 +65,9 @@ class View:
     dtype: torch.dtype
     differentiable: bool
     whole: bool  # same geometry and dtype as the source: the source itself
+    # Made under no_grad: it says it requires grad, and a jvp's tangent reaches it, but no gradient
+    # goes through it to its source. Rebuilt under no_grad too.
+    under_no_grad: bool = False
 
 
 @dataclass(frozen=True)
@@ -82,10 +86,12 @@ def _geometry(t: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...], int]:
     return tuple(t.size()), tuple(t.stride()), cast(int, t.storage_offset())
 
 
-def _view(source: int, of_input: bool, out: torch.Tensor, base: torch.Tensor, differentiable: bool) -> View:
+def _view(source: int, of_input: bool, out: torch.Tensor, base: torch.Tensor, grad_recorded: bool) -> View:
     size, stride, offset = _geometry(out)
     whole = (size, stride, offset) == _geometry(base) and out.dtype == base.dtype
-    return View(source, of_input, size, stride, offset, out.dtype, differentiable, whole)
+    differentiable = out.requires_grad if grad_recorded else has_gradient_dtype(out)
+    under_no_grad = differentiable and not _differentiable(out, grad_recorded)
+    return View(source, of_input, size, stride, offset, out.dtype, differentiable, whole, under_no_grad)
 
 
 def plan(inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor], grad_recorded: bool) -> Plan | None:
@@ -121,31 +127,37 @@ def plan(inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor], grad_r
             for i in (i for i in members if i not in through):
                 o = outputs[i]
                 j = _source(o, inputs, inputs_on[key])
-                differentiable = o.requires_grad if grad_recorded else has_gradient_dtype(o)
-                views[i] = _view(j, True, o, inputs[j], differentiable)
+                views[i] = _view(j, True, o, inputs[j], grad_recorded)
             continue
         if len(members) == 1:
             continue
-        roots = [i for i in members if outputs[i]._base is None]
-        if not roots:  # views of an internal tensor none of them is
-            base = outputs[members[0]]._base
-            if base is None or not all(outputs[i]._base is base for i in members):
-                copied.update(members[1:])
-                continue
-            for i in members:  # views of the hidden base, the Function's output
-                o = outputs[i]
-                differentiable = o.requires_grad if grad_recorded else has_gradient_dtype(o)
-                views[i] = _view(len(outputs) + len(bases), False, o, base, differentiable)
-            bases.append(members[0])
+        differentiable = {i: _differentiable(outputs[i], grad_recorded) for i in members}
+        # A differentiable root, if any: the others are its views. Rebuilding a differentiable
+        # output as a view of a detached one (``return h.detach(), h``) would cut its gradient.
+        r = next((i for i in members if outputs[i]._base is None and differentiable[i]), None)
+        if r is not None:
+            for i in members:
+                if i != r:
+                    views[i] = _view(r, False, outputs[i], outputs[r], grad_recorded)
             continue
-        # A differentiable root, if any: rebuilding a differentiable output as a view of
-        # a detached one (``return h.detach(), h``) would cut its gradient.
-        r = next((i for i in roots if outputs[i].requires_grad), roots[0])
-        for i in members:
-            if i != r:
-                o = outputs[i]
-                differentiable = o.requires_grad if grad_recorded else has_gradient_dtype(o)
-                views[i] = _view(r, False, o, outputs[r], differentiable)
+        # Else views of an internal tensor none of them is (``return h.t(), h[0]``; beside them,
+        # tensors no gradient goes through: ``h.detach()``, ``h.view(torch.int64)``): that tensor
+        # becomes an output of the Function, the hidden base, and each of them its view (those
+        # detached), so a write through one reaches the others, as without remat.
+        some = any(differentiable.values())
+        viewing = [i for i in members if outputs[i]._base is not None and (differentiable[i] or not some)]
+        base = outputs[viewing[0]]._base if viewing else None
+        if base is not None and all(outputs[i]._base is base for i in viewing):
+            for i in members:
+                views[i] = _view(len(outputs) + len(bases), False, outputs[i], base, grad_recorded)
+            bases.append(viewing[0])
+        elif not some and any(outputs[i]._base is None for i in members):
+            r = next(i for i in members if outputs[i]._base is None)
+            for i in members:  # (no gradient to cut: views of one of them)
+                if i != r:
+                    views[i] = _view(r, False, outputs[i], outputs[r], grad_recorded)
+        else:  # views of several tensors on one storage: copies
+            copied.update(members[1:])
     owned = tuple(i for i, v in enumerate(views) if v is None)
     return Plan(tuple(views), owned, frozenset(copied), tuple(bases))
 
@@ -153,6 +165,14 @@ def plan(inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor], grad_r
 def view_of(source: int, out: torch.Tensor, base: torch.Tensor) -> View:
     """A differentiable output rebuilt as a view of the Function's output at ``source`` (``base``)."""
     return _view(source, False, out, base, True)
+
+
+def _differentiable(o: torch.Tensor, grad_recorded: bool) -> bool:
+    """Is output ``o`` differentiable (see :func:`plan`)? A view made under ``no_grad`` of a tensor that
+    requires grad says it requires grad too, but has no ``grad_fn``: no gradient reaches its base."""
+    if not grad_recorded:
+        return has_gradient_dtype(o)
+    return o.requires_grad and (o.grad_fn is not None or o._base is None)
 
 
 def _apart(inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor]) -> bool:
@@ -264,14 +284,17 @@ def rebuild(p: Plan | None, owned: Sequence[torch.Tensor], inputs: Sequence[torc
 
 
 def _make_view(base: torch.Tensor, v: View) -> torch.Tensor:
+    if v.under_no_grad:
+        with torch.no_grad():
+            return (base if base.dtype == v.dtype else _reinterpret(base, v.dtype)).as_strided(v.size, v.stride, v.offset)
     if v.whole:
         out = base
     elif base.dtype == v.dtype:
         out = base.as_strided(v.size, v.stride, v.offset)
     else:
         out = _reinterpret(base, v.dtype).as_strided(v.size, v.stride, v.offset)
-    if not v.differentiable and out.requires_grad:
-        out = out.detach()
+    if not v.differentiable and (out.requires_grad or has_tangent(out)):
+        out = out.detach()  # (under jvp too: a detached output carries no tangent)
     return out
 
 

@@ -2247,6 +2247,67 @@ def test_outputs_that_are_views_of_an_internal_tensor_neither_of_them_is(how):
     assert_close(derivative(how, via_remat, x), derivative(how, f, x))
 
 
+def _view_under_no_grad(h):
+    with torch.no_grad():
+        return h[1]
+
+
+@pytest.mark.parametrize("how", ["backward", "autograd_create_graph", "grad", "vjp", "jacrev", "jvp", "jacfwd"])
+@pytest.mark.parametrize(
+    "outputs",
+    [
+        # (and whether the caller may write into the first: torch refuses a write into the base
+        # of a view made under no_grad, and one into x that x.sin() saved)
+        (lambda x, h: (h[0], _view_under_no_grad(h)), False),
+        (lambda x, h: (h, _view_under_no_grad(h)), False),
+        (lambda x, h: (h.sin(), _view_under_no_grad(x)), True),
+        (lambda x, h: (h.view(torch.int64), h[0], h[1:]), True),
+        (lambda x, h: (h[0].detach(), h[1], h[2:]), True),
+        (lambda x, h: (h.detach(), h[0]), True),
+        (lambda x, h: (h.detach()[1], h[1]), True),
+        (lambda x, h: (x[0].detach(), h), False),
+        (lambda x, h: (h, h[0].detach()), True),
+    ],
+    ids=[
+        "no_grad view of an intermediate",
+        "of a returned one",
+        "of an input",
+        "beside a dtype view",
+        "beside a detached row",
+        "beside it detached",
+        "beside a row of it detached",
+        "a detached row of an input",
+        "a detached row of a returned one",
+    ],
+)
+@pytest.mark.parametrize("write", [False, True], ids=["read", "first written"])
+def test_outputs_that_no_gradient_reaches_the_base_of(outputs, how, write):
+    """A view made under no_grad says it requires grad but has no graph: no gradient goes through
+    it to the tensor it views (a jvp's tangent does). Nor does one reach ``h`` through
+    ``h.view(torch.int64)`` or ``h.detach()``, nor a tangent: the other views of ``h`` beside them
+    still differentiate to it, and see the caller's write into them."""
+
+    outputs, writable = outputs
+    if write and not writable:
+        pytest.skip("refused by torch without remat")
+
+    def g(x):
+        return outputs(x, x.sin() * 2)
+
+    def fn(g):
+        def f(x):
+            outs = g(x * 1)
+            if write and outs[0].is_floating_point():
+                outs[0].mul_(3)
+            outs = [o for o in outs if o.is_floating_point()]
+            return torch.cat([o.reshape(-1) * torch.arange(1, o.numel() + 1, dtype=o.dtype) for o in outs])
+
+        return f
+
+    x = randn(3, 3, seed=1)
+    assert_close(derivative(how, fn(remat(g)), x), derivative(how, fn(g), x))
+
+
 # Where a vmap is around the grad level the call's outputs are differentiated at (hessian,
 # vmap(grad(f)), grad(vmap(f)), vmap(f) and then backward), remat returns outputs viewing one
 # intermediate as separate tensors over its memory (no views rebuilt): a write into one that
