@@ -322,7 +322,9 @@ class Watch:
     version: int
 
 
-def watch_shared_memory(inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor]) -> tuple[Watch, ...]:
+def watch_shared_memory(
+    inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor], differentiable_outputs: Sequence[bool] | None = None
+) -> tuple[Watch, ...]:
     """A :class:`Watch` per memory that two ``outputs`` of the Function overlap in, or that one
     shares with an input that requires grad; ``()`` if there is none (the common case).
 
@@ -345,14 +347,19 @@ def watch_shared_memory(inputs: Sequence[torch.Tensor], outputs: Sequence[torch.
     differentiable = {storage_of(t) for t, x in zip(given, inputs) if x.requires_grad}
     others = {storage_of(t) for t, x in zip(given, inputs) if not x.requires_grad} - differentiable
     groups: dict[int, list[torch.Tensor]] = {}
-    for o in plain:
+    tracked: dict[int, list[torch.Tensor]] = {}  # the differentiable ones
+    for k, o in enumerate(plain):
         key = storage_of(o)
         if key is not None and key not in others:
             groups.setdefault(key, []).append(o)
+            if differentiable_outputs is None or differentiable_outputs[k]:
+                tracked.setdefault(key, []).append(o)
+    # (A write into an output no gradient goes through, h.detach() or h.view(torch.int64), or one
+    # that changes only such outputs, changes no gradient: without remat autograd sees neither.)
     shared = [
         members[0]
         for key, members in groups.items()
-        if key in differentiable or (len(members) > 1 and _overlapping(members))
+        if key in differentiable or (len(tracked.get(key, ())) > 1 and _overlapping(tracked[key]))
     ]
     return tuple(w for w in map(_watch, shared) if w is not None)
 

@@ -940,7 +940,11 @@ class _RematFunction(torch.autograd.Function):
             ctx.set_materialize_grads(False)
         # Outputs the caller gets as separate tensors over one intermediate's memory (no views
         # rebuilt: see _aliasing.watch_shared_memory): the backward refuses a write into it.
-        ctx.watches = () if region.outputs_share_no_input_storage() else _aliasing.watch_shared_memory(flat, output)
+        ctx.watches = (
+            ()
+            if region.outputs_share_no_input_storage()
+            else _aliasing.watch_shared_memory(flat, output, ctx.output_differentiable)
+        )
 
     @staticmethod
     @eager_under_compile

@@ -2455,6 +2455,38 @@ def test_caller_writing_one_of_several_views_of_an_internal_tensor_apart_from_th
     assert_close(vmapped_derivative(how, fn(remat(g)), x), vmapped_derivative(how, fn(g), x))
 
 
+def _dtype_views_batch():
+    try:
+        tf.vmap(lambda t: t.view(torch.int64))(torch.zeros(2, 2, dtype=D))
+    except RuntimeError:  # (torch 2.11)
+        return False
+    return True
+
+
+@pytest.mark.parametrize("how", ALL + UNDER_VMAP[2:])
+def test_caller_writing_a_view_of_an_intermediate_beside_its_bits_in_another_dtype(how):
+    """``h.view(torch.int64)`` shares the memory of ``h[0]``, but no gradient goes through it: the
+    caller's write into ``h[0]`` is right under every transform, vmap around grad included (nothing
+    is refused, as before the watch)."""
+    if how in UNDER_VMAP and not _dtype_views_batch():
+        pytest.skip(f"torch {torch.__version__} has no batching rule for view(dtype)")
+
+    def g(x):
+        h = x.sin() @ x
+        return h[0], h.view(torch.int64), h[1:]
+
+    def fn(g):
+        def f(x):
+            a, bits, c = g(x * 1)
+            a.mul_(3)
+            return torch.cat([a * 2, c.reshape(-1) * 4, (bits[0] != 0).to(x.dtype)])
+
+        return f
+
+    x = randn(3, 3, seed=1)
+    assert_close(vmapped_derivative(how, fn(remat(g)), x), vmapped_derivative(how, fn(g), x))
+
+
 @pytest.mark.parametrize("leaf", [True, False])
 def test_hook_registered_on_an_input_applies_to_its_whole_gradient(leaf):
     """Without remat the hook sees the input's gradient from every use, not only through fn."""
