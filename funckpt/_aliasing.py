@@ -163,8 +163,11 @@ def plan(inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor], grad_r
 
 
 def view_of(source: int, out: torch.Tensor, base: torch.Tensor) -> View:
-    """A differentiable output rebuilt as a view of the Function's output at ``source`` (``base``)."""
-    return _view(source, False, out, base, True)
+    """A differentiable output rebuilt as a view of the Function's output at ``source`` (``base``).
+    (``out`` may be its detached alias already: differentiable is said, not read off it.)"""
+    size, stride, offset = _geometry(out)
+    whole = (size, stride, offset) == _geometry(base) and out.dtype == base.dtype
+    return View(source, False, size, stride, offset, out.dtype, True, whole)
 
 
 def _differentiable(o: torch.Tensor, grad_recorded: bool) -> bool:
