@@ -2333,6 +2333,30 @@ def vmapped_derivative(how, fn, x):
     return derivative(how, fn, x)
 
 
+@pytest.mark.parametrize("how", UNDER_VMAP)
+@pytest.mark.parametrize(
+    "outputs",
+    [
+        lambda x, h: (h[0], _view_under_no_grad(h)),
+        lambda x, h: (h, _view_under_no_grad(h)),
+        lambda x, h: (h.sin(), _view_under_no_grad(x)),
+    ],
+    ids=["no_grad view of an intermediate", "of a returned one", "of an input"],
+)
+def test_outputs_made_under_no_grad_differentiated_under_vmap(outputs, how):
+    """Under a vmap around the grad level too, a view made under no_grad passes no gradient (it
+    was torch's raw "does not require grad and does not have a grad_fn" from the recomputation's vjp)."""
+
+    def g(x):
+        return outputs(x, x.sin() * 2)
+
+    def fn(g):
+        return lambda x: torch.cat([o.reshape(-1) * torch.arange(1, o.numel() + 1, dtype=o.dtype) for o in g(x * 1)])
+
+    x = randn(3, 3, seed=1)
+    assert_close(vmapped_derivative(how, fn(remat(g)), x), vmapped_derivative(how, fn(g), x))
+
+
 SEVERAL_VIEWS = pytest.mark.parametrize(
     "views",
     [
