@@ -102,6 +102,7 @@ from ._internals import (
     unwrap_for_grad,
     user_saved_tensors_hooks,
     unwrap_if_dead,
+    unwrap_one_level,
     wrap_for_grad,
 )
 
@@ -224,8 +225,21 @@ def _only_forward_levels_active() -> bool:
 def _needs_graph(tensors: Sequence[torch.Tensor]) -> bool:
     """Must a computation on ``tensors`` be recorded for a later differentiation?"""
     return torch.is_grad_enabled() and (
-        any(t.requires_grad for t in tensors) or (transforms_active() and grad_levels_active())
+        any(map(_requires_grad, tensors)) or (transforms_active() and grad_levels_active())
     )
+
+
+def _requires_grad(t: torch.Tensor) -> bool:
+    """Does ``t``, or the tensor under its vmap wrappers, require grad?
+
+    A BatchedTensor says it does not, whatever it wraps: under ``grad(vmap(grad(f)))`` the
+    backward of the inner grad runs its vjp as a :class:`VjpRegion` batched by the vmap, on
+    plain tensors of the outer grad's backward that require grad under the batching; read
+    off the wrapper, that vjp was computed without a graph and the outer gradient was zero.
+    """
+    while is_batchedtensor(t):
+        t = unwrap_one_level(t)
+    return t.requires_grad
 
 
 @eager_under_compile

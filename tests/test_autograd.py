@@ -328,6 +328,32 @@ def test_mixing_plain_autograd_with_torch_func_grad():
     assert_close(results[1], results[0])
 
 
+def test_grad_of_vmap_of_grad_differentiates_the_inner_gradient():
+    """MAML over a batch of tasks: an outer gradient of per-task inner gradients,
+    ``grad(w -> vmap(task)(...))`` with ``task`` taking ``grad(loss)`` at a point made from ``w``.
+    The inner grad's backward recomputes the block batched by the vmap, where the tensors of the
+    outer differentiation are BatchedTensors, which say they do not require grad: the inner
+    gradient must still be recorded for the outer one (it was computed without a graph: the
+    outer gradient was zero, and under ``.backward()`` autograd found nothing to differentiate)."""
+    shifts = torch.tensor([0.5, -1.0], dtype=D)
+
+    def outer(b):
+        def task(w, s):
+            v = w + s
+            v = v - 0.1 * tf.grad(loss(b))(v, X)  # one inner SGD step, then the task's loss
+            return loss(b)(v, X)
+
+        return lambda w: tf.vmap(task, in_dims=(None, 0))(w, shifts).sum()
+
+    assert_close(tf.grad(outer(remat(block)))(W), tf.grad(outer(block))(W))
+    grads = []
+    for b in (block, remat(block)):
+        w = _leaf(W)
+        outer(b)(w).backward()
+        grads.append(w.grad)
+    assert_close(grads[1], grads[0])
+
+
 def test_same_level_double_differentiation_raises_instead_of_wrong_answer():
     def inner(w):
         (g,) = torch.autograd.grad(remat(block)(w, X).sum(), w, create_graph=True)
