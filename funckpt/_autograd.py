@@ -291,7 +291,7 @@ def _unbatched_under_drawing_vmap(top: Any, flat: Sequence[torch.Tensor]) -> Any
         if interpreter.key() != TransformType.Vmap:
             return None
         vmap = VmapInterpreter(interpreter)
-        if vmap.randomness() != "same" and not any(_batched_at(t, interpreter.level()) for t in flat):
+        if vmap.randomness() != "same" and not any(_batched_under(t, interpreter.level()) for t in flat):
             return vmap
     return None
 
@@ -321,7 +321,7 @@ def _records_below_the_top(flat: Sequence[torch.Tensor]) -> bool:
     below it, or an input that requires grad or carries a plain forward-mode tangent?"""
     below = interpreter_stack()[:-1]
     return any(i.key() in (TransformType.Grad, TransformType.Jvp) for i in below) or any(
-        t.requires_grad or has_tangent(t) for t in flat
+        _requires_grad(t) or has_tangent(t) for t in flat
     )
 
 
@@ -764,6 +764,19 @@ def _vjp_here(region: Region, primals: Tensors, cotangents: Tensors, needs: Sequ
 
 def _batched_at(t: torch.Tensor, level: int) -> bool:
     return is_batchedtensor(t) and maybe_get_level(t) == level
+
+
+def _batched_under(t: torch.Tensor, level: int) -> bool:
+    """Is ``t`` batched at the vmap ``level``, by its own wrapper or one under its other vmaps'?
+
+    Under nested vmaps (``vmap(vmap(f))``) a tensor batched at both is a BatchedTensor of the
+    inner level around one of the outer: its own wrapper names the inner level only.
+    """
+    while is_batchedtensor(t):
+        if maybe_get_level(t) == level:
+            return True
+        t = unwrap_one_level(t)
+    return False
 
 
 def _vjp_of_batched_cotangents(

@@ -354,6 +354,32 @@ def test_grad_of_vmap_of_grad_differentiates_the_inner_gradient():
     assert_close(grads[1], grads[0])
 
 
+@pytest.mark.parametrize("batched_at", ["both", "inner", "outer"])
+def test_backward_through_nested_vmaps_of_grad(batched_at):
+    """Per-example gradients over a grid (two nested vmaps), differentiated again by
+    ``.backward()``: ``vmap(vmap(grad(f)))`` at a point made from a leaf that requires grad. The
+    inner grad's vjp runs batched by both vmaps: a tensor batched at both is a BatchedTensor of
+    the inner one around one of the outer, and under them a tensor that requires grad; taken for
+    one not batched at the outer vmap and needing no graph, the vjp ran alone, unrecorded, and
+    autograd raised 'element 0 of tensors does not require grad'."""
+    s = torch.tensor([0.5, -1.0], dtype=D)  # batched at the inner vmap
+    t = torch.tensor([0.25, 2.0, 1.5], dtype=D)  # at the outer one
+
+    def run(b, w):
+        def per_example(s, t):
+            point = {"both": w * s + t, "inner": w * s, "outer": w + t}[batched_at]
+            return tf.grad(loss(b))(point, X).sin().sum()
+
+        return tf.vmap(tf.vmap(per_example, in_dims=(0, None)), in_dims=(None, 0))(s, t).sum()
+
+    grads = []
+    for b in (block, remat(block)):
+        w = _leaf(W)
+        run(b, w).backward()
+        grads.append(w.grad)
+    assert_close(grads[1], grads[0])
+
+
 def test_same_level_double_differentiation_raises_instead_of_wrong_answer():
     def inner(w):
         (g,) = torch.autograd.grad(remat(block)(w, X).sum(), w, create_graph=True)
