@@ -686,6 +686,9 @@ class UserRegion(Region):
     # with their values at the call: a recomputation starts from those (see _capture.reparametrized).
     rebound_attributes: Sequence[tuple[torch.nn.Module, str, Any]] = ()
     draws_by_layout = False  # did the forward run call a dropout whose mask depends on the layout (_draws)?
+    # Escaped views of another escaped tensor (h[:, 0] kept beside h): views of that output
+    # for the caller, not outputs of their own (see _kept_as_outputs).
+    escaped_views: Sequence[weakref.ref[torch.Tensor]] = ()
 
     def __init__(
         self,
@@ -742,9 +745,6 @@ class UserRegion(Region):
         self.escapes_allowed = self.escapes_become_outputs and not transforms_active()
         self.escaped_at: list[int] = []
         self.escape_doubts: list[str | None] = []  # per escaped output (see _doubt)
-        # Escaped views of another escaped tensor (h[:, 0] kept beside h): views of that output
-        # for the caller, not outputs of their own (see _kept_as_outputs).
-        self.escaped_views: list[weakref.ref[torch.Tensor]] = []
 
     def _user_context(self, forward: bool) -> Any:
         """``context_fn``'s first context for the forward run, its second for a recomputation.
@@ -1167,7 +1167,7 @@ class UserRegion(Region):
         """After the call: the escaped views of the Function's outputs (see :meth:`_kept_as_outputs`)
         become views of them for autograd too."""
         views = [v for v in (r() for r in self.escaped_views) if v is not None]
-        self.escaped_views = []
+        self.escaped_views = ()
         for base in {id(v._base): cast(torch.Tensor, v._base) for v in views}.values():
             # The base's graph is now the Function's node: a view's grad_fn, made when the base's
             # graph was the run's own, is made again from the base's once its version moves.
