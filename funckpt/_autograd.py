@@ -225,7 +225,9 @@ def _only_forward_levels_active() -> bool:
 def _needs_graph(tensors: Sequence[torch.Tensor]) -> bool:
     """Must a computation on ``tensors`` be recorded for a later differentiation?"""
     return torch.is_grad_enabled() and (
-        any(map(_requires_grad, tensors)) or (transforms_active() and grad_levels_active())
+        any(t.requires_grad for t in tensors)
+        # (under a vmap, where a batched tensor reads False whatever it wraps: _requires_grad)
+        or (transforms_active() and (grad_levels_active() or any(map(_requires_grad, tensors))))
     )
 
 
