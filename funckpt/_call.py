@@ -368,6 +368,13 @@ def _remove_hooks_since(t: torch.Tensor, before: dict[str, set[Any]]) -> None:
                 del hooks[key]
 
 
+def _functorch_level_assert(e: Exception) -> bool:
+    """Is ``e`` functorch's internal assert on a tensor of a level the running transform does not
+    have (a closure tensor of an enclosing transform given to a transform inside the function)?"""
+    text = str(e)
+    return "INTERNAL ASSERT FAILED" in text and ("wrapped->level() < level" in text or "batched == nullptr" in text)
+
+
 def _refused_by_fullgraph_compile(e: Exception) -> bool:
     """Is ``e`` Dynamo's refusal of a graph break under ``fullgraph=True``?"""
     return type(e).__name__ == "Unsupported" and type(e).__module__ == "torch._dynamo.exc"
@@ -834,6 +841,16 @@ class UserRegion(Region):
                     "which Dynamo cannot trace without a graph break. Compile the remat'd function instead, "
                     "torch.compile(remat(f), fullgraph=True), where remat becomes the compiler's own "
                     "checkpoint region, or compile f without fullgraph=True."
+                ) from e
+            if _functorch_level_assert(e):
+                raise CheckpointError(
+                    f"remat({self.name}): the function passes a tensor it reaches through its closure (or a "
+                    "global, or a partial's argument) that belongs to an enclosing torch.func transform to a "
+                    "torch.func transform of its own (torch.func.grad, vjp, jacrev, jvp inside it; a MAML inner "
+                    "loop closing over the task's data). Those transforms wrap their arguments themselves, where "
+                    "remat cannot route the tensor, and torch's internal check failed. Pass that tensor to the "
+                    "remat'd function as an argument: remat(lambda w, x: grad(loss)(w, x))(w, x) (a checkpointed "
+                    "loop's step: in its carry)."
                 ) from e
             # A forward run recording a graph (its own, or at the grad level of its own under vmap or
             # forward mode) gets its differentiable inputs as leaves: autograd refuses their writes.

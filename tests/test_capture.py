@@ -1440,3 +1440,26 @@ class _KeepsItsInputBySetattr(_KeepsItsInputDecorated):
 def test_a_module_storing_its_input_however_its_class_writes_it_raises(module):
     with pytest.raises(CheckpointError, match="stored one of its inputs .* a module attribute"):
         remat(module())(X.clone().requires_grad_())
+
+
+@pytest.mark.parametrize("transform", ["grad", "jvp"])
+def test_a_closure_tensor_of_the_caller_given_to_a_transform_inside_raises_saying_to_pass_it(transform):
+    """A tensor of the caller's transform, reached through the closure and given to a torch.func
+    transform inside the function (a MAML inner step closing over the task's data): that transform
+    wraps it itself, where remat cannot route it, and torch's internal assert failed. remat says
+    what to do; passing the tensor as an argument gives the function's own result."""
+    w = torch.randn(3, dtype=D, generator=torch.Generator().manual_seed(0))
+    xs = torch.randn(2, 3, dtype=D, generator=torch.Generator().manual_seed(1))
+
+    def loss(w, x):
+        return torch.sin(w * x).sum()
+
+    def run(inner):
+        if transform == "grad":
+            return tf.grad(lambda x: inner(x).pow(2).sum())(xs[0])
+        return tf.jvp(inner, (xs[0],), (xs[1],))[1]
+
+    with pytest.raises(CheckpointError, match="Pass that tensor to the remat'd function as an argument"):
+        run(lambda x: remat(lambda q: tf.grad(loss)(q, x))(w))
+    expected = run(lambda x: tf.grad(loss)(w, x))
+    assert_close(run(lambda x: remat(lambda q, x: tf.grad(loss)(q, x))(w, x)), expected)
