@@ -44,13 +44,14 @@ wrong gradient.
 from __future__ import annotations
 
 from collections.abc import Sequence
+import dataclasses
 from dataclasses import dataclass
 from typing import cast
 
 import torch
 
 from ._capture import has_tangent
-from ._internals import DisableFuncTorch, bottom, has_gradient_dtype, set_versions, storage_of
+from ._internals import DisableFuncTorch, bottom, has_gradient_dtype, made_under_no_grad, set_versions, storage_of
 
 
 @dataclass(frozen=True)
@@ -165,17 +166,14 @@ def plan(inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor], grad_r
 def view_of(source: int, out: torch.Tensor, base: torch.Tensor) -> View:
     """A differentiable output rebuilt as a view of the Function's output at ``source`` (``base``).
     (``out`` may be its detached alias already: differentiable is said, not read off it.)"""
-    size, stride, offset = _geometry(out)
-    whole = (size, stride, offset) == _geometry(base) and out.dtype == base.dtype
-    return View(source, False, size, stride, offset, out.dtype, True, whole)
+    return dataclasses.replace(_view(source, False, out, base, False), differentiable=True, under_no_grad=False)
 
 
 def _differentiable(o: torch.Tensor, grad_recorded: bool) -> bool:
-    """Is output ``o`` differentiable (see :func:`plan`)? A view made under ``no_grad`` of a tensor that
-    requires grad says it requires grad too, but has no ``grad_fn``: no gradient reaches its base."""
+    """Is output ``o`` differentiable (see :func:`plan`)? Not a view made under ``no_grad``, whatever it says."""
     if not grad_recorded:
         return has_gradient_dtype(o)
-    return o.requires_grad and (o.grad_fn is not None or o._base is None)
+    return o.requires_grad and not made_under_no_grad(o)
 
 
 def _apart(inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor]) -> bool:

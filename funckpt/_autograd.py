@@ -83,6 +83,7 @@ from ._internals import (
     legacy_vmap_decrement,
     legacy_vmap_depth,
     legacy_vmap_increment,
+    made_under_no_grad,
     level_lift,
     lowered,
     make_dual,
@@ -574,7 +575,7 @@ def vjp(
                     outs = region.run(leaves, Phase.RECOMPUTE)
             else:
                 outs = region.run(leaves, Phase.RECOMPUTE)
-            pairs = [(o, c) for o, c in zip(outs, cotangents) if o.requires_grad and not _made_under_no_grad(o)]
+            pairs = [(o, c) for o, c in zip(outs, cotangents) if o.requires_grad and not made_under_no_grad(o)]
             if not pairs:
                 return [None] * len(primals)
             try:
@@ -634,7 +635,7 @@ def _vjp_around_reentrant_checkpoint(
         ) from error
     leaves = tuple(p.detach().requires_grad_(True) if need else p.detach() for p, need in zip(primals, needs))
     outs = region.run(leaves, Phase.RECOMPUTE)
-    pairs = [(o, c) for o, c in zip(outs, cotangents) if o.requires_grad and not _made_under_no_grad(o)]
+    pairs = [(o, c) for o, c in zip(outs, cotangents) if o.requires_grad and not made_under_no_grad(o)]
     torch.autograd.backward([o for o, _ in pairs], [c for _, c in pairs])
     return tuple(leaves[i].grad for i in wrt)
 
@@ -674,17 +675,10 @@ def _recompute_of(
         for i, x in zip(wrt, xs):
             full[i] = x
         outs = region.run(tuple(full), Phase.RECOMPUTE)
-        differentiable[:] = [has_gradient_dtype(o) and not _made_under_no_grad(o) for o in outs]
+        differentiable[:] = [has_gradient_dtype(o) and not made_under_no_grad(o) for o in outs]
         return tuple(o for o, d in zip(outs, differentiable) if d)
 
     return f
-
-
-def _made_under_no_grad(o: torch.Tensor) -> bool:
-    """A view made under ``no_grad`` of a tensor that requires grad (``with torch.no_grad(): b = h[1]``):
-    it says it requires grad but has no ``grad_fn``, so no gradient goes through it, and autograd
-    refuses it as an output to differentiate."""
-    return o.requires_grad and o.grad_fn is None and o._base is not None
 
 
 def _in_legacy_vmap() -> bool:

@@ -78,6 +78,7 @@ __all__ = [
     "legacy_vmap_decrement",
     "legacy_vmap_depth",
     "legacy_vmap_increment",
+    "made_under_no_grad",
     "level_lift",
     "level_kinds",
     "make_dual",
@@ -693,6 +694,13 @@ def has_gradient_dtype(t: torch.Tensor) -> bool:
     question, answered by ``_capture.differentiable_input``.
     """
     return t.is_floating_point() or t.is_complex()
+
+
+def made_under_no_grad(t: torch.Tensor) -> bool:
+    """Is ``t`` a view made under ``no_grad`` of a tensor that requires grad (``with torch.no_grad():
+    b = h[1]``)? It says it requires grad but has no ``grad_fn``: no gradient goes through it to
+    its base, and autograd refuses it as an output to differentiate."""
+    return t.requires_grad and t.grad_fn is None and t._base is not None
 
 
 def bottom(x: torch.Tensor) -> torch.Tensor:
