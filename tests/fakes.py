@@ -1,5 +1,6 @@
 """Test doubles and probes shared by test files (a module, not a test file)."""
 
+import collections
 import gc
 import weakref
 
@@ -36,6 +37,18 @@ class FakeBackend:
 
     def ready(self, t, done):
         self.log.append(("ready", tuple(t.shape), done))
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts the ATen operators executed while active, by packet (JAX's jaxpr-text counts)."""
+
+    def __init__(self):
+        super().__init__()
+        self.counts = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.counts[func.overloadpacket] += 1
+        return func(*args, **(kwargs or {}))
 
 
 class CountComputing(TorchDispatchMode):

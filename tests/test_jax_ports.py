@@ -17,17 +17,16 @@ JAX tests not ported, and why, are listed in ``SKIPPED`` below.
 
 from __future__ import annotations
 
-import collections
 import functools
 
 import pytest
 import torch
 import torch.func as tf
 from torch.testing import assert_close
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import funckpt
 from funckpt import checkpoint_name, policies, remat
+from tests.fakes import OpCounter
 
 D = torch.float64
 aten = torch.ops.aten
@@ -90,18 +89,6 @@ SKIPPED = {
 
 def t(v, **kw):
     return torch.tensor(v, dtype=D, **kw)
-
-
-class OpCounter(TorchDispatchMode):
-    """Counts the ATen operators executed while active (JAX's jaxpr-text counts)."""
-
-    def __init__(self):
-        super().__init__()
-        self.counts = collections.Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.counts[func.overloadpacket] += 1
-        return func(*args, **(kwargs or {}))
 
 
 def backward_ops(f, *args):

@@ -6,6 +6,7 @@ import torch, torch.func as tf
 from torch.testing import assert_close
 from funckpt import remat, scan, policies
 from tests.ports.common import *
+from tests.fakes import OpCounter
 
 class Sin(torch.autograd.Function):
     @staticmethod
@@ -88,14 +89,6 @@ funky = lambda x: FunkySin.apply(x)[0]
 
 def scan_apply(f, x, ck=None):
     return scan(lambda x, _: (f(x), None), x, None, length=1, checkpoints=ck)[0]
-
-import collections
-class OpCounter(torch.utils._python_dispatch.TorchDispatchMode):
-    def __init__(self):
-        super().__init__(); self.counts = collections.Counter()
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.counts[func.overloadpacket] += 1
-        return func(*args, **(kwargs or {}))
 
 @pytest.mark.parametrize("pname", ["save_cos", "save_sin", "everything", "nothing"])
 @pytest.mark.parametrize("ck", [None, 1])

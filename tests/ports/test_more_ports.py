@@ -1,6 +1,6 @@
 """More ports: jax api_test.py tests outside RematTest that use remat, the two RematTest
 leftovers, and PyTorch test_autograd.py tests marked 'does not apply' that partly apply."""
-import functools, itertools, collections
+import functools, itertools
 import pytest
 import torch, torch.func as tf
 from torch.testing import assert_close
@@ -9,6 +9,7 @@ from torch.utils.flop_counter import FlopCounterMode
 import funckpt
 from funckpt import remat, scan, fori_loop, while_loop, policies, checkpoint_name, checkpoint
 from tests.ports.common import *
+from tests.fakes import OpCounter
 
 # ---------------------------------------------------------------- JAX api_test.py
 
@@ -26,13 +27,6 @@ def _make_sin_static():
             (c,) = ctx.saved_tensors
             return None, c * g
     return SinS
-
-class OpCounter(torch.utils._python_dispatch.TorchDispatchMode):
-    def __init__(self):
-        super().__init__(); self.counts = collections.Counter()
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.counts[func.overloadpacket] += 1
-        return func(*args, **(kwargs or {}))
 
 @pytest.mark.parametrize("policy,cos_in_bwd", [(policies.save_only_these_names("cos"), False), (None, True)])
 def test_custom_vjp_with_checkpoint_name_in_fwd_static_argnums(policy, cos_in_bwd):
