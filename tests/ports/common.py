@@ -24,6 +24,13 @@ def scan_reference(f, init, xs=None, length=None, reverse=False):
         ys = None
     return carry, ys
 
+def split_lengths(lst, idx):
+    """``lst`` cut into consecutive pieces of the lengths ``idx``, and the rest."""
+    out, start = [], 0
+    for i in idx:
+        out.append(lst[start:start + i]); start += i
+    out.append(lst[start:]); return out
+
 def while_reference(cond, body, carry):
     while bool(cond(carry)):
         carry = body(carry)

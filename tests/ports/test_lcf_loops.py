@@ -254,12 +254,6 @@ def test_test_while_readonly_carry_optimization(impl, request):
     gr = tf.grad(lambda w: torch.stack([xx @ w @ w @ w for xx in xs]).sum())(w)
     assert_close(g, gr)
 
-def _split(lst, idx):
-    out, start = [], 0
-    for i in idx:
-        out.append(lst[start:start + i]); start += i
-    out.append(lst[start:]); return out
-
 @pytest.mark.parametrize("impl", W)
 @pytest.mark.parametrize("seed,nbc,nuse,nnotuse,nnon", list(itertools.product(range(1), range(2), range(3), range(3), range(3))))
 def test_test_while_constification_correctness(impl, seed, nbc, nuse, nnotuse, nnon):
@@ -272,12 +266,12 @@ def test_test_while_constification_correctness(impl, seed, nbc, nuse, nnotuse, n
     def cond_fun(c):
         i, c = c
         c = [c[j] for j in iperm]
-        c, _ = _split(c, [nuse])
+        c, _ = split_lengths(c, [nuse])
         return (i < 2) or bool((0. * sum(c, t(0.))) != 0)
     def body_fun(c):
         i, c = c
         c = [c[j] for j in iperm]
-        inpl, non, dont = _split(c, [nuse + nnotuse, nnon])
+        inpl, non, dont = split_lengths(c, [nuse + nnotuse, nnon])
         dont = [torch.sin(x) * sum((torch.sum(b) for b in body_consts), t(0.)) for x in dont]
         newp = [*inpl, *dont, *non]
         return i + 1, [newp[j] for j in perm]

@@ -280,12 +280,6 @@ def test_test_scan_fixpoint_instantiate(impl):
         return sum(c)
     assert_close(tf.grad(lambda x: f(x, sc))(t(1.)), t(0.))
 
-def _split(lst, idx):
-    out, start = [], 0
-    for i in idx:
-        out.append(lst[start:start + i]); start += i
-    out.append(lst[start:]); return out
-
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("seed,nbc,nin,nnon", list(itertools.product(range(2), range(3), range(3), range(3))))
 def test_test_scan_constification_correctness(impl, seed, nbc, nin, nnon):
@@ -297,7 +291,7 @@ def test_test_scan_constification_correctness(impl, seed, nbc, nin, nnon):
     init_vals = list(torch.rand(num_carry, generator=g, dtype=D).unbind())
     def body(c, _):
         c = [c[i] for i in iperm]
-        inpl, noninpl, dont = _split(c, [nin, nnon])
+        inpl, noninpl, dont = split_lengths(c, [nin, nnon])
         dont = [torch.sin(x) * sum(torch.sum(b) for b in body_consts) for x in dont]
         new = [*inpl, *dont, *noninpl]
         return [new[i] for i in perm], [0 for _ in range(3)]
@@ -324,11 +318,11 @@ def test_test_scan_forwarding_correctness(impl, seed, nbc, ncf, nif):
     init_vals = list(torch.rand(num_carry, generator=g, dtype=D).unbind())
     def body(c, x):
         c = [c[i] for i in carry_iperm]
-        fw, dont = _split(c, [ncf])
+        fw, dont = split_lengths(c, [ncf])
         dont = [torch.sin(v) * sum(torch.sum(b) for b in body_consts) for v in dont]
         newp = [*fw, *dont]; new_c = [newp[i] for i in carry_perm]
         x = [x[i] for i in xs_perm]
-        xf, xd = _split(x, [nif])
+        xf, xd = split_lengths(x, [nif])
         xd = [torch.cos(v) * sum(torch.sum(b) for b in body_consts) for v in xd]
         y = [*xf, *xd, 0.]
         return new_c, [y[i] for i in ys_perm]
@@ -373,15 +367,15 @@ def test_test_scan_vjp_forwarding_correctness(impl, seed, nrc, ncf, ncaf, nif):
     import math
     def body(c, x):
         c = [c[i] for i in carry_iperm]
-        const_fwds, const_dont = _split(body_consts, [ncf])
+        const_fwds, const_dont = split_lengths(body_consts, [ncf])
         z = sum(const_dont)
-        cf, cd = _split(c, [ncf])
+        cf, cd = split_lengths(c, [ncf])
         cf = [math.prod([v, v, *const_fwds, z]) for v in cf]
         cd = [torch.sin(v) * sum(torch.sum(b) for b in body_consts) for v in cd]
         newp = [*cf, *cd]; new_c = [newp[i] for i in carry_perm]
         new_c = [Foo.apply(new_c[0]), *new_c[1:]]
         x = [x[i] for i in xs_perm]
-        xf, xd = _split(x, [nif])
+        xf, xd = split_lengths(x, [nif])
         xf = [v * v for v in xf]
         xd = [torch.cos(v) * sum(torch.sum(b) for b in body_consts) for v in xd]
         y = [*xf, *xd, 0.]
