@@ -258,7 +258,7 @@ def apply(region: Region, flat: Sequence[torch.Tensor]) -> Tensors:
         outputs = _apply(region, flat)
     finally:
         set_internal(internal)
-    made_by_nested_region(outputs)  # (in the user's code of the runs it is nested in)
+    made_by_nested_region(outputs, flat)  # (in the user's code of the runs it is nested in)
     return outputs
 
 

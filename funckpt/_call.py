@@ -40,6 +40,7 @@ from ._capture import (
     Roots,
     stored_attributes,
     Substitute,
+    Taint,
     changed_captures,
     differentiable_input,
     find_captured,
@@ -689,6 +690,9 @@ class UserRegion(Region):
     _at_a_grad_level = False
     _made_at_own_level: list[weakref.ref[torch.Tensor]] | None = None  # (during that run, what it made)
     escapes_live: list[bool] | None = None  # per escaped output: held after the call? (settle_escapes)
+    # What the forward run made and kept outside the call that carries no derivative, where it
+    # records no graph of its own (see _refuse_tainted_escapes).
+    made_and_kept: Sequence[weakref.ref[torch.Tensor]] = ()
     # The plain module attributes the forward run rebound with a tensor place of their module,
     # with their values at the call: a recomputation starts from those (see _capture.reparametrized).
     rebound_attributes: Sequence[tuple[torch.nn.Module, str, Any]] = ()
@@ -895,7 +899,8 @@ class UserRegion(Region):
         return kind(f"remat({self.name}): {the_recomputation()} raised {type(e).__name__}: {e} where the forward pass did not. {why}")
 
     def _check_captures_unchanged(self) -> None:
-        changed = changed_captures(self.fn, self.captured)
+        made = (t for r in self.made_and_kept if (t := r()) is not None)
+        changed = changed_captures(self.fn, self.captured, made)
         if changed:
             shapes = ", ".join(str(tuple(t.shape)) for t in changed)
             raise CheckpointError(
@@ -1334,9 +1339,16 @@ class UserRegion(Region):
         # graph of its own (below a vmap, in a Function's forward, which turns it off).
         grad_mode = grad_forward or (self.caller_grad_enabled and not plain_autograd)
         at_own_level = self._made_at_own_level is not None  # (see _forward_run_at_a_grad_level)
+        # Below a vmap (or jvp) level with no grad level of its own the run records no graph that
+        # would show a tensor it keeps outside the call: what carries a derivative is traced instead.
+        tainting = not (plain_autograd or grad_forward or at_own_level) and any(self.differentiable)
         with self._running(flat, forward=True, grad=grad_mode, modes=modes, watch=watch) as run:
             if (grad_forward or at_own_level) and run.substitute is not None:
                 run.substitute.made = []
+            elif tainting and run.substitute is not None:
+                run.substitute.made = []
+                seeds = (t for t, d in zip(flat, self.differentiable) if d)
+                run.substitute.taint = Taint(seeds, any_grad_mode=self.required_grad_at_call is None)
             containers = None if self.argspec.tensors_only else _container_snapshot(run.args, run.kwargs)
             out = self._call_fn(run.args, run.kwargs, True, grad_forward)
             self._refuse_container_writes(containers, run.args, run.kwargs)
@@ -1355,6 +1367,8 @@ class UserRegion(Region):
         self._refuse_hidden_tensors(slots.leaves, plain_autograd)
         if self.saved is not None:
             self.saved.finish_forward(tuple(tensors))
+        if tainting and run.substitute is not None:  # (once the policy holds detached copies of what it keeps)
+            self._refuse_tainted_escapes(run.substitute, tensors, flat)
         substitute = run.substitute
         assert substitute is not None
         if substitute.uninitialized:
@@ -1531,16 +1545,43 @@ class UserRegion(Region):
             gc.collect()  # a reference cycle waiting for the collector is not an escape
             escaped = alive()
         if escaped:
-            raise CheckpointError(
-                f"remat({self.name}): a tensor of shape {tuple(escaped[-1].shape)} that the function computed "
-                "outlived the call other than as its return value under a torch.func transform (kept by a "
-                "forward hook, a list or dict it appends to, a global, or a module attribute; HF's "
-                "output_attentions, output_hidden_states and output_router_logits do this, and its key/value "
-                "cache unless the model is called with use_cache=False). remat cannot give "
-                "it a graph in the caller's transform, so a gradient through it would be silently missing. "
-                "Return it from the function, or detach it if it is only kept for logging (use_cache=False "
-                "for a key/value cache)."
-            )
+            self._refuse_escape_under_transform(escaped[-1])
+
+    def _refuse_tainted_escapes(self, substitute: Substitute, outputs: Sequence[torch.Tensor], flat: tuple[torch.Tensor, ...]) -> None:
+        """Raise if a tensor the run computed from its differentiable inputs outlived it other than as
+        an output, where the run records no graph that shows it (see :class:`~funckpt._capture.Taint`).
+
+        Kept, it holds the forward run's values at a level with no derivative: read by a later call
+        or by this call's recomputation (a key/value cache the recomputation appends to again, and
+        attends over twice: the same values, half the gradient), its derivative is silently missing."""
+        made, taint = substitute.made or [], substitute.taint
+        substitute.made = substitute.taint = None
+        assert taint is not None
+        escaped, kept = taint.alive(made, [*outputs, *flat])
+        if escaped:
+            gc.collect()  # a reference cycle waiting for the collector is not an escape
+            escaped, kept = taint.alive(made, [*outputs, *flat])
+        # (What carries no derivative may be kept, in a list the function closes over too:
+        # not a closure rebound to another tensor, for the check before a recomputation.)
+        self.made_and_kept = [weakref.ref(t) for t in kept]
+        del kept
+        if escaped:  # (what the policies of the regions around this one keep, until they end)
+            held = held_by_recording_regions()
+            escaped = [t for t in escaped if id(t) not in held]
+        if escaped:
+            self._refuse_escape_under_transform(escaped[-1])
+
+    def _refuse_escape_under_transform(self, t: torch.Tensor) -> None:
+        raise CheckpointError(
+            f"remat({self.name}): a tensor of shape {tuple(t.shape)} that the function computed "
+            "outlived the call other than as its return value under a torch.func transform (kept by a "
+            "forward hook, a list or dict it appends to, a global, or a module attribute; HF's "
+            "output_attentions, output_hidden_states and output_router_logits do this, and its key/value "
+            "cache unless the model is called with use_cache=False). remat cannot give "
+            "it a graph in the caller's transform, so a gradient through it would be silently missing. "
+            "Return it from the function, or detach it if it is only kept for logging (use_cache=False "
+            "for a key/value cache)."
+        )
 
     #: A region whose recomputation reaches its captured tensors as the forward run did
     #: (a loop's reversal runs its steps through other paths: it always substitutes).

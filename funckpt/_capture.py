@@ -59,6 +59,7 @@ from ._internals import (
     AccumulateGrad,
     TransformType,
     forward_ad_level,
+    has_gradient_dtype,
     fsdp2_training_state,
     interpreter_stack,
     is_batchedtensor,
@@ -412,17 +413,18 @@ def _parts(item: Any) -> list[Any]:
     return parts
 
 
-def changed_captures(fn: Callable[..., Any], before: Captured) -> list[torch.Tensor]:
+def changed_captures(fn: Callable[..., Any], before: Captured, made: Iterable[torch.Tensor] = ()) -> list[torch.Tensor]:
     """Differentiable leaves (or live functorch tensors) ``fn`` reaches now but did not at the call.
 
     Between the forward pass and a recomputation, a closure cell, global or
     partial argument may have been rebound to another tensor; the recomputation
     would silently use it. Module tensors are left out (they are
     re-parametrized to the call's), and so are results of computations, which
-    ``fn`` itself may have stored in a container it closes over.
+    ``fn`` itself may have stored in a container it closes over: ``made``, those of
+    its forward run still alive that are functorch tensors of a level still alive.
     """
     now = find_captured(fn, modules_too=False)
-    seen = {id(t) for t in before.tensors}
+    seen = {id(t) for t in before.tensors} | {id(t) for t in made}
     changed = [
         t
         for t in now.tensors
@@ -1031,7 +1033,7 @@ def set_internal(internal: bool) -> bool:
 _active = _Active()
 
 
-def made_by_nested_region(outputs: Sequence[Any]) -> None:
+def made_by_nested_region(outputs: Sequence[Any], inputs: Sequence[Any] = ()) -> None:
     """Count the tensors a nested region's Function returned as made by the runs we are inside.
 
     ``autograd.Function.apply`` does not pass through torch-function modes, and the
@@ -1044,7 +1046,7 @@ def made_by_nested_region(outputs: Sequence[Any]) -> None:
     if _active.internal or _is_compiling():
         return
     for substitute in _active.substitutes:
-        substitute.note_made(outputs)
+        substitute.note_made(outputs, inputs)
 
 
 def route_through_enclosing(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -1113,6 +1115,86 @@ _CUTS_GRADIENT = frozenset(
 _is_compiling = torch.compiler.is_compiling  # (Dynamo reads it as True where it traces)
 
 
+def _writes_its_first_argument(func: Any) -> bool:
+    """Does ``func`` write into its first argument (``add_``, ``copy_``, ``x[i] = v``, ``x += v``)?"""
+    written = _WRITES_FIRST.get(func)
+    if written is None:
+        name = getattr(func, "__name__", "")
+        written = _WRITES_FIRST[func] = name == "__setitem__" or (
+            name.endswith("__") and name.startswith("__i") or (name.endswith("_") and not name.endswith("__"))
+        )
+    return written
+
+
+_WRITES_FIRST: dict[Any, bool] = {}
+
+
+class Taint:
+    """The tensors a forward run made that a derivative of its differentiable inputs flows through.
+
+    Where the forward run records no graph it can see (below a ``vmap`` around the
+    caller's grad level with a saving policy, ``vmap(grad(f))``, ``grad(vmap(f))``, or
+    below ``vmap(jvp(f))``), a tensor it computes from its differentiable inputs
+    and keeps outside the call (a key/value cache, a forward hook's list) cannot be
+    told from a constant by ``requires_grad``: it is told by this, spread operator by
+    operator from the inputs (``seeds``) to what each operator returns or writes.
+    ``any_grad_mode``: spread under ``no_grad`` too (a forward-mode derivative flows there).
+    """
+
+    __slots__ = ("any_grad_mode", "ids", "seeds")
+
+    def __init__(self, seeds: Iterable[torch.Tensor], any_grad_mode: bool) -> None:
+        self.seeds = frozenset(id(t) for t in seeds)
+        self.ids: set[int] = set()
+        self.any_grad_mode = any_grad_mode
+
+    def _carried(self, value: Any) -> bool:
+        if isinstance(value, torch.Tensor):
+            return id(value) in self.ids or id(value) in self.seeds
+        if isinstance(value, (list, tuple)):
+            return any(self._carried(v) for v in value)
+        return False
+
+    def spread(self, func: Any, args: Sequence[Any], kwargs: dict[str, Any], outs: Sequence[Any]) -> None:
+        """Note what ``func`` returned (every tensor made here passes through this: an id
+        reused after its tensor died is noted afresh) and, if it carries a derivative, what it wrote."""
+        carries = (
+            func not in _CUTS_GRADIENT
+            and (self.any_grad_mode or torch.is_grad_enabled())
+            and (self._carried(args) or self._carried(list(kwargs.values())))
+        )
+        ids = self.ids
+        for o in outs:
+            if isinstance(o, torch.Tensor):
+                if carries and has_gradient_dtype(o):
+                    ids.add(id(o))
+                else:
+                    ids.discard(id(o))
+        if not carries:
+            return
+        written = [kwargs.get("out")]
+        if args and _writes_its_first_argument(func):
+            written.append(args[0])
+        for w in written:
+            for t in w if isinstance(w, (list, tuple)) else (w,):
+                if isinstance(t, torch.Tensor) and has_gradient_dtype(t):
+                    ids.add(id(t))
+
+    def alive(
+        self, made: Sequence[weakref.ref[torch.Tensor]], returned: Iterable[torch.Tensor]
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The tensors among ``made`` still alive but for ``returned`` (the outputs, the inputs) and
+        what those view: those that carry a derivative (escaped), and those that do not."""
+        known = set()
+        for t in returned:
+            base: torch.Tensor | None = t
+            while base is not None:
+                known.add(id(base))
+                base = base._base
+        alive = [u for r in made if (u := r()) is not None and id(u) not in known]
+        return [t for t in alive if id(t) in self.ids], [t for t in alive if id(t) not in self.ids]
+
+
 class Substitute(OnThreadStack, TorchFunctionMode):
     """Replaces captured tensors by identity; optionally rejects foreign tensors.
 
@@ -1160,6 +1242,8 @@ class Substitute(OnThreadStack, TorchFunctionMode):
         self.retained: set[int] = set()
         # Did the run call a dropout whose mask depends on its input's layout (see ``_draws``)?
         self.layout_draws = False
+        # Where a forward run records no graph it can see: what carries a derivative (see Taint).
+        self.taint: Taint | None = None
 
     def _thread_stack(self) -> list[Any]:
         return _active.substitutes
@@ -1188,11 +1272,13 @@ class Substitute(OnThreadStack, TorchFunctionMode):
             return type(value)(swapped) if isinstance(value, list) else tuple(swapped)
         return value
 
-    def note_made(self, outputs: Iterable[Any]) -> None:
+    def note_made(self, outputs: Sequence[Any], inputs: Sequence[Any] = ()) -> None:
         """``outputs`` were made in this run by the user's code, by an operator or a nested region
-        (see :func:`made_by_nested_region`): they take positions (``made`` in a forward run,
-        ``keep`` in a recomputation)."""
+        (see :func:`made_by_nested_region`, which gives its ``inputs``): they take positions
+        (``made`` in a forward run, ``keep`` in a recomputation)."""
         inside, made, keep = self.inside, self.made, self.keep
+        if self.taint is not None:
+            self.taint.spread(None, inputs, {}, outputs)
         if made is not None:  # a forward run: a tensor's position is its index in ``made``
             for o in outputs:
                 if isinstance(o, torch.Tensor):
@@ -1345,6 +1431,8 @@ class Substitute(OnThreadStack, TorchFunctionMode):
                 if isinstance(o, torch.Tensor):
                     inside.add(id(o))
                     made.append(weakref.ref(o))
+            if self.taint is not None:
+                self.taint.spread(func, args if swapped is None else swapped, kwargs or {}, outs)
         else:
             self.note_made(outs)
         return out

@@ -3090,6 +3090,78 @@ def test_a_tensor_kept_outside_the_call_under_torch_func_raises():
         tf.grad(remat(fn))(randn(3, seed=1))
 
 
+# Routes where the forward run records no graph of its own: below a vmap around the caller's
+# grad level with a saving policy, and below vmap(jvp). A derivative of ``fn(w, x)`` by each.
+_BELOW_A_VMAP = {
+    "vmap(grad)": lambda f, w, xs: tf.vmap(tf.grad(lambda w, x: f(w, x).sum()), in_dims=(None, 0))(w, xs),
+    "grad(vmap)": lambda f, w, xs: tf.grad(lambda w: tf.vmap(f, in_dims=(None, 0))(w, xs).sum())(w),
+    "vmap, then backward": lambda f, w, xs: (lambda w: torch.autograd.grad(tf.vmap(f, in_dims=(None, 0))(w, xs).sum(), w))(
+        w.clone().requires_grad_()
+    )[0],
+    "vmap(jvp)": lambda f, w, xs: tf.vmap(lambda x: tf.jvp(lambda w: f(w, x), (w,), (torch.ones_like(w),))[1])(xs),
+    "jacfwd": lambda f, w, xs: tf.jacfwd(lambda w: f(w, xs[0]))(w),
+}
+
+
+class _Cache:
+    """A key/value cache in the shape of HF's: an object passed in, whose layer appends to it."""
+
+    keys: torch.Tensor | None = None
+
+
+def _attends_over_its_cache(w, x, cache):
+    """Attends over the keys its cache holds and this call's: a recomputation that appends to the
+    forward run's keys again gets the same values (each key twice) and half their gradient."""
+    k = torch.tanh(x @ w)
+    old = cache.keys if cache.keys is not None else k.new_zeros(0, k.shape[-1])
+    cache.keys = torch.cat([old, k])
+    return torch.softmax(cache.keys @ k.t(), dim=0).t() @ cache.keys
+
+
+@pytest.mark.parametrize("policy", [None, policies.dots_saveable, policies.everything_saveable], ids=str)
+@pytest.mark.parametrize("how", list(_BELOW_A_VMAP))
+def test_a_key_value_cache_kept_outside_the_call_raises_below_a_vmap(how, policy):
+    f = remat(_attends_over_its_cache, policy=policy)
+    w, xs = randn(4, 4, seed=1), randn(3, 2, 4, seed=2)
+    with pytest.raises(CheckpointError, match="(?s)outlived the call other than as its return value.*use_cache=False"):
+        _BELOW_A_VMAP[how](lambda w, x: f(w, x, _Cache()), w, xs)
+
+
+def _keeps(what, log):
+    """A function that keeps ``what`` outside the call, none of it carrying a derivative, or
+    returns views of one intermediate."""
+
+    def fn(w, x):
+        h = x @ w
+        if what == "a detached tensor":
+            log.append(h.detach())
+        elif what == "a constant made inside":
+            log.append(torch.arange(4, dtype=D).cos())
+        elif what == "what no_grad computed":
+            with torch.no_grad():
+                log.append(h * 2)
+        elif what == "an integer tensor":
+            log.append(h.argmax(-1))
+        elif what == "views of an intermediate":
+            return h[0].sin() + h.t()[:, 0] * h[1]
+        return h.sin()
+
+    return fn
+
+
+@pytest.mark.parametrize("policy", [None, policies.dots_saveable, policies.everything_saveable], ids=str)
+@pytest.mark.parametrize("how", list(_BELOW_A_VMAP))
+@pytest.mark.parametrize(
+    "what", ["a detached tensor", "a constant made inside", "what no_grad computed", "an integer tensor", "views of an intermediate"]
+)
+def test_what_carries_no_derivative_may_be_kept_below_a_vmap(what, how, policy):
+    if what == "what no_grad computed" and how in ("vmap(jvp)", "jacfwd"):
+        pytest.skip("no_grad does not stop a forward-mode derivative: kept, it carries one")
+    w, xs = randn(4, 4, seed=1), randn(3, 2, 4, seed=2)
+    log = []
+    assert_close(_BELOW_A_VMAP[how](remat(_keeps(what, log), policy=policy), w, xs), _BELOW_A_VMAP[how](_keeps(what, log), w, xs))
+
+
 def test_a_view_of_an_input_kept_outside_the_call_raises():
     kept = []
 

@@ -770,3 +770,30 @@ def test_a_key_value_cache_left_on_is_refused_naming_use_cache(where):
     with pytest.raises(funckpt.CheckpointError, match="use_cache=False"):
         call(input_ids=ids, labels=ids).loss.backward()
     call(input_ids=ids, labels=ids, use_cache=False).loss.backward()  # (as the README says)
+
+
+def test_a_key_value_cache_left_on_is_refused_under_vmap_grad_with_a_policy():
+    """Per-example gradients of a Llama whose layers keep their matmuls (``dots_saveable``): the
+    forward run records no graph there, and a recomputation appending to the cache again would
+    attend over every key twice (same values, half the gradient). It is refused; with
+    ``use_cache=False`` the gradients are those without remat."""
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=50, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1
+    )
+    plain = transformers.LlamaForCausalLM(config).train().to(D)
+    model = copy.deepcopy(plain)
+    for i, layer in enumerate(model.model.layers):
+        model.model.layers[i] = funckpt.remat(layer, policy=funckpt.policies.dots_saveable)
+    params = {k: v.detach() for k, v in plain.named_parameters()}
+    ids = torch.randint(1, 50, (3, 6))
+
+    def per_example(m, use_cache):
+        def loss(p, one):
+            return tf.functional_call(m, p, (), dict(input_ids=one[None], labels=one[None], use_cache=use_cache)).loss
+
+        return tf.vmap(tf.grad(loss), in_dims=(None, 0))(params, ids)
+
+    with pytest.raises(funckpt.CheckpointError, match="use_cache=False"):
+        per_example(model, True)
+    assert_close(per_example(model, False), per_example(plain, False))
