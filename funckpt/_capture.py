@@ -1129,6 +1129,19 @@ def _writes_its_first_argument(func: Any) -> bool:
 _WRITES_FIRST: dict[Any, bool] = {}
 
 
+def _makes_values_anew(func: Any) -> bool:
+    """Does ``func`` read only its tensor arguments' shape, dtype and device, or draw values no
+    derivative flows through (``randn_like``, ``new_zeros``, ``bernoulli``)?"""
+    anew = _ANEW.get(func)
+    if anew is None:
+        name = getattr(func, "__name__", "")
+        anew = _ANEW[func] = name.endswith("_like") or name.startswith("new_") or name in ("bernoulli", "bernoulli_", "multinomial")
+    return anew
+
+
+_ANEW: dict[Any, bool] = {}
+
+
 class Taint:
     """The tensors a forward run made that a derivative of its differentiable inputs flows through.
 
@@ -1160,6 +1173,7 @@ class Taint:
         reused after its tensor died is noted afresh) and, if it carries a derivative, what it wrote."""
         carries = (
             func not in _CUTS_GRADIENT
+            and not _makes_values_anew(func)
             and (self.any_grad_mode or torch.is_grad_enabled())
             and (self._carried(args) or self._carried(list(kwargs.values())))
         )

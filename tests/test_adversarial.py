@@ -3142,6 +3142,8 @@ def _keeps(what, log):
                 log.append(h * 2)
         elif what == "an integer tensor":
             log.append(h.argmax(-1))
+        elif what == "a tensor made like one":
+            log.append(torch.zeros_like(h) + h.new_ones(()))
         elif what == "views of an intermediate":
             return h[0].sin() + h.t()[:, 0] * h[1]
         return h.sin()
@@ -3152,7 +3154,15 @@ def _keeps(what, log):
 @pytest.mark.parametrize("policy", [None, policies.dots_saveable, policies.everything_saveable], ids=str)
 @pytest.mark.parametrize("how", list(_BELOW_A_VMAP))
 @pytest.mark.parametrize(
-    "what", ["a detached tensor", "a constant made inside", "what no_grad computed", "an integer tensor", "views of an intermediate"]
+    "what",
+    [
+        "a detached tensor",
+        "a constant made inside",
+        "what no_grad computed",
+        "an integer tensor",
+        "a tensor made like one",
+        "views of an intermediate",
+    ],
 )
 def test_what_carries_no_derivative_may_be_kept_below_a_vmap(what, how, policy):
     if what == "what no_grad computed" and how in ("vmap(jvp)", "jacfwd"):
@@ -3160,6 +3170,26 @@ def test_what_carries_no_derivative_may_be_kept_below_a_vmap(what, how, policy):
     w, xs = randn(4, 4, seed=1), randn(3, 2, 4, seed=2)
     log = []
     assert_close(_BELOW_A_VMAP[how](remat(_keeps(what, log), policy=policy), w, xs), _BELOW_A_VMAP[how](_keeps(what, log), w, xs))
+
+
+@pytest.mark.parametrize("inner", [None, policies.dots_saveable, policies.everything_saveable], ids=str)
+@pytest.mark.parametrize("outer", [None, policies.dots_saveable, policies.everything_saveable], ids=str)
+@pytest.mark.parametrize("how", list(_BELOW_A_VMAP))
+def test_nested_calls_keeping_nothing_below_a_vmap(how, outer, inner):
+    """What the operators of a run save for their derivative at its own level (below a vmap that
+    ``.backward()`` differentiates, the graph its outputs carry until the call's node replaces it),
+    and what an enclosing policy keeps, is alive at the run's end without being kept outside."""
+
+    def block(w, x):
+        h = x @ w
+        return torch.tanh(h) * h.sin()
+
+    def two(w, x, b=block):
+        return b(w, b(w, x).cos() * x)
+
+    w, xs = randn(4, 4, seed=1), randn(3, 2, 4, seed=2)
+    nested = remat(functools.partial(two, b=remat(block, policy=inner)), policy=outer)
+    assert_close(_BELOW_A_VMAP[how](nested, w, xs), _BELOW_A_VMAP[how](two, w, xs))
 
 
 def test_a_view_of_an_input_kept_outside_the_call_raises():
