@@ -30,6 +30,7 @@ import optree
 import torch
 from torch.nn.modules.lazy import LazyModuleMixin
 from torch.nn.parameter import is_lazy
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 from . import _aliasing, _autocast, _rng
 from ._autograd import Phase, Region, apply, eager_under_compile, local_input
@@ -104,6 +105,7 @@ from ._options import RematOptions, callable_name, check_static_argnums
 from ._pytree import ArgSpec, TreeSlots, flatten, flatten_args
 from ._residuals import notify
 from ._saving import (
+    Replayer,
     Saved,
     WriteWatch,
     clone_together,
@@ -374,6 +376,14 @@ def _functorch_level_assert(e: Exception) -> bool:
     have (a closure tensor of an enclosing transform given to a transform inside the function)?"""
     text = str(e)
     return "INTERNAL ASSERT FAILED" in text and ("wrapped->level() < level" in text or "batched == nullptr" in text)
+
+
+def _traced() -> bool:
+    """Is a dispatch mode other than funckpt's own on (``make_fx``'s tracer: ``linearize``,
+    ``torch.export``)? It keeps every tensor a run makes, so what outlives the run cannot be told."""
+    if not torch._C._len_torch_dispatch_stack():
+        return False
+    return any(not isinstance(m, (WriteWatch, Replayer, OpTrace)) for m in _get_current_dispatch_mode_stack())
 
 
 def _refused_by_fullgraph_compile(e: Exception) -> bool:
@@ -1299,7 +1309,13 @@ class UserRegion(Region):
     def forward_run(self, flat: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
         """The first run, in the forward pass: record what a recomputation must replay and check."""
         plain_autograd = peek_interpreter_stack() is None
-        if not plain_autograd and self.required_grad_at_call is not None and not self._at_a_grad_level and self.saved is None:
+        if (
+            not plain_autograd
+            and self.required_grad_at_call is not None
+            and not self._at_a_grad_level
+            and self.saved is None
+            and self.caller_grad_enabled  # (not a checkpointed loop's forward sweep, which records nothing)
+        ):
             return self._forward_run_at_a_grad_level(flat)
         # The forward run records a local graph (dropped when it ends) when the
         # caller could differentiate, so fn can use autograd inside, as it can
@@ -1339,16 +1355,20 @@ class UserRegion(Region):
         # graph of its own (below a vmap, in a Function's forward, which turns it off).
         grad_mode = grad_forward or (self.caller_grad_enabled and not plain_autograd)
         at_own_level = self._made_at_own_level is not None  # (see _forward_run_at_a_grad_level)
-        # Below a vmap (or jvp) level with no grad level of its own the run records no graph that
-        # would show a tensor it keeps outside the call: what carries a derivative is traced instead.
-        tainting = not (plain_autograd or grad_forward or at_own_level) and any(self.differentiable)
+        # Below a vmap (or jvp) level with no grad level of its own, and in a checkpointed loop's
+        # forward sweep (which runs without grad), the run records no graph that would show a
+        # tensor it keeps outside the call: what carries a derivative is traced instead. (Through
+        # no_grad too where the run itself is under it, or a forward-mode derivative flows.)
+        sweep = not self.escapes_become_outputs and not grad_forward
+        tainting = (
+            any(self.differentiable) and (sweep or not (plain_autograd or grad_forward or at_own_level)) and not _traced()
+        )
         with self._running(flat, forward=True, grad=grad_mode, modes=modes, watch=watch) as run:
-            if (grad_forward or at_own_level) and run.substitute is not None:
+            if (grad_forward or at_own_level or tainting) and run.substitute is not None:
                 run.substitute.made = []
-            elif tainting and run.substitute is not None:
-                run.substitute.made = []
+            if tainting and run.substitute is not None:
                 seeds = (t for t, d in zip(flat, self.differentiable) if d)
-                run.substitute.taint = Taint(seeds, any_grad_mode=self.required_grad_at_call is None)
+                run.substitute.taint = Taint(seeds, any_grad_mode=sweep or self.required_grad_at_call is None)
             containers = None if self.argspec.tensors_only else _container_snapshot(run.args, run.kwargs)
             out = self._call_fn(run.args, run.kwargs, True, grad_forward)
             self._refuse_container_writes(containers, run.args, run.kwargs)
@@ -1356,6 +1376,7 @@ class UserRegion(Region):
             raise _suppressed(self.name)
         if run.substitute is not None and run.substitute.layout_draws:
             self.draws_by_layout = True
+        made = run.substitute.made if run.substitute is not None else None
         if at_own_level and run.substitute is not None and run.substitute.made is not None:
             self._made_at_own_level, run.substitute.made = run.substitute.made, None
         if grad_forward:
@@ -1368,7 +1389,12 @@ class UserRegion(Region):
         if self.saved is not None:
             self.saved.finish_forward(tuple(tensors))
         if tainting and run.substitute is not None:  # (once the policy holds detached copies of what it keeps)
-            self._refuse_tainted_escapes(run.substitute, tensors, flat)
+            taint, run.substitute.taint = run.substitute.taint, None
+            assert taint is not None
+            if not at_own_level:
+                run.substitute.made = None
+            self._refuse_tainted_escapes(taint, made or [], tensors, flat)
+        del made
         substitute = run.substitute
         assert substitute is not None
         if substitute.uninitialized:
@@ -1547,16 +1573,15 @@ class UserRegion(Region):
         if escaped:
             self._refuse_escape_under_transform(escaped[-1])
 
-    def _refuse_tainted_escapes(self, substitute: Substitute, outputs: Sequence[torch.Tensor], flat: tuple[torch.Tensor, ...]) -> None:
+    def _refuse_tainted_escapes(
+        self, taint: Taint, made: list[weakref.ref[torch.Tensor]], outputs: Sequence[torch.Tensor], flat: tuple[torch.Tensor, ...]
+    ) -> None:
         """Raise if a tensor the run computed from its differentiable inputs outlived it other than as
         an output, where the run records no graph that shows it (see :class:`~funckpt._capture.Taint`).
 
         Kept, it holds the forward run's values at a level with no derivative: read by a later call
         or by this call's recomputation (a key/value cache the recomputation appends to again, and
         attends over twice: the same values, half the gradient), its derivative is silently missing."""
-        made, taint = substitute.made or [], substitute.taint
-        substitute.made = substitute.taint = None
-        assert taint is not None
         escaped, kept = taint.alive(made, [*outputs, *flat])
         if escaped:
             gc.collect()  # a reference cycle waiting for the collector is not an escape
@@ -1572,6 +1597,15 @@ class UserRegion(Region):
             self._refuse_escape_under_transform(escaped[-1])
 
     def _refuse_escape_under_transform(self, t: torch.Tensor) -> None:
+        if not self.escapes_become_outputs:  # a checkpointed loop's step
+            raise CheckpointError(
+                f"remat({self.name}): a tensor of shape {tuple(t.shape)} that the function computed outlived the "
+                "call other than as its return value in a step of a checkpointed loop (kept by a forward hook, "
+                "a list or dict it appends to, a global, or a module attribute; an auxiliary loss stored on a "
+                "module). The loop's forward sweep records no graph, and its steps run again one at a time in "
+                "the backward pass, so a gradient through that tensor would be silently missing. Return it "
+                "from the step, as its y (scan stacks the ys), or detach it if it is only kept for logging."
+            )
         raise CheckpointError(
             f"remat({self.name}): a tensor of shape {tuple(t.shape)} that the function computed "
             "outlived the call other than as its return value under a torch.func transform (kept by a "

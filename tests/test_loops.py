@@ -978,3 +978,64 @@ def test_vmap_of_a_loop_with_an_unbatched_output_used(checkpoints, transform):
 
     plain = lambda c: body(2, body(1, body(0, c)))  # noqa: E731
     assert_close(grad_of(lambda c: funckpt.fori_loop(0, 3, body, c, checkpoints=checkpoints)), grad_of(plain))
+
+
+# A derivative of a loss that reads what a loop's step kept outside it, by several routes.
+_KEEPING_ROUTES = {
+    "backward": lambda loss, w: (lambda leaf: torch.autograd.grad(loss(leaf), leaf)[0])(w.clone().requires_grad_()),
+    "grad": lambda loss, w: tf.grad(loss)(w),
+    "vmap(grad)": lambda loss, w: tf.vmap(tf.grad(lambda w, s: loss(w) * s), in_dims=(None, 0))(w, torch.ones(2, dtype=D)),
+}
+
+
+def _loop_keeping(what, loop, checkpoints, xs, c0):
+    """A loss through ``loop`` whose step keeps ``what`` in a list, read after the loop."""
+
+    def loss(w):
+        kept = []
+
+        def cell_keeping(c, x):
+            h = torch.tanh(c @ w + x)
+            if what == "a tensor with a gradient":
+                kept.append(h.sin())
+            elif what == "a detached tensor":
+                kept.append(h.detach().sin())
+            elif what == "a number":
+                kept.append(float(h.sum()))
+            elif what == "an integer tensor":
+                kept.append(h.argmax())
+            return h, h.sum()
+
+        if loop == "scan":
+            c, ys = funckpt.scan(cell_keeping, c0, xs, checkpoints=checkpoints)
+        elif loop == "python":
+            c, ys = python_scan(cell_keeping, c0, xs)
+        else:
+            c = funckpt.fori_loop(0, xs.shape[0], lambda i, c: cell_keeping(c, xs[i])[0], c0, checkpoints=checkpoints)
+            ys = c.sum()
+        read = sum((t * 1.0).pow(2).sum() if isinstance(t, torch.Tensor) else t for t in kept)
+        return c.pow(2).sum() + ys.sum() + read
+
+    return loss
+
+
+@pytest.mark.parametrize("route", list(_KEEPING_ROUTES))
+@pytest.mark.parametrize("loop", ["scan", "fori_loop"])
+@pytest.mark.parametrize("checkpoints", [None, 2])
+def test_a_step_keeping_a_tensor_with_a_gradient_outside_the_loop_raises(checkpoints, loop, route):
+    """The forward sweep records no graph and the backward pass runs the steps again one at a
+    time: a tensor a step computes and keeps outside it (an auxiliary loss in a list or on a
+    module) would get no gradient. Refused, saying to return it as the step's y."""
+    w, _, xs, c0 = make(n=5)
+    with pytest.raises(funckpt.CheckpointError, match="(?s)in a step of a checkpointed loop.*as its y"):
+        _KEEPING_ROUTES[route](_loop_keeping("a tensor with a gradient", loop, checkpoints, xs, c0), w)
+
+
+@pytest.mark.parametrize("route", list(_KEEPING_ROUTES))
+@pytest.mark.parametrize("what", ["a detached tensor", "a number", "an integer tensor"])
+@pytest.mark.parametrize("checkpoints", [None, 2])
+def test_a_step_may_keep_what_carries_no_gradient(checkpoints, what, route):
+    w, _, xs, c0 = make(n=5)
+    got = _KEEPING_ROUTES[route](_loop_keeping(what, "scan", checkpoints, xs, c0), w)
+    assert_close(got, _KEEPING_ROUTES[route](_loop_keeping(what, "python", checkpoints, xs, c0), w))
+

@@ -1123,17 +1123,6 @@ def test_autocast_in_one_pass_only(checkpoints, where):
     assert_close(run(fk_scan(checkpoints)), run(py_scan))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "a step that stores a tensor it computes into a closure list (aux.append(n.sum())) and the caller "
-        "differentiates through it: the plain loop's gradient includes that path, funckpt's forward sweep runs "
-        "without grad so the stored tensors are constants and the gradient through them is silently missing. "
-        "remat makes it an output of the call (UserRegion._escaped_tensors), but a LoopRegion's forward sweep "
-        "records no graph and, without grad, a stored tensor cannot be told from a detached one "
-        "(logging) by requires_grad: detecting it needs the step's stores seen another way"
-    ),
-)
 @pytest.mark.parametrize("checkpoints", [None, 2])
 def test_step_storing_a_computed_tensor_in_a_closure_list(checkpoints):
     def run(scan):
