@@ -57,6 +57,7 @@ from ._naming import OnThreadStack
 from ._saving import WriteWatch
 from ._internals import (
     AccumulateGrad,
+    bottom,
     TransformType,
     forward_ad_level,
     has_gradient_dtype,
@@ -1142,6 +1143,12 @@ def _makes_values_anew(func: Any) -> bool:
 _ANEW: dict[Any, bool] = {}
 
 
+def _root(t: torch.Tensor) -> torch.Tensor:
+    """The plain tensor under ``t``'s functorch wrappers, or the tensor that one views."""
+    b = bottom(t)
+    return b if b._base is None else b._base
+
+
 class Taint:
     """The tensors a forward run made that a derivative of its differentiable inputs flows through.
 
@@ -1154,11 +1161,16 @@ class Taint:
     ``any_grad_mode``: spread under ``no_grad`` too (a forward-mode derivative flows there).
     """
 
-    __slots__ = ("any_grad_mode", "ids", "seeds")
+    __slots__ = ("any_grad_mode", "ids", "roots", "seeds")
 
     def __init__(self, seeds: Iterable[torch.Tensor], any_grad_mode: bool) -> None:
         self.seeds = frozenset(id(t) for t in seeds)
         self.ids: set[int] = set()
+        # The tensors written with what carries a derivative, by the plain tensor under any functorch
+        # wrappers that they view (or are): a write into a view (``buf[0].copy_(k)``, a static
+        # cache's ``index_copy_`` into a slice) reaches its base and every other view of it, not
+        # what was detached from it.
+        self.roots: dict[int, weakref.ref[torch.Tensor]] = {}
         self.any_grad_mode = any_grad_mode
 
     def _carried(self, value: Any) -> bool:
@@ -1193,6 +1205,18 @@ class Taint:
             for t in w if isinstance(w, (list, tuple)) else (w,):
                 if isinstance(t, torch.Tensor) and has_gradient_dtype(t):
                     ids.add(id(t))
+                    root = _root(t)
+                    self.roots[id(root)] = weakref.ref(root)
+
+    def _holds(self, t: torch.Tensor) -> bool:
+        """Does ``t`` carry a derivative: made from one, or a view of what was written with one?"""
+        if id(t) in self.ids:
+            return True
+        if not self.roots:
+            return False
+        root = _root(t)
+        r = self.roots.get(id(root))
+        return r is not None and r() is root
 
     def alive(
         self, made: Sequence[weakref.ref[torch.Tensor]], returned: Iterable[torch.Tensor]
@@ -1206,7 +1230,8 @@ class Taint:
                 known.add(id(base))
                 base = base._base
         alive = [u for r in made if (u := r()) is not None and id(u) not in known]
-        return [t for t in alive if id(t) in self.ids], [t for t in alive if id(t) not in self.ids]
+        holds = [self._holds(t) for t in alive]
+        return [t for t, h in zip(alive, holds) if h], [t for t, h in zip(alive, holds) if not h]
 
 
 class Substitute(OnThreadStack, TorchFunctionMode):

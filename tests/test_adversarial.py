@@ -3192,6 +3192,37 @@ def test_nested_calls_keeping_nothing_below_a_vmap(how, outer, inner):
     assert_close(_BELOW_A_VMAP[how](nested, w, xs), _BELOW_A_VMAP[how](two, w, xs))
 
 
+def _writes_its_cache_through_a_view(how):
+    """A preallocated cache (HF's StaticCache) made inside, written through a slice of it: only the
+    slice is written with what carries a derivative, the cache kept is its base."""
+
+    def fn(w, x, cache):
+        k = torch.tanh(x @ w)
+        buf = torch.zeros_like(k).unsqueeze(0).repeat(2, 1, 1)
+        if how == "copy_ into an index":
+            buf[0].copy_(k)
+        elif how == "index_copy_ into a slice":
+            buf[:1].index_copy_(0, torch.tensor([0]), k.unsqueeze(0))
+        else:  # a view made before the write: the slice kept, the base written
+            cache.keys = buf[1:]
+            buf.index_copy_(0, torch.tensor([1]), k.unsqueeze(0))
+            return k.sin()
+        cache.keys = buf
+        return k.sin()
+
+    return fn
+
+
+@pytest.mark.parametrize("policy", [None, policies.dots_saveable, policies.everything_saveable], ids=str)
+@pytest.mark.parametrize("how", list(_BELOW_A_VMAP))
+@pytest.mark.parametrize("write", ["copy_ into an index", "index_copy_ into a slice", "a view made before the write"])
+def test_a_cache_written_through_a_view_and_kept_raises_below_a_vmap(write, how, policy):
+    f = remat(_writes_its_cache_through_a_view(write), policy=policy)
+    w, xs = randn(4, 4, seed=1), randn(3, 2, 4, seed=2)
+    with pytest.raises(CheckpointError, match="outlived the call other than as its return value"):
+        _BELOW_A_VMAP[how](lambda w, x: f(w, x, _Cache()), w, xs)
+
+
 def test_a_view_of_an_input_kept_outside_the_call_raises():
     kept = []
 
