@@ -1165,7 +1165,10 @@ class Taint:
 
     def __init__(self, seeds: Iterable[torch.Tensor], any_grad_mode: bool) -> None:
         self.seeds = frozenset(id(t) for t in seeds)
-        self.ids: set[int] = set()
+        # (By id, each with its tensor: a tensor made where this does not see it, by torch.from_numpy
+        # or a torch.func transform inside the run, may take the id of a dead one that carried a
+        # derivative, and must not inherit it.)
+        self.ids: dict[int, weakref.ref[torch.Tensor]] = {}
         # The tensors written with what carries a derivative, by the plain tensor under any functorch
         # wrappers that they view (or are): a write into a view (``buf[0].copy_(k)``, a static
         # cache's ``index_copy_`` into a slice) reaches its base and every other view of it, not
@@ -1175,7 +1178,8 @@ class Taint:
 
     def _carried(self, value: Any) -> bool:
         if isinstance(value, torch.Tensor):
-            return id(value) in self.ids or id(value) in self.seeds
+            r = self.ids.get(id(value))
+            return (r is not None and r() is value) or id(value) in self.seeds
         if isinstance(value, (list, tuple)):
             return any(self._carried(v) for v in value)
         return False
@@ -1193,9 +1197,9 @@ class Taint:
         for o in outs:
             if isinstance(o, torch.Tensor):
                 if carries and has_gradient_dtype(o):
-                    ids.add(id(o))
+                    ids[id(o)] = weakref.ref(o)
                 else:
-                    ids.discard(id(o))
+                    ids.pop(id(o), None)
         if not carries:
             return
         written = [kwargs.get("out")]
@@ -1204,13 +1208,14 @@ class Taint:
         for w in written:
             for t in w if isinstance(w, (list, tuple)) else (w,):
                 if isinstance(t, torch.Tensor) and has_gradient_dtype(t):
-                    ids.add(id(t))
+                    ids[id(t)] = weakref.ref(t)
                     root = _root(t)
                     self.roots[id(root)] = weakref.ref(root)
 
     def _holds(self, t: torch.Tensor) -> bool:
         """Does ``t`` carry a derivative: made from one, or a view of what was written with one?"""
-        if id(t) in self.ids:
+        r = self.ids.get(id(t))
+        if r is not None and r() is t:
             return True
         if not self.roots:
             return False

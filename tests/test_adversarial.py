@@ -3223,6 +3223,26 @@ def test_a_cache_written_through_a_view_and_kept_raises_below_a_vmap(write, how,
         _BELOW_A_VMAP[how](lambda w, x: f(w, x, _Cache()), w, xs)
 
 
+@pytest.mark.parametrize("how", list(_BELOW_A_VMAP))
+def test_a_tensor_the_mode_does_not_see_made_takes_no_derivative_from_a_dead_ones_id_below_a_vmap(how):
+    """``torch.from_numpy`` makes a tensor without passing through the substitution mode: it may
+    take the id of a dead tensor that carried a derivative, and a constant made from it and kept
+    (a running log) carries none."""
+    np = pytest.importorskip("numpy")
+    log = []
+
+    def fn(w, x):
+        h = x @ w
+        for i in range(50):
+            t = torch.tanh(h) * i
+            del t
+            log.append(torch.from_numpy(np.full(4, float(i))) * 2)
+        return h.sin()
+
+    w, xs = randn(4, 4, seed=1), randn(3, 2, 4, seed=2)
+    assert_close(_BELOW_A_VMAP[how](remat(fn, policy=policies.dots_saveable), w, xs), _BELOW_A_VMAP[how](fn, w, xs))
+
+
 def test_a_view_of_an_input_kept_outside_the_call_raises():
     kept = []
 
