@@ -699,6 +699,7 @@ class UserRegion(Region):
     required_grad_at_call: list[bool] | None = None
     _at_a_grad_level = False
     _made_at_own_level: list[weakref.ref[torch.Tensor]] | None = None  # (during that run, what it made)
+    _taint_at_own_level: Taint | None = None  # (that run's, where a forward-mode derivative flows)
     escapes_live: list[bool] | None = None  # per escaped output: held after the call? (settle_escapes)
     # What the forward run made and kept outside the call that carries no derivative, where it
     # records no graph of its own (see _refuse_tainted_escapes).
@@ -1369,6 +1370,15 @@ class UserRegion(Region):
             if tainting and run.substitute is not None:
                 seeds = (t for t, d in zip(flat, self.differentiable) if d)
                 run.substitute.taint = Taint(seeds, any_grad_mode=sweep or self.required_grad_at_call is None)
+            elif at_own_level and forward_mode_active() and run.substitute is not None:
+                # The level's graph shows a reverse-mode derivative only: a tangent of an input
+                # that does not require grad (vmap(jvp) of a function whose module's parameters
+                # do) flows where it does not, and is traced (see _refuse_escapes_of_the_level).
+                required = self.required_grad_at_call or [False] * len(flat)
+                own_seeds = [t for t, d, r in zip(flat, self.differentiable, required) if d and not r]
+                if own_seeds:
+                    run.substitute.taint = Taint(own_seeds, any_grad_mode=True)
+                del own_seeds
             containers = None if self.argspec.tensors_only else _container_snapshot(run.args, run.kwargs)
             out = self._call_fn(run.args, run.kwargs, True, grad_forward)
             self._refuse_container_writes(containers, run.args, run.kwargs)
@@ -1379,6 +1389,7 @@ class UserRegion(Region):
         made = run.substitute.made if run.substitute is not None else None
         if at_own_level and run.substitute is not None and run.substitute.made is not None:
             self._made_at_own_level, run.substitute.made = run.substitute.made, None
+            self._taint_at_own_level, run.substitute.taint = run.substitute.taint, None
         if grad_forward:
             self.moved_hooks = _move_input_hooks(flat, given, self.name)
             _move_retain_grad(flat, given, run.substitute)
@@ -1552,18 +1563,28 @@ class UserRegion(Region):
         finally:
             set_grad_enabled(grad_was)
             made, self._made_at_own_level = self._made_at_own_level, None
-        self._refuse_escapes_of_the_level(made, outs)
+            taint, self._taint_at_own_level = self._taint_at_own_level, None
+        self._refuse_escapes_of_the_level(made, outs, taint)
         return tuple(outs)
 
-    def _refuse_escapes_of_the_level(self, made: list[weakref.ref[torch.Tensor]], outs: Any) -> None:
+    def _refuse_escapes_of_the_level(self, made: list[weakref.ref[torch.Tensor]], outs: Any, taint: Taint | None = None) -> None:
         """Raise if a tensor the run made at its own grad level outlived it other than as an output
         (a forward hook's list, a module attribute): once the level is gone, what holds it holds a
-        tensor of no level, whose gradient would be silently missing (as it raises under grad)."""
+        tensor of no level, whose gradient would be silently missing (as it raises under grad).
+        ``taint``: what carries a forward-mode derivative the level's graph does not show."""
 
         def alive() -> list[torch.Tensor]:
             returned = {id(o) for o in outs}
+            held = held_by_recording_regions() if taint is not None else set()
             return [
-                t for r in made if (t := r()) is not None and id(t) not in returned and t.requires_grad and is_dead_tensor_wrapper(t)
+                t
+                for r in made
+                if (t := r()) is not None
+                and id(t) not in returned
+                and (
+                    (t.requires_grad and is_dead_tensor_wrapper(t))
+                    or (taint is not None and id(t) not in held and taint.holds(t))
+                )
             ]
 
         escaped = alive()

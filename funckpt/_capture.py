@@ -1212,7 +1212,7 @@ class Taint:
                     root = _root(t)
                     self.roots[id(root)] = weakref.ref(root)
 
-    def _holds(self, t: torch.Tensor) -> bool:
+    def holds(self, t: torch.Tensor) -> bool:
         """Does ``t`` carry a derivative: made from one, or a view of what was written with one?"""
         r = self.ids.get(id(t))
         if r is not None and r() is t:
@@ -1235,7 +1235,7 @@ class Taint:
                 known.add(id(base))
                 base = base._base
         alive = [u for r in made if (u := r()) is not None and id(u) not in known]
-        holds = [self._holds(t) for t in alive]
+        holds = [self.holds(t) for t in alive]
         return [t for t, h in zip(alive, holds) if h], [t for t, h in zip(alive, holds) if not h]
 
 

@@ -3243,6 +3243,19 @@ def test_a_tensor_the_mode_does_not_see_made_takes_no_derivative_from_a_dead_one
     assert_close(_BELOW_A_VMAP[how](remat(fn, policy=policies.dots_saveable), w, xs), _BELOW_A_VMAP[how](fn, w, xs))
 
 
+def test_a_forward_hooks_output_carrying_a_tangent_raises_where_a_parameter_requires_grad():
+    """``functional_call`` with the weight jvp differentiates, on a module whose own parameter requires
+    grad: the run goes at a grad level of its own (for that parameter), whose graph does not show the
+    tangent the hook's kept output carries."""
+    lin = nn.Linear(4, 4, bias=False).to(D)
+    kept = _Cache()
+    lin.register_forward_hook(lambda m, i, o: setattr(kept, "keys", o))
+    f = remat(lambda w, x: tf.functional_call(lin, {"weight": w}, (x,)).tanh())
+    w, xs = randn(4, 4, seed=1), randn(3, 2, 4, seed=2)
+    with pytest.raises(CheckpointError, match="outlived the call other than as its return value"):
+        _BELOW_A_VMAP["vmap(jvp)"](f, w, xs)
+
+
 def test_a_view_of_an_input_kept_outside_the_call_raises():
     kept = []
 
