@@ -1088,6 +1088,7 @@ class UserRegion(Region):
 
         escaped = alive()
         if escaped and not self.escapes_allowed:
+            del escaped  # (which would hold them through the collection)
             gc.collect()  # a reference cycle waiting for the collector is not an escape
             escaped = alive()
         if escaped:
@@ -1589,6 +1590,7 @@ class UserRegion(Region):
 
         escaped = alive()
         if escaped:
+            del escaped  # (which would hold them through the collection)
             gc.collect()  # a reference cycle waiting for the collector is not an escape
             escaped = alive()
         if escaped:
@@ -1605,6 +1607,7 @@ class UserRegion(Region):
         attends over twice: the same values, half the gradient), its derivative is silently missing."""
         escaped, kept = taint.alive(made, [*outputs, *flat])
         if escaped:
+            del escaped, kept  # (which would hold them through the collection)
             gc.collect()  # a reference cycle waiting for the collector is not an escape
             escaped, kept = taint.alive(made, [*outputs, *flat])
         # (What carries no derivative may be kept, in a list the function closes over too:

@@ -3256,6 +3256,34 @@ def test_a_forward_hooks_output_carrying_a_tangent_raises_where_a_parameter_requ
         _BELOW_A_VMAP["vmap(jvp)"](f, w, xs)
 
 
+class _Node:
+    pass
+
+
+@pytest.mark.parametrize("policy", [None, policies.dots_saveable], ids=str)
+@pytest.mark.parametrize("how", list(_BELOW_A_VMAP))
+def test_a_tensor_held_only_by_a_garbage_reference_cycle_is_not_kept_below_a_vmap(how, policy):
+    """The collection before the escape check is given up on must not run while the check's own
+    list holds what it found alive."""
+    import gc
+
+    def fn(w, x):
+        h = torch.tanh(x @ w)
+        n = _Node()
+        n.me, n.t = n, h * 2  # garbage once the call returns
+        return h.sin()
+
+    w, xs = randn(4, 4, seed=1), randn(3, 2, 4, seed=2)
+    enabled = gc.isenabled()
+    gc.disable()  # (no collection between the call's return and the check)
+    try:
+        got = _BELOW_A_VMAP[how](remat(fn, policy=policy), w, xs)
+    finally:
+        if enabled:
+            gc.enable()
+    assert_close(got, _BELOW_A_VMAP[how](fn, w, xs))
+
+
 def test_a_view_of_an_input_kept_outside_the_call_raises():
     kept = []
 
