@@ -268,6 +268,8 @@ def prepare(
         required = [t.requires_grad for t in routed]
         if any(required) and torch.is_grad_enabled():
             region.required_grad_at_call = required
+        kinds = level_kinds()
+        region.rewrapped_for_caller = TransformType.Grad in kinds or TransformType.Jvp in kinds
     notify(region, tuple(routed))
     return region, routed
 
@@ -376,6 +378,24 @@ def _functorch_level_assert(e: Exception) -> bool:
     have (a closure tensor of an enclosing transform given to a transform inside the function)?"""
     text = str(e)
     return "INTERNAL ASSERT FAILED" in text and ("wrapped->level() < level" in text or "batched == nullptr" in text)
+
+
+def _detached_if_made(
+    tensors: list[torch.Tensor], made: list[weakref.ref[torch.Tensor]], inputs: tuple[torch.Tensor, ...]
+) -> list[torch.Tensor]:
+    """``tensors`` with a detached alias of each that a run made (not one viewing an input)."""
+    made_here = {id(t) for t in (r() for r in made) if t is not None}
+    given = {id(t) for t in inputs}
+
+    def views_an_input(t: torch.Tensor) -> bool:
+        base = t._base
+        while base is not None:
+            if id(base) in given:
+                return True
+            base = base._base
+        return False
+
+    return [t.detach() if id(t) in made_here and not views_an_input(t) else t for t in tensors]
 
 
 def _traced() -> bool:
@@ -704,6 +724,9 @@ class UserRegion(Region):
     # What the forward run made and kept outside the call that carries no derivative, where it
     # records no graph of its own (see _refuse_tainted_escapes).
     made_and_kept: Sequence[weakref.ref[torch.Tensor]] = ()
+    # Does a grad or jvp level around the call give the caller its outputs as other tensors (their
+    # wrappers), rather than the tensors the forward run returned? (Set by prepare.)
+    rewrapped_for_caller = False
     # The plain module attributes the forward run rebound with a tensor place of their module,
     # with their values at the call: a recomputation starts from those (see _capture.reparametrized).
     rebound_attributes: Sequence[tuple[torch.nn.Module, str, Any]] = ()
@@ -1405,6 +1428,15 @@ class UserRegion(Region):
             assert taint is not None
             if not at_own_level:
                 run.substitute.made = None
+            if self.rewrapped_for_caller:
+                # The caller gets each output as another tensor (its grad or jvp level's wrapper):
+                # the very tensor returned, kept as well (a forward hook recording a layer's output,
+                # as transformers' output_hidden_states does), would carry no derivative. So a
+                # detached alias of each is returned, and what the run made is checked as any
+                # other tensor kept. (An output viewing an input stays that view.)
+                tensors = _detached_if_made(tensors, made or [], flat)
+                del out
+                out = None
             self._refuse_tainted_escapes(taint, made or [], tensors, flat)
         del made
         substitute = run.substitute
@@ -1610,10 +1642,11 @@ class UserRegion(Region):
             del escaped, kept  # (which would hold them through the collection)
             gc.collect()  # a reference cycle waiting for the collector is not an escape
             escaped, kept = taint.alive(made, [*outputs, *flat])
-        # (What carries no derivative may be kept, in a list the function closes over too:
-        # not a closure rebound to another tensor, for the check before a recomputation.)
-        self.made_and_kept = [weakref.ref(t) for t in kept]
         del kept
+        # (What the run made, kept in a list or on an object the function closes over, is no closure
+        # rebound to another tensor, for the check before a recomputation; what is kept and carries
+        # a derivative raises below.)
+        self.made_and_kept = [r for r in made if r() is not None]
         if escaped:  # (what the policies of the regions around this one keep, until they end)
             held = held_by_recording_regions()
             escaped = [t for t in escaped if id(t) not in held]

@@ -57,8 +57,8 @@ from ._naming import OnThreadStack
 from ._saving import WriteWatch
 from ._internals import (
     AccumulateGrad,
-    bottom,
     TransformType,
+    bottom,
     forward_ad_level,
     has_gradient_dtype,
     fsdp2_training_state,

@@ -3284,6 +3284,49 @@ def test_a_tensor_held_only_by_a_garbage_reference_cycle_is_not_kept_below_a_vma
     assert_close(got, _BELOW_A_VMAP[how](fn, w, xs))
 
 
+class _Kept:
+    """What a forward hook on a layer records: its output (as transformers 5 does for
+    ``output_hidden_states``)."""
+
+    value: torch.Tensor | None = None
+
+
+def _keeps_what_it_returns(returns):
+    def loss(wrap):
+        def g(w, x):
+            kept = _Kept()
+
+            def layer(w, x):
+                h = torch.tanh(x @ w)
+                kept.value = h
+                return h if returns == "it" else h[0]
+
+            y = wrap(layer)(w, x)
+            return y.sin().sum() + kept.value.pow(2).sum()
+
+        return g
+
+    return loss
+
+
+@pytest.mark.parametrize("policy", [None, policies.dots_saveable, policies.everything_saveable], ids=str)
+@pytest.mark.parametrize("how", list(_BELOW_A_VMAP))
+@pytest.mark.parametrize("returns", ["it", "a view of it"])
+def test_a_tensor_both_returned_and_kept_below_a_vmap(returns, how, policy):
+    """Under a grad or jvp level the caller gets each output as another tensor (that level's
+    wrapper): the one the function kept carries no derivative there, and is refused. Below a vmap
+    that ``.backward()`` differentiates with a policy, the output is the caller's tensor itself, and
+    right; the base of a returned view is not, and is refused."""
+    w, xs = randn(4, 4, seed=1), randn(3, 2, 4, seed=2)
+    loss = _keeps_what_it_returns(returns)
+    ours = loss(lambda f: remat(f, policy=policy))
+    if how == "vmap, then backward" and policy is not None and returns == "it":
+        assert_close(_BELOW_A_VMAP[how](ours, w, xs), _BELOW_A_VMAP[how](loss(lambda f: f), w, xs))
+        return
+    with pytest.raises(CheckpointError, match="outlived the call other than as its return value"):
+        _BELOW_A_VMAP[how](ours, w, xs)
+
+
 def test_a_view_of_an_input_kept_outside_the_call_raises():
     kept = []
 

@@ -797,3 +797,39 @@ def test_a_key_value_cache_left_on_is_refused_under_vmap_grad_with_a_policy():
     with pytest.raises(funckpt.CheckpointError, match="use_cache=False"):
         per_example(model, True)
     assert_close(per_example(model, False), per_example(plain, False))
+
+
+@pytest.mark.parametrize("first_call", ["before remat", "after remat"])
+def test_hidden_states_recorded_by_hooks_under_vmap_grad_with_a_policy(first_call):
+    """transformers 5 records ``output_hidden_states`` with a forward hook it puts on each decoder
+    layer at the model's first call. Put there before the layers are remat'd, the hook runs inside
+    the call and keeps the layer's output, which under ``vmap(grad)`` reaches the caller as another
+    tensor: the kept one would carry no gradient, and is refused. Put there after, on remat's
+    wrapper, it keeps the caller's tensor, and the gradients are those without remat."""
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=50, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1
+    )
+    plain = transformers.LlamaForCausalLM(config).train().to(D)
+    params = {k: v.detach() for k, v in plain.named_parameters()}
+    ids = torch.randint(1, 50, (3, 6))
+
+    def per_example(m, hidden):
+        def loss(p, one):
+            out = tf.functional_call(m, p, (), dict(input_ids=one[None], use_cache=False, output_hidden_states=hidden))
+            return out.hidden_states[1].square().sum() if hidden else out.logits.square().sum()
+
+        return tf.vmap(tf.grad(loss), in_dims=(None, 0))(params, ids)
+
+    if first_call == "before remat":
+        plain(input_ids=ids[:1], use_cache=False, output_hidden_states=True)
+    model = copy.deepcopy(plain)
+    for i, layer in enumerate(model.model.layers):
+        model.model.layers[i] = funckpt.remat(layer, policy=funckpt.policies.everything_saveable)
+    hooked_inside = first_call == "before remat" and any(plain.model.layers[0]._forward_hooks.values())
+    if hooked_inside:
+        with pytest.raises(funckpt.CheckpointError, match="output_hidden_states"):
+            per_example(model, True)
+    else:
+        assert_close(per_example(model, True), per_example(plain, True))
+    assert_close(per_example(model, False), per_example(plain, False))
