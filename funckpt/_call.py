@@ -1654,15 +1654,6 @@ class UserRegion(Region):
             self._refuse_escape_under_transform(escaped[-1])
 
     def _refuse_escape_under_transform(self, t: torch.Tensor) -> None:
-        if not self.escapes_become_outputs:  # a checkpointed loop's step
-            raise CheckpointError(
-                f"remat({self.name}): a tensor of shape {tuple(t.shape)} that the function computed outlived the "
-                "call other than as its return value in a step of a checkpointed loop (kept by a forward hook, "
-                "a list or dict it appends to, a global, or a module attribute; an auxiliary loss stored on a "
-                "module). The loop's forward sweep records no graph, and its steps run again one at a time in "
-                "the backward pass, so a gradient through that tensor would be silently missing. Return it "
-                "from the step, as its y (scan stacks the ys), or detach it if it is only kept for logging."
-            )
         raise CheckpointError(
             f"remat({self.name}): a tensor of shape {tuple(t.shape)} that the function computed "
             "outlived the call other than as its return value under a torch.func transform (kept by a "

@@ -531,6 +531,20 @@ class LoopRegion(UserRegion):
             )
         return out
 
+    def _refuse_escape_under_transform(self, t: torch.Tensor) -> None:
+        api = self.loop.api
+        where = "its step or its cond" if api == "while_loop" else "its step"
+        keep = "from the step, as its y (scan stacks the ys)" if api == "scan" else "in the carry (or use scan, and return it as its y)"
+        raise CheckpointError(
+            f"{api}({self.name}): a tensor of shape {tuple(t.shape)} that {where} computed from the loop's "
+            "differentiable inputs outlived the call other than as its return value in a step of a checkpointed "
+            "loop (kept by a forward hook, a list or dict it appends to, a global, or a module attribute; "
+            "an auxiliary loss stored on a module). The loop's forward sweep records no graph, and its steps run again one at a time in "
+            f"the backward pass, so a gradient through that tensor would be silently missing. Return it {keep}, "
+            "or detach it if it is only kept for logging (also one computed under torch.no_grad in a step: "
+            "the sweep itself runs under no_grad, so that cannot tell it from one with a gradient)."
+        )
+
     def _check_captures_unchanged(self) -> None:
         changed = changed_captures(self.loop.user_fn, self.captured)
         if changed:

@@ -1039,3 +1039,30 @@ def test_a_step_may_keep_what_carries_no_gradient(checkpoints, what, route):
     got = _KEEPING_ROUTES[route](_loop_keeping(what, "scan", checkpoints, xs, c0), w)
     assert_close(got, _KEEPING_ROUTES[route](_loop_keeping(what, "python", checkpoints, xs, c0), w))
 
+
+
+@pytest.mark.parametrize("loop", ["fori_loop", "while_loop"])
+def test_a_kept_tensor_is_told_by_the_loop_that_keeps_it(loop):
+    """The refusal names the loop the user called (not remat) and, where the loop has no y, says to
+    carry the tensor; a while_loop's cond is run in the sweep too, and what it keeps is told."""
+    w, _, xs, c0 = make(n=5)
+
+    def loss(w):
+        kept = []
+
+        def body(*a):
+            c = a[-1]
+            return torch.tanh(c @ w)
+
+        def cond(c):
+            kept.append((c * c).sum())
+            return True
+
+        if loop == "fori_loop":
+            c = funckpt.fori_loop(0, 3, lambda i, c: (kept.append(c.sin()), body(c))[1], c0)
+        else:
+            c = funckpt.while_loop(cond, body, c0, max_steps=3)
+        return c.sum() + sum(kept)
+
+    with pytest.raises(funckpt.CheckpointError, match=rf"(?s)^{loop}\(.*in a step of a checkpointed loop.*in the carry"):
+        tf.grad(loss)(w)
