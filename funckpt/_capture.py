@@ -1105,7 +1105,9 @@ _METADATA = _metadata_reads()
 #: Besides ``detach``, the reads of a tensor's values as Python numbers or text (``loss.item()``,
 #: ``float(t)``, ``f"{t:.3f}"``, a log line of the previous step's auxiliary loss).
 _CUTS_GRADIENT = frozenset(
-    [torch.Tensor.detach, torch.detach]
+    [torch.Tensor.detach, torch.detach, torch.Tensor.data.__get__]  # (h.data: detached, an old logging idiom)
+    # What autograd gives a zero derivative (sign, round, floor, ceil, trunc) or none (histc, floor_divide):
+    + [getattr(m, n) for m in (torch, torch.Tensor) for n in ("sign", "round", "floor", "ceil", "trunc", "fix", "floor_divide", "histc") if hasattr(m, n)]
     + [
         getattr(torch.Tensor, n)
         for n in ("item", "tolist", "__float__", "__int__", "__bool__", "__complex__", "__index__", "__format__", "__repr__")

@@ -1004,6 +1004,10 @@ def _loop_keeping(what, loop, checkpoints, xs, c0):
                 kept.append(float(h.sum()))
             elif what == "an integer tensor":
                 kept.append(h.argmax())
+            elif what == "its .data":
+                kept.append(h.data)
+            elif what == "its sign (a zero derivative)":
+                kept.append(torch.sign(h))
             return h, h.sum()
 
         if loop == "scan":
@@ -1032,7 +1036,7 @@ def test_a_step_keeping_a_tensor_with_a_gradient_outside_the_loop_raises(checkpo
 
 
 @pytest.mark.parametrize("route", list(_KEEPING_ROUTES))
-@pytest.mark.parametrize("what", ["a detached tensor", "a number", "an integer tensor"])
+@pytest.mark.parametrize("what", ["a detached tensor", "a number", "an integer tensor", "its .data", "its sign (a zero derivative)"])
 @pytest.mark.parametrize("checkpoints", [None, 2])
 def test_a_step_may_keep_what_carries_no_gradient(checkpoints, what, route):
     w, _, xs, c0 = make(n=5)
