@@ -383,7 +383,7 @@ def _functorch_level_assert(e: Exception) -> bool:
 def _detached_if_made(
     tensors: list[torch.Tensor], made: list[weakref.ref[torch.Tensor]], inputs: tuple[torch.Tensor, ...]
 ) -> list[torch.Tensor]:
-    """``tensors`` with a detached alias of each that a run made (not one viewing an input)."""
+    """``tensors`` with a detached alias of each that a run made (a fresh view of it, for one viewing an input)."""
     made_here = {id(t) for t in (r() for r in made) if t is not None}
     given = {id(t) for t in inputs}
 
@@ -395,7 +395,9 @@ def _detached_if_made(
             base = base._base
         return False
 
-    return [t.detach() if id(t) in made_here and not views_an_input(t) else t for t in tensors]
+    # (One viewing an input stays a view of it, as another view than the one the run made: that
+    # one, also kept, is checked as any other tensor kept, as a view of an input kept is.)
+    return [(t.view_as(t) if views_an_input(t) else t.detach()) if id(t) in made_here else t for t in tensors]
 
 
 def _traced() -> bool:
@@ -1433,7 +1435,7 @@ class UserRegion(Region):
                 # the very tensor returned, kept as well (a forward hook recording a layer's output,
                 # as transformers' output_hidden_states does), would carry no derivative. So a
                 # detached alias of each is returned, and what the run made is checked as any
-                # other tensor kept. (An output viewing an input stays that view.)
+                # other tensor kept. (An output viewing an input stays a view of it: a fresh one.)
                 tensors = _detached_if_made(tensors, made or [], flat)
                 del out
                 out = None

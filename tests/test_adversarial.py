@@ -3327,6 +3327,36 @@ def test_a_tensor_both_returned_and_kept_below_a_vmap(returns, how, policy):
         _BELOW_A_VMAP[how](ours, w, xs)
 
 
+@pytest.mark.parametrize("policy", [None, policies.dots_saveable, policies.everything_saveable], ids=str)
+@pytest.mark.parametrize("how", list(_BELOW_A_VMAP))
+def test_a_view_of_an_input_both_returned_and_kept_below_a_vmap(how, policy):
+    """A returned view of an input that the function keeps as well (a layer recording a slice of
+    its weight): under a grad level with a policy the caller gets another tensor, and the kept one
+    carries no derivative (it was excused as an output). Refused as the returned-and-kept tensor
+    the run made; below a vmap that ``.backward()`` differentiates with a policy it is right."""
+    w, xs = randn(4, 4, seed=1), randn(3, 2, 4, seed=2)
+
+    def loss(wrap):
+        def g(w, x):
+            kept = _Kept()
+
+            def layer(w, x):
+                kept.value = w[0]
+                return kept.value, torch.tanh(x @ w)
+
+            v, h = wrap(layer)(w, x)
+            return (v * x).sum() + h.sum() + kept.value.pow(2).sum()
+
+        return g
+
+    ours = loss(lambda f: remat(f, policy=policy))
+    if how == "vmap, then backward" and policy is not None:
+        assert_close(_BELOW_A_VMAP[how](ours, w, xs), _BELOW_A_VMAP[how](loss(lambda f: f), w, xs))
+        return
+    with pytest.raises(CheckpointError, match="outlived the call other than as its return value"):
+        _BELOW_A_VMAP[how](ours, w, xs)
+
+
 def test_a_view_of_an_input_kept_outside_the_call_raises():
     kept = []
 
