@@ -46,7 +46,7 @@ import types
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -1105,7 +1105,7 @@ _METADATA = _metadata_reads()
 #: Besides ``detach``, the reads of a tensor's values as Python numbers or text (``loss.item()``,
 #: ``float(t)``, ``f"{t:.3f}"``, a log line of the previous step's auxiliary loss).
 _CUTS_GRADIENT = frozenset(
-    [torch.Tensor.detach, torch.detach, torch.Tensor.data.__get__]  # (h.data: detached, an old logging idiom)
+    [torch.Tensor.detach, torch.detach, cast(Any, torch.Tensor.data).__get__]  # (h.data: detached, an old logging idiom)
     # What autograd gives a zero derivative (sign, round, floor, ceil, trunc) or none (histc, floor_divide):
     + [getattr(m, n) for m in (torch, torch.Tensor) for n in ("sign", "round", "floor", "ceil", "trunc", "fix", "floor_divide", "histc") if hasattr(m, n)]
     + [
