@@ -1001,7 +1001,7 @@ def _loop_keeping(what, loop, checkpoints, xs, c0):
             elif what == "a detached tensor":
                 kept.append(h.detach().sin())
             elif what == "a number":
-                kept.append(float(h.sum()))
+                kept.append(h.sum().item())
             elif what == "an integer tensor":
                 kept.append(h.argmax())
             elif what == "its .data":
