@@ -723,8 +723,9 @@ class UserRegion(Region):
     _made_at_own_level: list[weakref.ref[torch.Tensor]] | None = None  # (during that run, what it made)
     _taint_at_own_level: Taint | None = None  # (that run's, where a forward-mode derivative flows)
     escapes_live: list[bool] | None = None  # per escaped output: held after the call? (settle_escapes)
-    # What the forward run made and kept outside the call that carries no derivative, where it
-    # records no graph of its own (see _refuse_tainted_escapes).
+    # What the forward run made and is still alive (kept outside the call, or returned), where it
+    # records no graph of its own: no closure rebound, for the check before a recomputation
+    # (see _refuse_tainted_escapes).
     made_and_kept: Sequence[weakref.ref[torch.Tensor]] = ()
     # Does a grad or jvp level around the call give the caller its outputs as other tensors (their
     # wrappers), rather than the tensors the forward run returned? (Set by prepare.)
