@@ -1155,12 +1155,14 @@ class Taint:
     """The tensors a forward run made that a derivative of its differentiable inputs flows through.
 
     Where the forward run records no graph it can see (below a ``vmap`` around the
-    caller's grad level with a saving policy, ``vmap(grad(f))``, ``grad(vmap(f))``, or
-    below ``vmap(jvp(f))``), a tensor it computes from its differentiable inputs
-    and keeps outside the call (a key/value cache, a forward hook's list) cannot be
-    told from a constant by ``requires_grad``: it is told by this, spread operator by
-    operator from the inputs (``seeds``) to what each operator returns or writes.
-    ``any_grad_mode``: spread under ``no_grad`` too (a forward-mode derivative flows there).
+    caller's grad level with a saving policy, ``vmap(grad(f))``, ``grad(vmap(f))``;
+    below ``vmap(jvp(f))``; a checkpointed loop's forward sweep), a tensor it computes
+    from its differentiable inputs and keeps outside the call (a key/value cache, a
+    forward hook's list, an auxiliary loss) cannot be told from a constant by
+    ``requires_grad``: it is told by this, spread operator by operator from the inputs
+    (``seeds``) to what each operator returns or writes. ``any_grad_mode``: spread under
+    ``no_grad`` too (a forward-mode derivative flows there, and a loop's sweep runs under it).
+    A transform the run calls itself (``torch.func.grad`` inside) returns tensors this never sees.
     """
 
     __slots__ = ("any_grad_mode", "ids", "roots", "seeds")
