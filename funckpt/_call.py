@@ -24,7 +24,7 @@ import warnings
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 import optree
 import torch
@@ -116,6 +116,8 @@ from ._saving import (
 from .policies import nothing_saveable
 
 __all__ = ["UserRegion", "call", "finish", "nothing_to_differentiate", "prepare", "run_prepared"]
+
+_T = TypeVar("_T")
 
 
 def call(
@@ -386,18 +388,25 @@ def _detached_if_made(
     """``tensors`` with a detached alias of each that a run made (a fresh view of it, for one viewing an input)."""
     made_here = {id(t) for t in (r() for r in made) if t is not None}
     given = {id(t) for t in inputs}
-
-    def views_an_input(t: torch.Tensor) -> bool:
-        base = t._base
-        while base is not None:
-            if id(base) in given:
-                return True
-            base = base._base
-        return False
-
     # (One viewing an input stays a view of it, as another view than the one the run made: that
-    # one, also kept, is checked as any other tensor kept, as a view of an input kept is.)
-    return [(t.view_as(t) if views_an_input(t) else t.detach()) if id(t) in made_here else t for t in tensors]
+    # one, also kept, is checked as any other tensor kept, as a view of an input kept is. A view's
+    # ``_base`` is the tensor it views at the root, whatever views lie between.)
+    return [
+        (t.view_as(t) if t._base is not None and id(t._base) in given else t.detach()) if id(t) in made_here else t
+        for t in tensors
+    ]
+
+
+def _alive_after_collecting(alive: Callable[[], list[_T]]) -> list[_T]:
+    """``alive()``, asked again after a garbage collection where it found anything: a reference
+    cycle waiting for the collector is not an escape. (The first answer is let go of first: it
+    would hold what it found through the collection.)"""
+    found = alive()
+    if not found:
+        return found
+    del found
+    gc.collect()
+    return alive()
 
 
 def _traced() -> bool:
@@ -1112,11 +1121,7 @@ class UserRegion(Region):
                     found.setdefault(id(t), (k, t))
             return list(found.values())
 
-        escaped = alive()
-        if escaped and not self.escapes_allowed:
-            del escaped  # (which would hold them through the collection)
-            gc.collect()  # a reference cycle waiting for the collector is not an escape
-            escaped = alive()
+        escaped = alive() if self.escapes_allowed else _alive_after_collecting(alive)
         if escaped:
             held = held_by_recording_regions()
             escaped = [(k, t) for k, t in escaped if id(t) not in held]
@@ -1389,7 +1394,10 @@ class UserRegion(Region):
         # no_grad too where the run itself is under it, or a forward-mode derivative flows.)
         sweep = not self.escapes_become_outputs and not grad_forward
         tainting = (
-            any(self.differentiable) and (sweep or not (plain_autograd or grad_forward or at_own_level)) and not _traced()
+            any(self.differentiable)
+            and not at_own_level
+            and (sweep or not (plain_autograd or grad_forward))
+            and not _traced()
         )
         with self._running(flat, forward=True, grad=grad_mode, modes=modes, watch=watch) as run:
             if (grad_forward or at_own_level or tainting) and run.substitute is not None:
@@ -1429,8 +1437,7 @@ class UserRegion(Region):
         if tainting and run.substitute is not None:  # (once the policy holds detached copies of what it keeps)
             taint, run.substitute.taint = run.substitute.taint, None
             assert taint is not None
-            if not at_own_level:
-                run.substitute.made = None
+            run.substitute.made = None
             if self.rewrapped_for_caller:
                 # The caller gets each output as another tensor (its grad or jvp level's wrapper):
                 # the very tensor returned, kept as well (a forward hook recording a layer's output,
@@ -1438,8 +1445,7 @@ class UserRegion(Region):
                 # detached alias of each is returned, and what the run made is checked as any
                 # other tensor kept. (An output viewing an input stays a view of it: a fresh one.)
                 tensors = _detached_if_made(tensors, made or [], flat)
-                del out
-                out = None
+                out = None  # (nor does the function's own result hold them on)
             self._refuse_tainted_escapes(taint, made or [], tensors, flat)
         del made
         substitute = run.substitute
@@ -1623,11 +1629,7 @@ class UserRegion(Region):
                 )
             ]
 
-        escaped = alive()
-        if escaped:
-            del escaped  # (which would hold them through the collection)
-            gc.collect()  # a reference cycle waiting for the collector is not an escape
-            escaped = alive()
+        escaped = _alive_after_collecting(alive)
         if escaped:
             self._refuse_escape_under_transform(escaped[-1])
 
@@ -1640,12 +1642,9 @@ class UserRegion(Region):
         Kept, it holds the forward run's values at a level with no derivative: read by a later call
         or by this call's recomputation (a key/value cache the recomputation appends to again, and
         attends over twice: the same values, half the gradient), its derivative is silently missing."""
-        escaped, kept = taint.alive(made, [*outputs, *flat])
-        if escaped:
-            del escaped, kept  # (which would hold them through the collection)
-            gc.collect()  # a reference cycle waiting for the collector is not an escape
-            escaped, kept = taint.alive(made, [*outputs, *flat])
-        del kept
+        returned = [*outputs, *flat]
+        escaped = _alive_after_collecting(lambda: taint.escaped(made, returned))
+        del returned
         # (What the run made, kept in a list or on an object the function closes over, is no closure
         # rebound to another tensor, for the check before a recomputation; what is kept and carries
         # a derivative raises below.)

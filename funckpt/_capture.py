@@ -60,8 +60,8 @@ from ._internals import (
     TransformType,
     bottom,
     forward_ad_level,
-    has_gradient_dtype,
     fsdp2_training_state,
+    has_gradient_dtype,
     interpreter_stack,
     is_batchedtensor,
     is_dead_tensor_wrapper,
@@ -1227,20 +1227,11 @@ class Taint:
         r = self.roots.get(id(root))
         return r is not None and r() is root
 
-    def alive(
-        self, made: Sequence[weakref.ref[torch.Tensor]], returned: Iterable[torch.Tensor]
-    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """The tensors among ``made`` still alive but for ``returned`` (the outputs, the inputs) and
-        what those view: those that carry a derivative (escaped), and those that do not."""
-        known = set()
-        for t in returned:
-            base: torch.Tensor | None = t
-            while base is not None:
-                known.add(id(base))
-                base = base._base
-        alive = [u for r in made if (u := r()) is not None and id(u) not in known]
-        holds = [self.holds(t) for t in alive]
-        return [t for t, h in zip(alive, holds) if h], [t for t, h in zip(alive, holds) if not h]
+    def escaped(self, made: Sequence[weakref.ref[torch.Tensor]], returned: Iterable[torch.Tensor]) -> list[torch.Tensor]:
+        """The tensors among ``made`` still alive and carrying a derivative, but for ``returned``
+        (the outputs, the inputs) and what those view (a view's ``_base``: the tensor at the root)."""
+        known = {id(b) for t in returned for b in (t, t._base) if b is not None}
+        return [u for r in made if (u := r()) is not None and id(u) not in known and self.holds(u)]
 
 
 class Substitute(OnThreadStack, TorchFunctionMode):

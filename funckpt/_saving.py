@@ -279,11 +279,6 @@ class Saved:
             self.versions.pop(position, None)
             self.offload.pop(position, None)
 
-    def holds(self) -> set[int]:
-        """Ids of the tensors kept (the very tensors the forward run's operators returned, until
-        :meth:`finish_forward` detaches them)."""
-        return {id(t) for out in self.kept.values() for t in _tensors(out)}
-
     def finish_forward(self, outputs: tuple[torch.Tensor, ...]) -> None:
         """Drop the kept values that could have changed; detach the rest.
 
@@ -464,7 +459,7 @@ def held_by_recording_regions() -> set[int]:
     A region nested in one whose policy keeps values: the outer recorder holds the very
     tensors the inner run made, so they outlive the inner run without having escaped it.
     """
-    return {i for saved in active.stack for i in saved.holds()}
+    return {id(t) for saved in active.stack for out in saved.kept.values() for t in _tensors(out)}
 
 
 def _detached(out: Any) -> Any:
