@@ -1116,6 +1116,8 @@ _CUTS_GRADIENT = frozenset(
 )
 
 _is_compiling = torch.compiler.is_compiling  # (Dynamo reads it as True where it traces)
+#: What :meth:`Substitute.__torch_function__` cannot take its common case for.
+_NOTED = frozenset(_METADATA | _SPECIAL.keys())
 
 
 def _writes_its_first_argument(func: Any) -> bool:
@@ -1395,8 +1397,52 @@ class Substitute(OnThreadStack, TorchFunctionMode):
     def __torch_function__(
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
     ) -> Any:
-        # This runs for every operator of a forward run: the common case (no captured tensor
-        # to swap, every tensor known or made inside) builds nothing.
+        # This runs for every operator of a forward run. Its common case there (every tensor an
+        # input or made inside, none to swap, nothing to watch or trace, no function noted here)
+        # runs first, with nothing else to ask: it hands anything else to the general case.
+        made = self.made
+        if not _is_compiling() and made is not None and self.watch is None and self.taint is None and func not in _NOTED:
+            known, inside = self.known, self.inside
+            for a in args:
+                if isinstance(a, torch.Tensor):
+                    key = id(a)
+                    if key in inside:
+                        continue
+                    if key not in known or self.mapping:
+                        break
+                    self.used.add(key)
+                elif isinstance(a, (list, tuple)) and a:
+                    break
+            else:
+                if kwargs:
+                    for v in kwargs.values():
+                        if isinstance(v, (torch.Tensor, list, tuple)):
+                            break
+                    else:
+                        return self._note_made_here(func(*args, **kwargs), made)
+                else:
+                    return self._note_made_here(func(*args), made)
+        return self._general(func, args, kwargs)
+
+    def _note_made_here(self, out: Any, made: list[weakref.ref[torch.Tensor]]) -> Any:
+        """:meth:`__torch_function__`'s common case: ``out``'s tensors are the forward run's own
+        (funckpt's own work for a nested region's: not among what the run made, see _general)."""
+        inside = self.inside
+        if _active.internal:
+            made = []
+        if isinstance(out, torch.Tensor):
+            inside.add(id(out))
+            made.append(weakref.ref(out))
+        elif isinstance(out, (tuple, list)):
+            for o in out:
+                if isinstance(o, torch.Tensor):
+                    inside.add(id(o))
+                    made.append(weakref.ref(o))
+        return out
+
+    def _general(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any] | None) -> Any:
+        """:meth:`__torch_function__` for any call: the common case (no captured tensor to swap,
+        every tensor known or made inside) builds nothing."""
         # Usage and escapes are not recorded while Dynamo inlines this handler (a compiled
         # function called inside remat): it cannot trace the mutation of these collections.
         mapping, known, inside = self.mapping, self.known, self.inside
