@@ -64,6 +64,7 @@ from ._errors import (
     Digest,
     OpTrace,
     check_same_outputs,
+    reproduced,
     check_same_values,
     debug_enabled,
     digest,
@@ -1856,7 +1857,7 @@ class UserRegion(Region):
         tensors = _aliasing.owned_outputs(self.plan, _substituted(tensors, run.substitute))
         if self.escaped_at:
             tensors += self._escaped_again(run.substitute)
-        if self.options.determinism_check == "default":
+        if self.options.determinism_check == "default" and not self._reproduced(tensors, slots):
             assert self.out_slots is not None
             traces = (self.forward_trace or [], run.trace.lines) if run.trace is not None else None
             if slots.treespec != self.out_slots.treespec:
@@ -1870,6 +1871,13 @@ class UserRegion(Region):
             if self._compares_values():
                 check_same_values(self.name, self.out_digest, digest(tensors), traces, kept_from)
         return tuple(tensors)
+
+    def _reproduced(self, tensors: list[torch.Tensor], slots: TreeSlots) -> bool:
+        """The determinism check's common case, told at once (see :func:`reproduced`): one output,
+        nothing kept outside the call, the same structure. ``False``: the full check decides."""
+        if len(tensors) != 1 or self.escaped_at or self.out_slots is None or slots.treespec != self.out_slots.treespec:
+            return False
+        return reproduced(self.out_meta[0], self.out_digest[0] if self._compares_values() else None, tensors[0])
 
     def _escapes_held(self) -> list[bool]:
         """Per escaped output: held outside after the call (all of them until it is known)."""

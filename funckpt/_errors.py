@@ -314,6 +314,28 @@ def _read_at_once(t: torch.Tensor) -> bool:
     return t.dtype in _CPU_RTOL and t.is_cpu and _digestible(t)
 
 
+def _quick(t: torch.Tensor) -> Digest | None:
+    """:func:`_on_cpu`'s digest of ``t`` where NumPy reads it, with no grad mode to switch (see
+    :func:`digest`): a small contiguous float32 or float64 CPU tensor (not a lazy negative view)
+    whose sum of squares keeps its dtype's precision; ``None`` for any other."""
+    if type(t) is not torch.Tensor or t.dtype not in _CPU_RTOL or not t.is_cpu or not _NUMPY_WEIGHTS:
+        return None
+    n = t.numel()
+    if not 0 < n <= _WEIGHTED_AT_MOST or t.layout != torch.strided or not t.is_contiguous() or t.is_neg():
+        return None
+    if t.is_quantized or torch._C._get_tracing_state():
+        return None
+    v = t.detach().numpy().reshape(-1)
+    with _numpy_errstate(over="ignore", invalid="ignore", under="ignore"):
+        squares = float(v.dot(v))
+        if not _SQUARES_EXACT[t.dtype] <= squares < math.inf:
+            return None
+        total = float(v.dot(_NUMPY_WEIGHTS[t.dtype][:n]))
+    if not math.isfinite(total):
+        return None
+    return Digest(None, n, _CPU_RTOL[t.dtype], (total, math.sqrt(squares)), weighted_sum=True)
+
+
 def _on_cpu(t: torch.Tensor) -> Digest:
     """:func:`_one` for a tensor :func:`_read_at_once` accepts, with none of its other cases.
 
@@ -497,6 +519,12 @@ def digest(tensors: Sequence[torch.Tensor]) -> list[Digest | None]:
     # run digests its steps. The digest's operators are funckpt's, not the function's to check.)
     modes = torch_function_mode_enabled()
     plain = not transforms_active() and forward_ad_level() < 0 and not modes
+    if plain and not DEFER_ON_CPU and not dispatch_modes_active():
+        # The common case, one small plain CPU output or a few: read through NumPy, which
+        # records nothing (no grad mode to switch), or else as below.
+        quick = [_quick(t) for t in tensors]
+        if None not in quick:
+            return quick
     grad_was = torch.is_grad_enabled()
     set_grad_enabled(False)  # no_grad without its Python frames
     try:
@@ -516,6 +544,24 @@ def digest(tensors: Sequence[torch.Tensor]) -> list[Digest | None]:
             ]
     finally:
         set_grad_enabled(grad_was)
+
+
+def reproduced(forward_meta: tuple[Any, ...], forward: Digest | None, recomputed: torch.Tensor) -> bool:
+    """Does ``recomputed``, a recomputation's one output, pass both checks against the forward
+    run's (its metadata, and its digest where ``forward`` is one)? Told at once for a small plain
+    CPU output (see :func:`_quick`), the host-bound case; ``False`` means "not told here": the
+    full checks (:func:`check_same_outputs`, :func:`check_same_values`) decide, and explain."""
+    shape, dtype, device = forward_meta
+    if recomputed.dtype is not dtype or recomputed.shape != shape or not recomputed.is_cpu or device.type != "cpu":
+        return False
+    if forward is None:
+        return True
+    if forward.values is None or not forward.weighted_sum or forward.weighted is not None:
+        return False
+    if DEFER_ON_CPU or torch_function_mode_enabled() or transforms_active() or forward_ad_level() >= 0 or dispatch_modes_active():
+        return False
+    b = _quick(recomputed)
+    return b is not None and b.values is not None and b.numel == forward.numel and _agree(forward, forward.values, b.values, b)
 
 
 def differing_digests(forward: Sequence[Digest | None], recomputed: Sequence[Digest | None]) -> list[int]:
