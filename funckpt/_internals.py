@@ -234,8 +234,11 @@ def functorch_kernels_now() -> bool:
     functorch registers its own kernels for a few composite operators there (dropout's:
     see ``_draws``), which then replace ATen's even for plain tensors.
     """
+    # (functorch includes the key with its first level and drops it with its last: outside
+    # torch.func, the common case, it is not on, told without reading the key sets.)
     return bool(
-        torch._C._dispatch_tls_local_include_set().has(_FUNCTORCH_FRONT)
+        torch._C._are_functorch_transforms_active()
+        and torch._C._dispatch_tls_local_include_set().has(_FUNCTORCH_FRONT)
         and not torch._C._dispatch_tls_local_exclude_set().has(_FUNCTORCH_FRONT)
     )
 
