@@ -1236,6 +1236,13 @@ class Taint:
         return [u for r in made if (u := r()) is not None and id(u) not in known and self.holds(u)]
 
 
+def _no_tensors(values: Sequence[Any]) -> bool:
+    for v in values:
+        if not isinstance(v, (int, float, bool)):
+            return False
+    return True
+
+
 class Substitute(OnThreadStack, TorchFunctionMode):
     """Replaces captured tensors by identity; optionally rejects foreign tensors.
 
@@ -1401,28 +1408,33 @@ class Substitute(OnThreadStack, TorchFunctionMode):
         # input or made inside, none to swap, nothing to watch or trace, no function noted here)
         # runs first, with nothing else to ask: it hands anything else to the general case.
         made = self.made
-        if not _is_compiling() and made is not None and self.watch is None and self.taint is None and func not in _NOTED:
-            known, inside = self.known, self.inside
-            for a in args:
-                if isinstance(a, torch.Tensor):
-                    key = id(a)
-                    if key in inside:
-                        continue
-                    if key not in known or self.mapping:
-                        break
-                    self.used.add(key)
-                elif isinstance(a, (list, tuple)) and a:
-                    break
-            else:
-                if kwargs:
-                    for v in kwargs.values():
-                        if isinstance(v, (torch.Tensor, list, tuple)):
-                            break
-                    else:
-                        return self._note_made_here(func(*args, **kwargs), made)
-                else:
-                    return self._note_made_here(func(*args), made)
+        if (
+            not _is_compiling()
+            and made is not None
+            and self.watch is None
+            and self.taint is None
+            and func not in _NOTED
+            and self._plain(args)
+            and (not kwargs or self._plain(kwargs.values()))
+        ):
+            return self._note_made_here(func(*args, **kwargs) if kwargs else func(*args), made)
         return self._general(func, args, kwargs)
+
+    def _plain(self, values: Iterable[Any]) -> bool:
+        """Are ``values`` (an operator's arguments) the common case's (see :meth:`__torch_function__`):
+        tensors the run made or gets as inputs (these noted as used) and values holding no tensor?"""
+        known, inside = self.known, self.inside
+        for a in values:
+            if isinstance(a, torch.Tensor):
+                key = id(a)
+                if key in inside:
+                    continue
+                if key not in known or self.mapping:
+                    return False
+                self.used.add(key)
+            elif isinstance(a, (list, tuple)) and a and not _no_tensors(a):  # (a shape, as layer_norm's, holds none)
+                return False
+        return True
 
     def _note_made_here(self, out: Any, made: list[weakref.ref[torch.Tensor]]) -> Any:
         """:meth:`__torch_function__`'s common case: ``out``'s tensors are the forward run's own
