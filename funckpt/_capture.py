@@ -1423,13 +1423,13 @@ class Substitute(OnThreadStack, TorchFunctionMode):
     def _plain(self, values: Iterable[Any]) -> bool:
         """Are ``values`` (an operator's arguments) the common case's (see :meth:`__torch_function__`):
         tensors the run made or gets as inputs (these noted as used) and values holding no tensor?"""
-        known, inside = self.known, self.inside
+        known, inside, mapping = self.known, self.inside, self.mapping
         for a in values:
             if isinstance(a, torch.Tensor):
                 key = id(a)
                 if key in inside:
                     continue
-                if key not in known or self.mapping:
+                if key not in known or (mapping and key in mapping):
                     return False
                 self.used.add(key)
             elif isinstance(a, (list, tuple)) and a and not _no_tensors(a):  # (a shape, as layer_norm's, holds none)
