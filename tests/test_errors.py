@@ -1070,3 +1070,35 @@ def test_an_error_only_forward_mode_reaches_is_not_blamed_on_changed_state():
     with pytest.raises(CheckpointError, match="save_for_forward") as raised:
         tf.jvp(remat(Sin.apply), (X,), (torch.ones_like(X),))
     assert isinstance(raised.value, ValueError)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("shape", [(1,), (8, 16), (64, 64), (65, 64)])
+@pytest.mark.parametrize("change", [0.0, 1e-12, 1e-7, 1e-4, 1e-1, "shape", "dtype", "permuted"])
+def test_the_quick_check_of_one_output_answers_as_the_full_check(shape, dtype, change):
+    """A recomputation's one small CPU output is checked at once (funckpt._errors.reproduced); where
+    it says the output is reproduced, the full checks find nothing, and where the full checks
+    would raise, it does not say so. (It may leave an output it cannot tell to them: the
+    largest here, past the size it reads at once.)"""
+    from funckpt._errors import check_same_outputs, differing_digests, digest, reproduced, tensor_meta
+
+    torch.manual_seed(0)
+    forward = torch.randn(shape, dtype=dtype)
+    if change == "shape":
+        again = forward.reshape(-1)[: forward.numel() - 1].clone() if forward.numel() > 1 else forward.repeat(2)
+    elif change == "dtype":
+        again = forward.to(torch.float64 if dtype is torch.float32 else torch.float32)
+    elif change == "permuted":
+        again = forward.reshape(-1).flip(0).reshape(shape).clone()
+    else:
+        again = forward + change * forward.abs().max()
+    told = reproduced(tensor_meta(forward), digest([forward])[0], again)
+    try:
+        check_same_outputs("f", [tensor_meta(forward)], [again], None)
+        full = not differing_digests(digest([forward]), digest([again]))
+    except CheckpointError:
+        full = False
+    if told:
+        assert full
+    elif forward.numel() <= 4096:
+        assert not full  # (told at once: the quick check leaves nothing it reads to the full one)
