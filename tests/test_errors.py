@@ -1102,3 +1102,24 @@ def test_the_quick_check_of_one_output_answers_as_the_full_check(shape, dtype, c
         assert full
     elif forward.numel() <= 4096:
         assert not full  # (told at once: the quick check leaves nothing it reads to the full one)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("value", [1e-40, 1e-20, 1e19, 1e-200, 1e200, float("inf"), float("nan")])
+def test_a_digest_raises_no_numpy_error_whatever_numpy_is_set_to(value, dtype):
+    """NumPy reads small CPU outputs for the determinism check: a caller's np.seterr(all="raise")
+    (or warnings turned into errors) must not make an output of extreme values raise there."""
+    np = pytest.importorskip("numpy")
+    from funckpt._errors import digest
+
+    x = torch.tensor([value, 1.0, -2.0], dtype=dtype).requires_grad_()
+    before = np.seterr(all="raise")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            y = remat(lambda x: x * 1)(x)
+            y.sum().backward()
+            digest([torch.tensor([value], dtype=dtype)])
+    finally:
+        np.seterr(**before)
+    assert_close(x.grad, torch.ones_like(x))
