@@ -1877,7 +1877,9 @@ class UserRegion(Region):
         nothing kept outside the call, the same structure. ``False``: the full check decides."""
         if len(tensors) != 1 or self.escaped_at or self.out_slots is None or slots.treespec != self.out_slots.treespec:
             return False
-        return reproduced(self.out_meta[0], self.out_digest[0] if self._compares_values() else None, tensors[0])
+        if not self._compares_values():
+            return reproduced(self.out_meta[0], None, tensors[0])
+        return len(self.out_digest) == 1 and reproduced(self.out_meta[0], self.out_digest[0], tensors[0])
 
     def _escapes_held(self) -> list[bool]:
         """Per escaped output: held outside after the call (all of them until it is known)."""
