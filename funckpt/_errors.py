@@ -335,12 +335,16 @@ def _quick(t: torch.Tensor) -> Digest | None:
         squares = float(wide.dot(wide))
         if not _SQUARES_EXACT[t.dtype] <= squares < _FLOAT32_MAX:
             return None
+        # Weighted in float64 too: a float32 product of a tiny value (a subnormal) and a weight
+        # underflows, which NumPy reports (np.seterr(all="raise") makes it raise); none does here.
+        total = float(wide.dot(_NUMPY_WEIGHTS[torch.float64][:n]))
     else:
         with _numpy_errstate(over="ignore", invalid="ignore", under="ignore"):
             squares = float(v.dot(v))
-        if not _SQUARES_EXACT[t.dtype] <= squares < math.inf:
-            return None
-    total = float(v.dot(_NUMPY_WEIGHTS[t.dtype][:n]))  # (finite, of values whose squares are)
+            if not _SQUARES_EXACT[t.dtype] <= squares < math.inf:
+                return None
+            # (finite, of values whose squares are; a subnormal's product with a weight underflows)
+            total = float(v.dot(_NUMPY_WEIGHTS[t.dtype][:n]))
     return Digest(None, n, _CPU_RTOL[t.dtype], (total, math.sqrt(squares)), weighted_sum=True)
 
 
@@ -361,7 +365,9 @@ def _on_cpu(t: torch.Tensor) -> Digest:
         with _numpy_errstate(over="ignore", invalid="ignore", under="ignore"):
             squares = float(v.dot(v))
     if squares is not None and _SQUARES_EXACT[t.dtype] <= squares < math.inf:
-        total, norm = float(v.dot(_NUMPY_WEIGHTS[t.dtype][:n])), math.sqrt(squares)
+        with _numpy_errstate(under="ignore"):  # (a subnormal's product with a weight underflows)
+            total = float(v.dot(_NUMPY_WEIGHTS[t.dtype][:n]))
+        norm = math.sqrt(squares)
     elif small:
         # (Here too where the sum of squares left the range its dtype holds to full precision:
         # torch's norm scales the values, a plain sum of squares under- or overflows.)

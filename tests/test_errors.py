@@ -1123,3 +1123,28 @@ def test_a_digest_raises_no_numpy_error_whatever_numpy_is_set_to(value, dtype):
     finally:
         np.seterr(**before)
     assert_close(x.grad, torch.ones_like(x))
+
+
+@pytest.mark.parametrize("dtype,value", [(torch.float32, 1e-40), (torch.float32, 1e-42), (torch.float64, 5e-324), (torch.float64, 1e-310)])
+@pytest.mark.parametrize("others", [0, 1])
+def test_a_subnormal_output_value_raises_no_numpy_underflow_where_numpy_raises(dtype, value, others):
+    """A subnormal value anywhere in a small CPU output (not only at the first position, whose
+    weight is 1): its product with a position weight underflows in the weighted sum. Under the
+    caller's np.seterr(all="raise") the digest must not raise there (a FloatingPointError from
+    funckpt's own check, not the user's code), with one output or with another beside it."""
+    np = pytest.importorskip("numpy")
+
+    v = torch.tensor([1.0, value, -2.0, value], dtype=dtype)
+
+    def f(x):
+        y = x * v
+        return (y, x.half()) if others else y
+
+    x = torch.ones(4, dtype=dtype, requires_grad=True)
+    before = np.seterr(all="raise")
+    try:
+        out = remat(f)(x)
+        (out[0] if others else out).sum().backward()
+    finally:
+        np.seterr(**before)
+    assert_close(x.grad, v)
