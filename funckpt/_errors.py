@@ -328,10 +328,11 @@ def _quick(t: torch.Tensor) -> Digest | None:
     v = t.detach().numpy().reshape(-1)
     if t.dtype is torch.float32:
         # The squares of float32 values, summed in float64, neither over- nor underflow (nor
-        # are they a NaN but of one): NumPy has no floating-point error to report, and no
-        # errstate to enter (a third of this function's time). Within float32's range, as
-        # there, the values are small enough for their weighted sum in float32 to be finite.
-        wide = v.astype(_NUMPY_FLOAT64)
+        # are they a NaN but of one), nor do their products with the weights: NumPy has no
+        # floating-point error to report there. Its cast does, of a signaling NaN (made from
+        # bits, x.view(torch.float32)): an invalid operation, a warning by NumPy's default.
+        with _numpy_errstate(invalid="ignore"):
+            wide = v.astype(_NUMPY_FLOAT64)
         squares = float(wide.dot(wide))
         if not _SQUARES_EXACT[t.dtype] <= squares < _FLOAT32_MAX:
             return None
