@@ -1418,43 +1418,9 @@ class Substitute(OnThreadStack, TorchFunctionMode):
             and (not kwargs or self._plain(kwargs.values()))
         ):
             return self._note_made_here(func(*args, **kwargs) if kwargs else func(*args), made)
-        return self._general(func, args, kwargs)
-
-    def _plain(self, values: Iterable[Any]) -> bool:
-        """Are ``values`` (an operator's arguments) the common case's (see :meth:`__torch_function__`):
-        tensors the run made or gets as inputs (these noted as used) and values holding no tensor?"""
-        known, inside, mapping = self.known, self.inside, self.mapping
-        for a in values:
-            if isinstance(a, torch.Tensor):
-                key = id(a)
-                if key in inside:
-                    continue
-                if key not in known or (mapping and key in mapping):
-                    return False
-                self.used.add(key)
-            elif isinstance(a, (list, tuple)) and a and not _no_tensors(a):  # (a shape, as layer_norm's, holds none)
-                return False
-        return True
-
-    def _note_made_here(self, out: Any, made: list[weakref.ref[torch.Tensor]]) -> Any:
-        """:meth:`__torch_function__`'s common case: ``out``'s tensors are the forward run's own
-        (funckpt's own work for a nested region's: not among what the run made, see _general)."""
-        inside = self.inside
-        if _active.internal:
-            made = []
-        if isinstance(out, torch.Tensor):
-            inside.add(id(out))
-            made.append(weakref.ref(out))
-        elif isinstance(out, (tuple, list)):
-            for o in out:
-                if isinstance(o, torch.Tensor):
-                    inside.add(id(o))
-                    made.append(weakref.ref(o))
-        return out
-
-    def _general(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any] | None) -> Any:
-        """:meth:`__torch_function__` for any call: the common case (no captured tensor to swap,
-        every tensor known or made inside) builds nothing."""
+        # Any other call: the common case (no captured tensor to swap, every tensor known or made
+        # inside) builds nothing. (Here, not in a method of its own: torch 2.11's Dynamo, tracing
+        # this handler where a compiled function runs inside remat, fails a guard on the call.)
         # Usage and escapes are not recorded while Dynamo inlines this handler (a compiled
         # function called inside remat): it cannot trace the mutation of these collections.
         mapping, known, inside = self.mapping, self.known, self.inside
@@ -1532,6 +1498,38 @@ class Substitute(OnThreadStack, TorchFunctionMode):
                 self.taint.spread(func, args if swapped is None else swapped, kwargs or {}, outs)
         else:
             self.note_made(outs)
+        return out
+
+    def _plain(self, values: Iterable[Any]) -> bool:
+        """Are ``values`` (an operator's arguments) the common case's (see :meth:`__torch_function__`):
+        tensors the run made or gets as inputs (these noted as used) and values holding no tensor?"""
+        known, inside, mapping = self.known, self.inside, self.mapping
+        for a in values:
+            if isinstance(a, torch.Tensor):
+                key = id(a)
+                if key in inside:
+                    continue
+                if key not in known or (mapping and key in mapping):
+                    return False
+                self.used.add(key)
+            elif isinstance(a, (list, tuple)) and a and not _no_tensors(a):  # (a shape, as layer_norm's, holds none)
+                return False
+        return True
+
+    def _note_made_here(self, out: Any, made: list[weakref.ref[torch.Tensor]]) -> Any:
+        """:meth:`__torch_function__`'s common case: ``out``'s tensors are the forward run's own
+        (funckpt's own work for a nested region's: not among what the run made, as in the general case)."""
+        inside = self.inside
+        if _active.internal:
+            made = []
+        if isinstance(out, torch.Tensor):
+            inside.add(id(out))
+            made.append(weakref.ref(out))
+        elif isinstance(out, (tuple, list)):
+            for o in out:
+                if isinstance(o, torch.Tensor):
+                    inside.add(id(o))
+                    made.append(weakref.ref(o))
         return out
 
 
