@@ -1116,8 +1116,6 @@ _CUTS_GRADIENT = frozenset(
 )
 
 _is_compiling = torch.compiler.is_compiling  # (Dynamo reads it as True where it traces)
-#: What :meth:`Substitute.__torch_function__` cannot take its common case for.
-_NOTED = frozenset(_METADATA | _SPECIAL.keys())
 
 
 def _writes_its_first_argument(func: Any) -> bool:
@@ -1405,19 +1403,30 @@ class Substitute(OnThreadStack, TorchFunctionMode):
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
     ) -> Any:
         # This runs for every operator of a forward run. Its common case there (every tensor an
-        # input or made inside, none to swap, nothing to watch or trace, no function noted here)
-        # runs first, with nothing else to ask: it hands anything else to the general case.
-        made = self.made
-        if (
-            not _is_compiling()
-            and made is not None
-            and self.watch is None
-            and self.taint is None
-            and func not in _NOTED
-            and self._plain(args)
-            and (not kwargs or self._plain(kwargs.values()))
-        ):
-            return self._note_made_here(func(*args, **kwargs) if kwargs else func(*args), made)
+        # input or made inside, none to swap, nothing to trace, no function noted here) runs
+        # first, with nothing else to ask: it hands anything else to the general case. (A write
+        # watch, on where an input is not differentiable, as a transformer layer's mask, is asked
+        # as there.)
+        # (Never while Dynamo inlines this handler: the general case below says why.)
+        if not _is_compiling():
+            if func in _METADATA:  # (x.shape, x.requires_grad: of any tensor, foreign or not)
+                mapping = self.mapping
+                if mapping and args and id(args[0]) in mapping:
+                    self.hit = True
+                    args = (mapping[id(args[0])], *args[1:])
+                return func(*args, **kwargs) if kwargs else func(*args)
+            made = self.made
+            if (
+                made is not None
+                and self.taint is None
+                and func not in _SPECIAL
+                and self._plain(args)
+                and (not kwargs or self._plain(kwargs.values()))
+            ):
+                watch = self.watch
+                if watch is not None and not _active.internal:
+                    return self._note_made_here(watch.call(func, args, kwargs or {}), made)
+                return self._note_made_here(func(*args, **kwargs) if kwargs else func(*args), made)
         # Any other call: the common case (no captured tensor to swap, every tensor known or made
         # inside) builds nothing. (Here, not in a method of its own: torch 2.11's Dynamo, tracing
         # this handler where a compiled function runs inside remat, fails a guard on the call.)
@@ -1425,11 +1434,6 @@ class Substitute(OnThreadStack, TorchFunctionMode):
         # function called inside remat): it cannot trace the mutation of these collections.
         mapping, known, inside = self.mapping, self.known, self.inside
         compiling = _is_compiling()
-        if not compiling and func in _METADATA:  # (x.shape, x.requires_grad: of any tensor, foreign or not)
-            if mapping and args and id(args[0]) in mapping:
-                self.hit = True
-                args = (mapping[id(args[0])], *args[1:])
-            return func(*args, **(kwargs or {}))
         used = None if compiling else self.used
         swapped: list[Any] | None = None
         for i, a in enumerate(args):  # _swap, with its tensor case inline
