@@ -64,10 +64,10 @@ from ._errors import (
     Digest,
     OpTrace,
     check_same_outputs,
-    reproduced,
     check_same_values,
     debug_enabled,
     digest,
+    reproduced,
     tensor_meta,
     the_recomputation,
 )
