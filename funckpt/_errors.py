@@ -315,10 +315,11 @@ def _read_at_once(t: torch.Tensor) -> bool:
 
 
 def _quick(t: torch.Tensor) -> Digest | None:
-    """:func:`_on_cpu`'s digest of ``t`` where NumPy reads it, with no grad mode to switch (see
-    :func:`digest`): a small contiguous float32 or float64 CPU tensor (not a lazy negative view)
-    whose sum of squares keeps its dtype's precision; ``None`` for any other."""
-    if type(t) is not torch.Tensor or t.dtype not in _CPU_RTOL or not t.is_cpu or not _NUMPY_WEIGHTS:
+    """The digest of a small contiguous float32 or float64 CPU tensor (not a lazy negative view)
+    whose sum of squares keeps its dtype's precision, read through NumPy on its own memory: two
+    dot products, no operator call and no grad mode to switch (see :func:`digest`), where the
+    call is all there is. ``None`` for any other (:func:`_on_cpu` takes it through torch)."""
+    if type(t) not in (torch.Tensor, torch.nn.Parameter) or t.dtype not in _CPU_RTOL or not t.is_cpu or not _NUMPY_WEIGHTS:
         return None
     n = t.numel()
     if not 0 < n <= _WEIGHTED_AT_MOST or t.layout != torch.strided or not t.is_contiguous() or t.is_neg():
@@ -332,7 +333,7 @@ def _quick(t: torch.Tensor) -> Digest | None:
         # floating-point error to report there. Its cast does, of a signaling NaN (made from
         # bits, x.view(torch.float32)): an invalid operation, a warning by NumPy's default.
         with _numpy_errstate(invalid="ignore"):
-            wide = v.astype(_NUMPY_FLOAT64)
+            wide = v.astype("float64")
         squares = float(wide.dot(wide))
         if not _SQUARES_EXACT[t.dtype] <= squares < _FLOAT32_MAX:
             return None
@@ -353,25 +354,17 @@ def _on_cpu(t: torch.Tensor) -> Digest:
     """:func:`_one` for a tensor :func:`_read_at_once` accepts, with none of its other cases.
 
     A small contiguous one (the host-bound case, where each operator's call is the cost) gets
-    the position-weighted sum of all its values in place of their sum (:func:`_weighted`)."""
+    the position-weighted sum of all its values in place of their sum (:func:`_weighted`), read
+    through NumPy where it can be (:func:`_quick`)."""
+    quick = _quick(t)
+    if quick is not None:
+        return quick
     n = t.numel()
     small = n <= _WEIGHTED_AT_MOST and t.is_contiguous() and not torch._C._get_tracing_state()
-    squares = None
-    if small and _NUMPY_WEIGHTS and not t.is_neg():
-        # Through NumPy on the tensor's own memory: its two dot products cost a fraction of
-        # torch's operator calls here, where the call is all there is (the values are the same sums).
-        # (Not a lazy negative view, z.conj().imag of one element: NumPy refuses its memory. And
-        # squares that overflow, left to torch below, warn nothing: NumPy would, in the caller's code.)
-        v = t.detach().numpy().reshape(-1)
-        with _numpy_errstate(over="ignore", invalid="ignore", under="ignore"):
-            squares = float(v.dot(v))
-    if squares is not None and _SQUARES_EXACT[t.dtype] <= squares < math.inf:
-        with _numpy_errstate(under="ignore"):  # (a subnormal's product with a weight underflows)
-            total = float(v.dot(_NUMPY_WEIGHTS[t.dtype][:n]))
-        norm = math.sqrt(squares)
-    elif small:
-        # (Here too where the sum of squares left the range its dtype holds to full precision:
-        # torch's norm scales the values, a plain sum of squares under- or overflows.)
+    if small:
+        # (Where NumPy cannot read it, z.conj().imag of one element, or its sum of squares left the
+        # range its dtype holds to full precision: torch's norm scales the values, a plain sum of
+        # squares under- or overflows.)
         total = torch.dot(t.view(-1), _weights_for(n, t.dtype, _CPU_DEVICE)).item()  # (on the CPU: no device object to make)
         norm = torch.linalg.vector_norm(t).item()
     else:
@@ -447,7 +440,6 @@ def _numpy_weights() -> tuple[dict[torch.dtype, Any], Any]:
 
 
 _NUMPY_WEIGHTS, _numpy_errstate = _numpy_weights()
-_NUMPY_FLOAT64 = "float64"  # (NumPy's name for it: astype takes it without importing NumPy here)
 _FLOAT32_MAX = torch.finfo(torch.float32).max
 #: A sum of squares at least this large keeps its dtype's precision: squares that fell below the
 #: normal range (subnormal, or zero) lose at most a relative ``eps`` of it together.
@@ -534,20 +526,20 @@ def digest(tensors: Sequence[torch.Tensor]) -> list[Digest | None]:
     """
     # (A torch-function mode on: an enclosing region's substitution mode, where a loop nested in its
     # run digests its steps. The digest's operators are funckpt's, not the function's to check.)
-    modes = torch_function_mode_enabled()
-    plain = not transforms_active() and forward_ad_level() < 0 and not modes
-    if plain and not DEFER_ON_CPU and not dispatch_modes_active():
+    read_now = _read_now()
+    if read_now:
         # The common case, one small plain CPU output or a few: read through NumPy, which
         # records nothing (no grad mode to switch), or else as below.
         quick = [_quick(t) for t in tensors]
         if None not in quick:
             return quick
+    modes = torch_function_mode_enabled()
+    plain = not transforms_active() and forward_ad_level() < 0 and not modes
     grad_was = torch.is_grad_enabled()
     set_grad_enabled(False)  # no_grad without its Python frames
     try:
         if plain:  # the common case, without the contexts below
-            fast = not DEFER_ON_CPU and not dispatch_modes_active()
-            return [_on_cpu(t) if fast and _read_at_once(t) else _one(t) if _digestible(t) else None for t in tensors]
+            return [_on_cpu(t) if read_now and _read_at_once(t) else _one(t) if _digestible(t) else None for t in tensors]
         with contextlib.ExitStack() as stack:
             if modes:
                 stack.enter_context(torch._C.DisableTorchFunction())
@@ -563,6 +555,18 @@ def digest(tensors: Sequence[torch.Tensor]) -> list[Digest | None]:
         set_grad_enabled(grad_was)
 
 
+def _read_now() -> bool:
+    """Are CPU digests taken here read at once (:func:`_on_cpu`): no torch.func transform, forward-mode
+    level, torch-function or dispatch mode on (a traced value cannot be read), none deferred?"""
+    return not (
+        DEFER_ON_CPU
+        or transforms_active()
+        or forward_ad_level() >= 0
+        or torch_function_mode_enabled()
+        or dispatch_modes_active()
+    )
+
+
 def reproduced(forward_meta: tuple[Any, ...], forward: Digest | None, recomputed: torch.Tensor) -> bool:
     """Does ``recomputed``, a recomputation's one output, pass both checks against the forward
     run's (its metadata, and its digest where ``forward`` is one)? Told at once for a small plain
@@ -575,7 +579,7 @@ def reproduced(forward_meta: tuple[Any, ...], forward: Digest | None, recomputed
         return True
     if forward.values is None or not forward.weighted_sum or forward.weighted is not None:
         return False
-    if DEFER_ON_CPU or torch_function_mode_enabled() or transforms_active() or forward_ad_level() >= 0 or dispatch_modes_active():
+    if not _read_now():
         return False
     b = _quick(recomputed)
     return b is not None and b.values is not None and b.numel == forward.numel and _agree(forward, forward.values, b.values, b)
