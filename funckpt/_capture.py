@@ -54,7 +54,7 @@ from torch.overrides import TorchFunctionMode
 from ._draws import LAYOUT_DRAWS, layout_draw, redrawn
 from ._errors import CheckpointError
 from ._naming import OnThreadStack
-from ._saving import WriteWatch
+from ._saving import READS_ONLY, WriteWatch
 from ._internals import (
     AccumulateGrad,
     TransformType,
@@ -1424,7 +1424,7 @@ class Substitute(OnThreadStack, TorchFunctionMode):
                 and (not kwargs or self._plain(kwargs.values()))
             ):
                 watch = self.watch
-                if watch is not None and not _active.internal:
+                if watch is not None and (kwargs or func not in READS_ONLY) and not _active.internal:
                     return self._note_made_here(watch.call(func, args, kwargs or {}), made)
                 return self._note_made_here(func(*args, **kwargs) if kwargs else func(*args), made)
         # Any other call: the common case (no captured tensor to swap, every tensor known or made

@@ -546,6 +546,8 @@ class WriteWatch(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's
         known = _FUNCTION_WRITES.get(func, _UNCLASSIFIED)
         if known is _UNCLASSIFIED:
             known = _FUNCTION_WRITES[func] = _function_writes(func)
+            if known is not None and not known.positions:
+                READS_ONLY.add(func)
         rule = cast("_Writes | None", known)
         if rule is None:
             with self:
@@ -598,6 +600,10 @@ class _Writes:
 
 #: Torch function -> which arguments it writes, or ``None``: not known beforehand.
 _FUNCTION_WRITES: dict[Any, _Writes | None] = {}
+#: The torch functions classified so far that write nothing when called without keywords (most:
+#: ``torch.matmul``, ``x.view``, ``F.linear``). The watch's caller asks this set first: for them
+#: :meth:`WriteWatch.call` would only call the function.
+READS_ONLY: set[Any] = set()
 #: The keywords of a function's first argument where it is written: ``self`` in its schema,
 #: ``input`` in the Python binding of a function (``torch.relu_(input=c)``).
 _FIRST = frozenset({"out", "self", "input"})

@@ -472,6 +472,8 @@ NON_DIFFERENTIABLE_WRITES = {
     "iadd": lambda c: c.__iadd__(1),
     "out=": lambda c: torch.add(c.clone(), 1, out=c),
     "out= tuple": lambda c: torch.sort(c.clone(), out=(c, torch.empty(4, dtype=torch.long))),
+    # (torch.sub called first without keywords: the watch then knows it writes nothing that way)
+    "out= of a function called before without it": lambda c: torch.sub(torch.sub(c, 1), 1, out=c),
     "aten overload": lambda c: torch.ops.aten.mul_.Tensor(c, 3),
     "aten packet": lambda c: torch.ops.aten.mul_(c, 3),
     "foreach": lambda c: torch._foreach_mul_([c], 2.0),
