@@ -49,6 +49,7 @@ from dataclasses import dataclass, field
 from typing import Any, cast
 
 import torch
+from torch._library.fake_class_registry import FakeScriptObject as _FakeScriptObject
 from torch.overrides import TorchFunctionMode
 
 from ._draws import LAYOUT_DRAWS, layout_draw, redrawn
@@ -118,7 +119,16 @@ def is_generator(obj: object) -> bool:
     every attribute of every module on each call.
     """
     kind = type(obj)
-    return kind is torch.Generator or (kind not in _PLAIN_TYPES and isinstance(obj, torch.Generator))
+    if kind is torch.Generator:
+        return True
+    if kind in _PLAIN_TYPES:
+        return False
+    # By the class, as the metaclass's isinstance asks (not by __class__, which it reads too, and
+    # which an HF config, most often the one attribute of a module here not plain, answers in
+    # Python), and of the object a FakeScriptObject stands for.
+    if issubclass(kind, _FakeScriptObject):
+        return is_generator(getattr(obj, "real_obj", None))
+    return issubclass(kind, torch.Generator)
 
 
 @dataclass
@@ -318,23 +328,60 @@ _NOTHING = Captured()  # shared: nothing changes a Captured once found
 
 
 def _reaches_nothing(fn: types.FunctionType) -> bool:
-    """A function with no closure, defaults or global other than modules, classes, numbers and strings
-    (or library code).
+    """A function whose closure, defaults and globals hold nothing but modules, classes, numbers,
+    strings, ``None``, standard-library services (a logger) and functions of which the same is
+    true (the wrappers decorators put around a layer's forward, transformers' ``deprecate_kwarg``
+    and gradient-checkpointing ones; a helper the function calls); or library code.
 
-    The walk of :func:`find_captured` stops at once for it; this asks the same
+    The walk of :func:`find_captured` finds nothing from it; this asks the same
     questions in the same order, so the answer is the same (a global rebound to a
-    tensor since the last call is seen: nothing is remembered between calls).
+    tensor since the last call is seen: nothing is remembered between calls). At
+    anything else, or past :data:`_INERT_FUNCTIONS` functions, it says ``False``
+    and the walk decides.
     """
-    if _is_library(fn):
-        return True
-    if fn.__closure__ or fn.__defaults__ or fn.__kwdefaults__:
-        return False
-    namespace = fn.__globals__
-    for name in _global_names(fn.__code__):
-        value = namespace.get(name, _MISSING)
-        if value is not _MISSING and not isinstance(value, (types.ModuleType, type, str, bytes, int, float)):
-            return False
+    pending, seen = [fn], {id(fn)}
+    while pending:
+        fn = pending.pop()
+        if _is_library(fn):
+            continue
+        held: list[Any] = []
+        for cell in fn.__closure__ or ():
+            try:
+                held.append(cell.cell_contents)
+            except ValueError:  # an empty cell
+                pass
+        held += fn.__defaults__ or ()
+        if fn.__kwdefaults__:
+            held += fn.__kwdefaults__.values()
+        namespace = fn.__globals__
+        for name in _global_names(fn.__code__):
+            value = namespace.get(name, _MISSING)
+            if value is not _MISSING and not isinstance(value, (types.ModuleType, type)):
+                held.append(value)
+        for value in held:
+            kind = type(value)
+            if kind in _INERT_TYPES:
+                continue
+            if kind is types.FunctionType:
+                if id(value) not in seen:
+                    if len(seen) == _INERT_FUNCTIONS:
+                        return False
+                    seen.add(id(value))
+                    pending.append(value)
+                continue
+            # An object of a standard-library service (a logger), which the walk does not enter
+            # (unless it is a container too, which it does); anything else, the walk decides.
+            if not _stdlib_service(getattr(kind, "__module__", None) or "") or isinstance(value, _ENTERED):
+                return False
     return True
+
+
+#: What the walk stops at without finding anything (a leaf that is no tensor, or ``None``).
+_INERT_TYPES = frozenset({str, bytes, int, float, bool, type(None)})
+#: What the walk enters whatever module defines its class.
+_ENTERED = (list, tuple, set, frozenset, dict, functools.partial, types.MethodType, torch.Tensor)
+#: How many functions :func:`_reaches_nothing` looks into before it leaves the question to the walk.
+_INERT_FUNCTIONS = 32
 
 
 _MISSING = object()
@@ -491,9 +538,12 @@ def _module_state(module: torch.nn.Module) -> _ModuleState:
         if _PLAIN_TYPES.issuperset(map(type, attributes.values())):  # most modules: nothing but plain values
             continue
         for key, value in attributes.items():
-            if type(value) in _PLAIN_TYPES:
+            kind = type(value)
+            if kind in _PLAIN_TYPES:
                 continue
-            if isinstance(value, torch.Tensor):
+            # (By its class, not isinstance: that reads __class__ too, which an HF config, the
+            # one attribute of most of its modules that is not plain, answers in Python.)
+            if issubclass(kind, torch.Tensor):
                 if not key.startswith("_") and not spent_escape(value):
                     attrs.append((dot + key, m, key, value))
             elif first and is_generator(value):
@@ -995,8 +1045,16 @@ def _set_attribute(m: torch.nn.Module, key: str, value: Any) -> None:
 
 
 def _is_library(fn: types.FunctionType) -> bool:
-    module = getattr(fn, "__module__", None) or ""
-    return module.split(".")[0] in _LIBRARY_ROOTS
+    """Is ``fn`` library code (torch's, funckpt's, ...), whose closure and globals hold no tensor of the user's?
+
+    Told by both the module whose globals it runs with and its ``__module__``: a decorator's
+    wrapper made with ``functools.wraps`` takes the ``__module__`` of what it wraps. A user's
+    wrapper around ``nn.Linear.forward`` (multiplying by a tensor of its closure) is the user's
+    code; so is torch's or funckpt's own wrapper around a user's function (``remat(f)``
+    called inside another remat'd function: its closure holds ``f``)."""
+    defined_in = fn.__globals__.get("__name__") or ""
+    named_after = getattr(fn, "__module__", None) or ""
+    return defined_in.split(".")[0] in _LIBRARY_ROOTS and named_after.split(".")[0] in _LIBRARY_ROOTS
 
 
 @functools.lru_cache(maxsize=4096)

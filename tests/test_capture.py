@@ -1463,3 +1463,173 @@ def test_a_closure_tensor_of_the_caller_given_to_a_transform_inside_raises_sayin
         run(lambda x: remat(lambda q: tf.grad(loss)(q, x))(w))
     expected = run(lambda x: tf.grad(loss)(w, x))
     assert_close(run(lambda x: remat(lambda q, x: tf.grad(loss)(q, x))(w, x)), expected)
+
+
+# ------------------------------------------------- what the walk finds, told without the walk
+
+
+def _wrapped(fn, extra=None):
+    """A decorator's wrapper around ``fn`` (as transformers wraps a layer's forward), holding
+    ``extra`` and a flag in its closure and naming a logger."""
+
+    flag = True
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        if flag and extra is not None:
+            LOGGER.debug("%s", type(extra))
+        return fn(*args, **kwargs)
+
+    return wrapper
+
+
+def _chain(fn, depth, extra=None):
+    """``depth`` wrappers around ``fn``, the innermost holding ``extra``."""
+    fn = _wrapped(fn, extra)
+    for _ in range(depth - 1):
+        fn = _wrapped(fn)
+    return fn
+
+
+def _plain_block(x):
+    return x.sin()
+
+
+def _helper_reading_a_global(x):
+    return x @ GLOBAL_W
+
+
+def _calls_the_helper(x):
+    return _helper_reading_a_global(x).tanh()
+
+
+def _recursive(x, n=2):
+    return x if n == 0 else _recursive(x.sin(), n - 1)
+
+
+def _keyword_default(x, *, w=GLOBAL_W):
+    return x @ w
+
+
+def _closures():
+    w = torch.randn(4, 4, dtype=D, requires_grad=True)
+    generator = torch.Generator().manual_seed(0)
+    return {
+        "three wrappers": _chain(_plain_block, 3),
+        "three wrappers, the innermost holding a tensor": _chain(_plain_block, 3, w),
+        "three wrappers, one holding a module": _chain(_plain_block, 3, _mlp()),
+        "three wrappers, one holding a logger": _chain(_plain_block, 3, LOGGER),
+        "three wrappers, one holding a generator": _chain(_plain_block, 3, generator),
+        "three wrappers, one holding a list": _chain(_plain_block, 3, [w]),
+        "a helper reading a global tensor": _calls_the_helper,
+        "a wrapped helper reading a global tensor": _wrapped(_calls_the_helper),
+        "a recursive function": _recursive,
+        "a keyword default": _wrapped(_keyword_default),
+        "forty wrappers": _chain(_plain_block, 40),
+        "forty wrappers, the innermost holding a tensor": _chain(_plain_block, 40, w),
+    }
+
+
+def _found(captured):
+    return (
+        [id(t) for t in captured.tensors],
+        [id(g) for g in captured.generators],
+        [(id(m), list(named)) for m, named in captured.modules],
+    )
+
+
+@pytest.mark.parametrize("case", list(_closures()))
+@pytest.mark.parametrize("as_forward", [False, True], ids=["function", "a module's forward"])
+def test_what_a_function_reaches_is_the_same_with_or_without_the_walk(case, as_forward, monkeypatch):
+    """Where a function reaches nothing (its closure, defaults and globals hold only numbers,
+    strings, loggers and functions of which the same is true), remat tells so without walking; it
+    finds the same as the walk, which is what decides anything else."""
+    from funckpt import _capture
+
+    fn = _closures()[case]
+    if as_forward:
+        module = type("Wrapped", (torch.nn.Linear,), {"forward": lambda self, x: fn(x)})(4, 4, dtype=D)
+        module.forward_fn = fn  # (the walk reaches fn through the module's class's forward, which closes over it)
+        target = module
+    else:
+        target = fn
+    told = _found(_capture.find_captured(target))
+    monkeypatch.setattr(_capture, "_reaches_nothing", lambda fn: False)
+    assert told == _found(_capture.find_captured(target))
+
+
+def test_a_tensor_a_decorators_wrapper_of_a_modules_forward_holds_gets_its_gradient():
+    scale = torch.tensor(1.5, dtype=D, requires_grad=True)
+
+    def scaled(forward):
+        @functools.wraps(forward)
+        def wrapper(self, x):
+            return forward(self, x) * scale
+
+        return wrapper
+
+    class Layer(torch.nn.Linear):
+        forward = _wrapped(scaled(torch.nn.Linear.forward))
+
+    layer = Layer(4, 4, dtype=D)
+    params = [*layer.parameters(), scale]
+    expected = _backward_grads(lambda: layer(X).tanh(), params)
+    assert_close(_backward_grads(lambda: remat(layer)(X).tanh(), params), expected)
+
+
+def test_a_tensor_a_user_function_holds_behind_torchs_own_decorator_gets_its_gradient():
+    """torch's decorators (here enable_grad's) wrap the user's function in library code whose
+    closure holds it: walked as the user's."""
+    w = torch.randn(4, 4, dtype=D, requires_grad=True)
+
+    @torch.enable_grad()
+    def project(x):
+        return x @ w
+
+    expected = _backward_grads(lambda: project(X).tanh(), [w])
+    assert_close(_backward_grads(lambda: remat(lambda x: project(x).tanh())(X), [w]), expected)
+
+
+class _Config:
+    """An attribute bag that answers every attribute read in Python (as an HF config does)."""
+
+    def __init__(self):
+        object.__setattr__(self, "reads", [])
+
+    def __getattribute__(self, name):
+        object.__getattribute__(self, "reads").append(name)
+        return object.__getattribute__(self, name)
+
+
+@pytest.mark.parametrize(
+    "obj",
+    [torch.Generator(), torch.zeros(1), torch.nn.Parameter(torch.zeros(1)), None, 1, "s", [], _Config(), LOGGER],
+    ids=lambda o: type(o).__name__,
+)
+def test_is_generator_agrees_with_isinstance(obj):
+    from funckpt._capture import is_generator
+
+    assert is_generator(obj) == isinstance(obj, torch.Generator)
+
+
+def test_a_modules_generator_is_replayed_beside_an_attribute_bag():
+    """A generator held as a module attribute next to a config object: found (its draws are
+    replayed), and the config is not asked for its class."""
+
+    class Noisy(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.config = _Config()
+            self.gen = torch.Generator().manual_seed(5)
+
+        def forward(self, x):
+            return x * torch.rand(x.shape, generator=self.gen, dtype=D)
+
+    module = Noisy()
+    x = X.clone().requires_grad_()
+    module.gen.manual_seed(5)
+    expected = torch.autograd.grad(module(x).sum(), x)
+    module.gen.manual_seed(5)
+    module.config.reads.clear()
+    assert_close(torch.autograd.grad(remat(module)(x).sum(), x), expected)
+    assert "__class__" not in module.config.reads
