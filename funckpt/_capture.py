@@ -1292,11 +1292,11 @@ class Taint:
         return [u for r in made if (u := r()) is not None and id(u) not in known and self.holds(u)]
 
 
-def _no_tensors(values: Sequence[Any]) -> bool:
-    for v in values:
-        if not isinstance(v, (int, float, bool)):
-            return False
-    return True
+def _watched(func: Any, kwargs: dict[str, Any] | None) -> bool:
+    """Could this call of ``func`` write an argument (so the write watch must see it)? Not where
+    ``func`` writes none given by position and the call names none of its written keywords."""
+    keywords = READS_ONLY.get(func)
+    return keywords is None or bool(kwargs and not keywords.isdisjoint(kwargs))
 
 
 class Substitute(OnThreadStack, TorchFunctionMode):
@@ -1482,7 +1482,7 @@ class Substitute(OnThreadStack, TorchFunctionMode):
                 and (not kwargs or self._plain(kwargs.values()))
             ):
                 watch = self.watch
-                if watch is not None and (kwargs or func not in READS_ONLY) and not _active.internal:
+                if watch is not None and _watched(func, kwargs) and not _active.internal:
                     return self._note_made_here(watch.call(func, args, kwargs or {}), made)
                 return self._note_made_here(func(*args, **kwargs) if kwargs else func(*args), made)
         # Any other call: the common case (no captured tensor to swap, every tensor known or made
@@ -1535,7 +1535,7 @@ class Substitute(OnThreadStack, TorchFunctionMode):
         watch = self.watch
         # (funckpt's own work for a region nested in this run, such as reading its inputs'
         # storages, writes none of them: only the user's code is watched.)
-        if watch is not None and not compiling and not _active.internal:
+        if watch is not None and not compiling and not _active.internal and _watched(func, kwargs):
             out = watch.call(func, args if swapped is None else tuple(swapped), kwargs or {}, redraw)
         elif redraw is not None:
             out = redraw()
@@ -1574,7 +1574,8 @@ class Substitute(OnThreadStack, TorchFunctionMode):
                 if key not in known or (mapping and key in mapping):
                     return False
                 self.used.add(key)
-            elif isinstance(a, (list, tuple)) and a and not _no_tensors(a):  # (a shape, as layer_norm's, holds none)
+            elif isinstance(a, (list, tuple)) and a and not self._plain(a):
+                # (a shape, as layer_norm's; an index, x[..., :n]; the tensors torch.cat joins)
                 return False
         return True
 

@@ -546,8 +546,8 @@ class WriteWatch(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's
         known = _FUNCTION_WRITES.get(func, _UNCLASSIFIED)
         if known is _UNCLASSIFIED:
             known = _FUNCTION_WRITES[func] = _function_writes(func)
-            if known is not None and not known.positions:
-                READS_ONLY.add(func)
+            if known is not None and not known.positions and known.flag is None:
+                READS_ONLY[func] = known.keywords
         rule = cast("_Writes | None", known)
         if rule is None:
             with self:
@@ -600,10 +600,11 @@ class _Writes:
 
 #: Torch function -> which arguments it writes, or ``None``: not known beforehand.
 _FUNCTION_WRITES: dict[Any, _Writes | None] = {}
-#: The torch functions classified so far that write nothing when called without keywords (most:
-#: ``torch.matmul``, ``x.view``, ``F.linear``). The watch's caller asks this set first: for them
+#: The torch functions classified so far that write no argument given by position (most:
+#: ``torch.matmul``, ``x.view``, ``F.linear``, ``torch.cat``), each with the keywords by which it
+#: would write one (``out``). The watch's caller asks this first: for a call given none of those,
 #: :meth:`WriteWatch.call` would only call the function.
-READS_ONLY: set[Any] = set()
+READS_ONLY: dict[Any, frozenset[str]] = {}
 #: The keywords of a function's first argument where it is written: ``self`` in its schema,
 #: ``input`` in the Python binding of a function (``torch.relu_(input=c)``).
 _FIRST = frozenset({"out", "self", "input"})

@@ -1633,3 +1633,24 @@ def test_a_modules_generator_is_replayed_beside_an_attribute_bag():
     module.config.reads.clear()
     assert_close(torch.autograd.grad(remat(module)(x).sum(), x), expected)
     assert "__class__" not in module.config.reads
+
+
+@pytest.mark.parametrize("route", ["backward", "torch.func.grad"])
+def test_a_captured_tensor_inside_a_list_or_an_index_is_routed(route):
+    """Operators given lists and index tuples (torch.cat of an input, an intermediate and a
+    captured tensor; x[..., :n] and x[(i, ...)] with a captured index) see the captured tensor
+    in its place there too."""
+    w = torch.randn(3, 4, dtype=D, requires_grad=True)
+    rows = torch.tensor([2, 0])
+
+    def f(x, mask):
+        h = torch.cat([x, x.sin(), w], dim=0)[..., :3]
+        return (torch.stack((h[(rows, ...)].sum(0), h.sum(0))) * mask[..., :3]).tanh().sum()
+
+    x, mask = X.clone(), torch.tensor([1.0, 0.0, 1.0, 1.0], dtype=D)
+    if route == "backward":
+        expected = torch.autograd.grad(f(x.requires_grad_(), mask), (x, w))
+        assert_close(torch.autograd.grad(remat(f)(x, mask), (x, w)), expected)
+    else:
+        g = lambda fn: tf.grad(lambda x, w_: fn(x, mask), argnums=(0,))(x, w)  # noqa: E731
+        assert_close(g(remat(f)), g(f))
