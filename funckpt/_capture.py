@@ -128,7 +128,19 @@ def is_generator(obj: object) -> bool:
     # Python), and of the object a FakeScriptObject stands for.
     if issubclass(kind, _FakeScriptObject):
         return is_generator(getattr(obj, "real_obj", None))
-    return issubclass(kind, torch.Generator)
+    if issubclass(kind, torch.Generator):
+        return True
+    # A proxy whose class defines __class__ to report the class of what it wraps (wrapt's
+    # ObjectProxy, lazy_object_proxy's Proxy): isinstance says it is one, and the draws the
+    # function makes through it are replayed as a generator's (its state is read through it).
+    return _reports_a_class(kind) and isinstance(obj, torch.Generator)
+
+
+@functools.lru_cache(maxsize=1024)
+def _reports_a_class(kind: type) -> bool:
+    """Does ``kind`` define ``__class__`` itself (a proxy's, a ``Mock`` with a spec), so that
+    ``isinstance`` may answer for another class than ``kind``?"""
+    return any("__class__" in vars(k) for k in kind.__mro__ if k is not object)
 
 
 @dataclass
@@ -371,7 +383,11 @@ def _reaches_nothing(fn: types.FunctionType) -> bool:
                 continue
             # An object of a standard-library service (a logger), which the walk does not enter
             # (unless it is a container too, which it does); anything else, the walk decides.
-            if not _stdlib_service(getattr(kind, "__module__", None) or "") or isinstance(value, _ENTERED):
+            if (
+                not _stdlib_service(getattr(kind, "__module__", None) or "")
+                or isinstance(value, _ENTERED)
+                or is_generator(value)  # (one the walk records: a Mock with a generator's spec)
+            ):
                 return False
     return True
 

@@ -1654,3 +1654,58 @@ def test_a_captured_tensor_inside_a_list_or_an_index_is_routed(route):
     else:
         g = lambda fn: tf.grad(lambda x, w_: fn(x, mask), argnums=(0,))(x, w)  # noqa: E731
         assert_close(g(remat(f)), g(f))
+
+
+def _proxy(wrapped):
+    """A forwarding proxy that reports the class of what it wraps and holds it where no walk
+    looks (no ``__dict__`` or slot of its own), as wrapt's ObjectProxy does."""
+
+    class Proxy:
+        __slots__ = ()
+        __class__ = property(lambda self: type(wrapped))
+        __wrapped__ = property(lambda self: wrapped)
+
+        def __getattr__(self, name):
+            return getattr(wrapped, name)
+
+    return Proxy()
+
+
+def test_is_generator_agrees_with_isinstance_for_a_proxy():
+    from funckpt._capture import is_generator
+
+    assert is_generator(_proxy(torch.Generator())) and isinstance(_proxy(torch.Generator()), torch.Generator)
+    assert not is_generator(_proxy(torch.zeros(1)))
+
+
+@pytest.mark.parametrize("held", ["module attribute", "closure", "argument"])
+def test_a_generator_behind_a_proxy_is_replayed(held):
+    """A generator held through a proxy (wrapt's ObjectProxy) is a generator to isinstance: its
+    draws are replayed. The output's value does not depend on them, its gradient does: a
+    recomputation drawing anew would give a wrong gradient silently."""
+    proxy = _proxy(torch.Generator().manual_seed(5))
+
+    def noisy(x, gen):
+        y = x * torch.rand(x.shape, generator=gen.__wrapped__, dtype=D)
+        return x + (y - y.detach())
+
+    class Noisy(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gen = proxy
+
+        def forward(self, x):
+            return noisy(x, self.gen)
+
+    fn, args = {
+        "module attribute": (Noisy(), ()),
+        "closure": (lambda x: noisy(x, proxy), ()),
+        "argument": (noisy, (proxy,)),
+    }[held]
+    x = X.clone().requires_grad_()
+    proxy.manual_seed(5)
+    expected = torch.autograd.grad(fn(x, *args).sum(), x)
+    proxy.manual_seed(5)
+    assert_close(torch.autograd.grad(remat(fn)(x, *args).sum(), x), expected)
+    proxy.manual_seed(5)
+    assert_close(tf.grad(lambda x: remat(fn)(x, *args).sum())(X), expected[0])
