@@ -118,7 +118,7 @@ def is_generator(obj: object) -> bool:
     torch (several times the cost of a type test); the capture walk asks it of
     every attribute of every module on each call.
     """
-    kind = type(obj)
+    kind: Any = type(obj)  # (Any: mypy takes a type[object] for unhashable, _reports_a_class's cache key)
     if kind is torch.Generator:
         return True
     if kind in _PLAIN_TYPES:
