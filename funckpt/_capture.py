@@ -351,6 +351,18 @@ def _reaches_nothing(fn: types.FunctionType) -> bool:
     anything else, or past :data:`_INERT_FUNCTIONS` functions, it says ``False``
     and the walk decides.
     """
+    if _is_library(fn):
+        return True
+    if not (fn.__closure__ or fn.__defaults__ or fn.__kwdefaults__):
+        # The common case (a block's function: globals that are modules and classes), told
+        # without the set-up below.
+        namespace = fn.__globals__
+        for name in _global_names(fn.__code__):
+            value = namespace.get(name, _MISSING)
+            if value is not _MISSING and not isinstance(value, (types.ModuleType, type, str, bytes, int, float)):
+                break
+        else:
+            return True
     pending, seen = [fn], {id(fn)}
     while pending:
         fn = pending.pop()
@@ -1068,9 +1080,12 @@ def _is_library(fn: types.FunctionType) -> bool:
     wrapper around ``nn.Linear.forward`` (multiplying by a tensor of its closure) is the user's
     code; so is torch's or funckpt's own wrapper around a user's function (``remat(f)``
     called inside another remat'd function: its closure holds ``f``)."""
-    defined_in = fn.__globals__.get("__name__") or ""
-    named_after = getattr(fn, "__module__", None) or ""
-    return defined_in.split(".")[0] in _LIBRARY_ROOTS and named_after.split(".")[0] in _LIBRARY_ROOTS
+    return _library_module(fn.__globals__.get("__name__") or "") and _library_module(getattr(fn, "__module__", None) or "")
+
+
+@functools.lru_cache(maxsize=1024)
+def _library_module(module: str) -> bool:
+    return module.split(".")[0] in _LIBRARY_ROOTS
 
 
 @functools.lru_cache(maxsize=4096)
