@@ -155,12 +155,14 @@ _UNINITIALIZED = frozenset(
 
 
 def _cacheable(op: Any) -> bool:
-    """Random operators, operators returning aliases of their inputs and factories of
-    uninitialized memory are never kept."""
+    """Random operators, operators returning aliases of their inputs or nothing and factories
+    of uninitialized memory are never kept. (One returning nothing, ``_foreach_add_`` or
+    ``unbind_copy(out=[...])``, only writes: kept, a recomputation would skip the write.)"""
     verdict = _CACHEABLE.get(op)
     if verdict is None:
         verdict = _CACHEABLE[op] = (
             torch.Tag.nondeterministic_seeded not in op.tags
+            and bool(op._schema.returns)
             and not any(r.alias_info is not None for r in op._schema.returns)
             and op.overloadpacket not in _UNINITIALIZED
         )

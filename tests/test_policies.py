@@ -370,3 +370,33 @@ def test_everything_saveable_keeps_no_uninitialized_memory(randomness):
     assert_close(grads(make(remat, lambda g: remat(g, policy=policies.everything_saveable))), expected)
     kept = funckpt.saved_residuals(remat(lambda x: torch.empty_like(x).copy_(x).sin(), policy=policies.everything_saveable), X)
     assert not any("empty" in r.source for r in kept if r.kind == "saved by policy")
+
+
+@pytest.mark.parametrize("write", ["foreach_add_", "unbind_copy_out"])
+@pytest.mark.parametrize("route", ["backward", "torch.func.grad"])
+def test_a_write_by_an_operator_returning_nothing_is_replayed(write, route):
+    """An operator that writes its arguments and returns nothing (``torch._foreach_add_``,
+    ``torch.unbind_copy(..., out=[...])``) is never kept: a recomputation handed its (empty)
+    result would skip the write, and compute the rest from the values before it."""
+    def f(x, m):
+        h = x * 2
+        y = (x + m).sin()
+        if write == "foreach_add_":  # (an intermediate and a non-differentiable input)
+            torch._foreach_add_([h, m], 1.0)
+        else:  # (out= does not take a tensor requiring grad)
+            torch.unbind_copy((m + 1).unsqueeze(0), out=[m])
+        return h * h + y * m
+
+    x = torch.tensor([0.1, 0.2, 0.3], dtype=D)
+    m0 = torch.tensor([1.0, 2.0, 3.0], dtype=D)
+    for policy in (policies.everything_saveable, policies.dots_saveable):
+        if route == "backward":
+            grads = []
+            for fn in (f, remat(f, policy=policy)):
+                xr, m = x.clone().requires_grad_(), m0.clone()
+                grads.append(torch.autograd.grad(fn(xr, m).sum(), xr)[0])
+                assert_close(m, m0 + 1)
+            assert_close(grads[1], grads[0])
+        else:
+            g = lambda fn: tf.grad(lambda x: fn(x, m0.clone()).sum())(x)  # noqa: E731
+            assert_close(g(remat(f, policy=policy)), g(f))
