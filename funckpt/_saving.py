@@ -155,15 +155,21 @@ _UNINITIALIZED = frozenset(
 
 
 def _cacheable(op: Any) -> bool:
-    """Random operators, operators returning aliases of their inputs or nothing and factories
-    of uninitialized memory are never kept. (One returning nothing, ``_foreach_add_`` or
-    ``unbind_copy(out=[...])``, only writes: kept, a recomputation would skip the write.)"""
+    """Random operators, operators that write any of their arguments or return aliases of them or
+    nothing, and factories of uninitialized memory are never kept.
+
+    A kept operator is not run again by a recomputation, which is handed what it returned:
+    a write it makes would be skipped, and what the recomputation computes after it from the
+    written tensor would start from the values before (batch norm's running statistics when
+    they are an intermediate the function reads again, ``_foreach_add_``, which returns nothing,
+    ``unbind_copy(out=[...])``): a silently wrong gradient."""
     verdict = _CACHEABLE.get(op)
     if verdict is None:
         verdict = _CACHEABLE[op] = (
             torch.Tag.nondeterministic_seeded not in op.tags
             and bool(op._schema.returns)
             and not any(r.alias_info is not None for r in op._schema.returns)
+            and not _written_args(op)
             and op.overloadpacket not in _UNINITIALIZED
         )
     return verdict

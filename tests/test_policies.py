@@ -400,3 +400,25 @@ def test_a_write_by_an_operator_returning_nothing_is_replayed(write, route):
         else:
             g = lambda fn: tf.grad(lambda x: fn(x, m0.clone()).sum())(x)  # noqa: E731
             assert_close(g(remat(f, policy=policy)), g(f))
+
+
+@pytest.mark.parametrize("route", ["backward", "torch.func.grad"])
+def test_an_operator_writing_an_intermediate_and_returning_new_values_is_run_again(route):
+    """Batch norm in training mode returns new values and writes the running statistics it is
+    handed; where those are an intermediate the function reads again, the recomputation must run
+    it too (handed what it returned, it would read the statistics from before the write)."""
+
+    def f(x):
+        h = x * 2
+        running_mean, running_var = (x * 3).detach().mean(0), torch.ones(4, dtype=D)
+        y = torch.nn.functional.batch_norm(h, running_mean, running_var, training=True, momentum=0.5)
+        return ((y + h) * running_mean).sum()
+
+    x = torch.randn(8, 4, dtype=D, generator=torch.Generator().manual_seed(0))
+    for policy in (policies.everything_saveable, policies.dots_saveable):
+        if route == "backward":
+            xr = x.clone().requires_grad_()
+            expected = torch.autograd.grad(f(xr), xr)
+            assert_close(torch.autograd.grad(remat(f, policy=policy)(xr), xr), expected)
+        else:
+            assert_close(tf.grad(remat(f, policy=policy))(x), tf.grad(f)(x))
