@@ -55,7 +55,7 @@ from torch.overrides import TorchFunctionMode
 from ._draws import LAYOUT_DRAWS, layout_draw, redrawn
 from ._errors import CheckpointError
 from ._naming import OnThreadStack
-from ._saving import READS_ONLY, WriteWatch
+from ._saving import WriteWatch, may_write
 from ._internals import (
     AccumulateGrad,
     TransformType,
@@ -1323,13 +1323,6 @@ class Taint:
         return [u for r in made if (u := r()) is not None and id(u) not in known and self.holds(u)]
 
 
-def _watched(func: Any, kwargs: dict[str, Any] | None) -> bool:
-    """Could this call of ``func`` write an argument (so the write watch must see it)? Not where
-    ``func`` writes none given by position and the call names none of its written keywords."""
-    keywords = READS_ONLY.get(func)
-    return keywords is None or bool(kwargs and not keywords.isdisjoint(kwargs))
-
-
 class Substitute(OnThreadStack, TorchFunctionMode):
     """Replaces captured tensors by identity; optionally rejects foreign tensors.
 
@@ -1513,7 +1506,7 @@ class Substitute(OnThreadStack, TorchFunctionMode):
                 and (not kwargs or self._plain(kwargs.values()))
             ):
                 watch = self.watch
-                if watch is not None and _watched(func, kwargs) and not _active.internal:
+                if watch is not None and may_write(func, kwargs) and not _active.internal:
                     return self._note_made_here(watch.call(func, args, kwargs or {}), made)
                 return self._note_made_here(func(*args, **kwargs) if kwargs else func(*args), made)
         # Any other call: the common case (no captured tensor to swap, every tensor known or made
@@ -1566,7 +1559,7 @@ class Substitute(OnThreadStack, TorchFunctionMode):
         watch = self.watch
         # (funckpt's own work for a region nested in this run, such as reading its inputs'
         # storages, writes none of them: only the user's code is watched.)
-        if watch is not None and not compiling and not _active.internal and _watched(func, kwargs):
+        if watch is not None and not compiling and not _active.internal and may_write(func, kwargs):
             out = watch.call(func, args if swapped is None else tuple(swapped), kwargs or {}, redraw)
         elif redraw is not None:
             out = redraw()

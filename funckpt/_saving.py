@@ -555,7 +555,7 @@ class WriteWatch(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's
         if known is _UNCLASSIFIED:
             known = _FUNCTION_WRITES[func] = _function_writes(func)
             if known is not None and not known.positions and known.flag is None:
-                READS_ONLY[func] = known.keywords
+                _READS_ONLY[func] = known.keywords
         rule = cast("_Writes | None", known)
         if rule is None:
             with self:
@@ -610,9 +610,18 @@ class _Writes:
 _FUNCTION_WRITES: dict[Any, _Writes | None] = {}
 #: The torch functions classified so far that write no argument given by position (most:
 #: ``torch.matmul``, ``x.view``, ``F.linear``, ``torch.cat``), each with the keywords by which it
-#: would write one (``out``). The watch's caller asks this first: for a call given none of those,
-#: :meth:`WriteWatch.call` would only call the function.
-READS_ONLY: dict[Any, frozenset[str]] = {}
+#: would write one (``out``): see :func:`may_write`.
+_READS_ONLY: dict[Any, frozenset[str]] = {}
+
+
+def may_write(func: Any, kwargs: dict[str, Any] | None) -> bool:
+    """Could this call of the torch function ``func`` write an argument, so that :meth:`WriteWatch.call`
+    must see it? Not where ``func`` writes none given by position and the call names none of its
+    written keywords: the watch would only call it. (Asked by the watch's caller first, per operator.)"""
+    keywords = _READS_ONLY.get(func)
+    return keywords is None or bool(kwargs and not keywords.isdisjoint(kwargs))
+
+
 #: The keywords of a function's first argument where it is written: ``self`` in its schema,
 #: ``input`` in the Python binding of a function (``torch.relu_(input=c)``).
 _FIRST = frozenset({"out", "self", "input"})
