@@ -32,10 +32,11 @@ from torch.nn.modules.lazy import LazyModuleMixin
 from torch.nn.parameter import is_lazy
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
-from . import _aliasing, _autocast, _rng
+from . import _aliasing, _autocast, _rng, _tail
 from ._autograd import Phase, Region, apply, eager_under_compile, local_input
 from ._capture import (
     attributes_as_at_the_call,
+    _METADATA,
     SPENT,
     Captured,
     Roots,
@@ -48,11 +49,13 @@ from ._capture import (
     has_tangent,
     is_generator,
     local_graph_leaves,
+    nested_run,
     next_sequence_nr,
     refuse_other_threads_stand_ins,
     reparametrized,
     route_through_enclosing,
     set_internal,
+    substitution_depth,
     tensors_inside,
     training_as_at_the_call,
 )
@@ -590,7 +593,7 @@ class _Running:
     does not keep the others from being left, and a context may suppress an error.
     """
 
-    __slots__ = ("exits", "flat", "forward", "grad", "modes", "region", "watch")
+    __slots__ = ("exits", "flat", "forward", "grad", "modes", "region", "under", "watch")
 
     def __init__(
         self,
@@ -600,9 +603,10 @@ class _Running:
         grad: bool,
         modes: Sequence[Any],
         watch: WriteWatch | None,
+        under: Any = None,
     ) -> None:
         self.region, self.flat, self.forward, self.grad, self.modes = region, flat, forward, grad, modes
-        self.watch = watch
+        self.watch, self.under = watch, under
         self.exits: list[Callable[[Any, Any, Any], Any]] = []
 
     def _enter(self, context: Any) -> Any:
@@ -673,6 +677,8 @@ class _Running:
             self.exits.append(leave_run)
             if substitute is None and region.draws_by_layout and differs_here(functorch):
                 self._enter(Redraw())
+            if self.under is not None:
+                self._enter(self.under)
             if substitute is not None:
                 self._enter(substitute)
             for mode in self.modes:
@@ -747,6 +753,8 @@ class UserRegion(Region):
     # Escaped views of another escaped tensor (h[:, 0] kept beside h): views of that output
     # for the caller, not outputs of their own (see _kept_as_outputs).
     escaped_views: Sequence[weakref.ref[torch.Tensor]] = ()
+    # The last calls of the forward run a recomputation need not compute (see _tail).
+    tail: _tail.TailPlan | None = None
 
     def __init__(
         self,
@@ -1326,6 +1334,7 @@ class UserRegion(Region):
         grad: bool,
         modes: Sequence[Any],
         watch: WriteWatch | None = None,
+        under: Any = None,
     ) -> _Running:
         """The context ``fn`` runs in, both runs: its inputs and reparametrized modules,
         the user's ``context_fn``, grad mode (``grad``: on, for the forward run's local
@@ -1333,12 +1342,14 @@ class UserRegion(Region):
         recomputation), the substitution of captured tensors, the run's dispatch
         ``modes``, and the debug trace. ``watch``, the forward run's write watch where the
         substitution mode runs it (:meth:`WriteWatch.call`) rather than a dispatch mode.
+        ``under``: a torch-function mode entered below the substitution (it sees the tensors
+        the substitution passes: a recomputation's :class:`~funckpt._tail.Deferring`).
 
         The dispatch modes are built by the caller before the torch-function mode is
         entered: building them reads the inputs' storages, which must not count as the
         function's use of them.
         """
-        return _Running(self, flat, forward, grad, modes, watch)
+        return _Running(self, flat, forward, grad, modes, watch, under)
 
     def forward_run(self, flat: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
         """The first run, in the forward pass: record what a recomputation must replay and check."""
@@ -1403,6 +1414,8 @@ class UserRegion(Region):
         with self._running(flat, forward=True, grad=grad_mode, modes=modes, watch=watch) as run:
             if (grad_forward or at_own_level or tainting) and run.substitute is not None:
                 run.substitute.made = []
+            if grad_forward and self.saved is None and run.trace is None and run.substitute is not None:
+                run.substitute.trail = []
             if tainting and run.substitute is not None:
                 seeds = (t for t, d in zip(flat, self.differentiable) if d)
                 run.substitute.taint = Taint(seeds, any_grad_mode=sweep or self.required_grad_at_call is None)
@@ -1493,6 +1506,11 @@ class UserRegion(Region):
             self.constant = {k for k, t in enumerate(owned) if not t.requires_grad}
             del owned  # (a hidden base, with the run's graph: it must not look escaped)
         tensors = _aliasing.owned_outputs(self.plan, tensors)
+        # (Before the escapes are looked for: the trail holds what the run made.)
+        trail, substitute.trail = substitute.trail, None
+        if trail and self.plan is None and not self.rebound_attributes:
+            self.tail = _tail.plan(trail, flat, tensors, self._compares_values())
+        del trail
         if grad_forward:  # drop the run's local graph
             returned_at, viewing = _returned_by_id(tensors)
             tensors = [t.detach() if t.requires_grad else t for t in tensors]
@@ -1505,6 +1523,7 @@ class UserRegion(Region):
                 tensors = self._outputs_viewing_kept(tensors, escaped, viewing)
             del returned_at, viewing
             if escaped:  # (as they are: autograd points them at the Function's node)
+                self.tail = None  # (a tensor kept outside: the recomputation's must have values)
                 self.escaped_at = [k for k, _ in escaped]
                 inputs = {id(t) for t in flat}
                 self.escape_doubts = [self._doubt(t, inputs) for _, t in escaped]
@@ -1813,12 +1832,16 @@ class UserRegion(Region):
         modes: list[Any] = []
         if self.saved is not None and not forward_mode_active():
             modes.append(self.saved.replayer())
+        deferring = None
+        if self.tail is not None and peek_interpreter_stack() is None and forward_ad_level() < 0:
+            deferring = _tail.Deferring(self.tail, _METADATA, substitution_depth, nested_run)
+        frontier = None
         hooks_before = {i: _hook_keys(flat[i]) for i in self.moved_hooks}
         unsubstituted = False
         failed: Exception | None = None
         out: Any = _SUPPRESSED
         try:
-            with self._running(flat, forward=False, grad=False, modes=modes) as run:
+            with self._running(flat, forward=False, grad=False, modes=modes, under=deferring) as run:
                 unsubstituted = run.unsubstituted
                 if any(self._escapes_held()):
                     assert run.substitute is not None
@@ -1832,6 +1855,8 @@ class UserRegion(Region):
                         out = self._call_fn(run.args, run.kwargs, False, False)
                 else:
                     out = self._call_fn(run.args, run.kwargs, False, False)
+                if deferring is not None:
+                    frontier = deferring.finish(flat)
         except Exception as e:
             # Without the mode, a tensor reached another way than in the forward run (a module
             # rebound to one of another shape) fails inside fn: under it, the mode names it.
@@ -1857,7 +1882,8 @@ class UserRegion(Region):
         tensors = _aliasing.owned_outputs(self.plan, _substituted(tensors, run.substitute))
         if self.escaped_at:
             tensors += self._escaped_again(run.substitute)
-        if self.options.determinism_check == "default" and not self._reproduced(tensors, slots):
+        # (Where the tail was skipped, the outputs are uninitialized: the tensors it read are compared.)
+        if self.options.determinism_check == "default" and (frontier is not None or not self._reproduced(tensors, slots)):
             assert self.out_slots is not None
             traces = (self.forward_trace or [], run.trace.lines) if run.trace is not None else None
             if slots.treespec != self.out_slots.treespec:
@@ -1868,7 +1894,10 @@ class UserRegion(Region):
                 )
             kept_from = len(self.out_meta) - len(self.escaped_at) if self.escaped_at else None
             check_same_outputs(self.name, self.out_meta, tensors, traces, kept_from)
-            if self._compares_values():
+            if self._compares_values() and frontier is not None:
+                assert self.tail is not None and self.tail.frontier_digest is not None
+                check_same_values(self.name, self.tail.frontier_digest, digest(frontier), traces, frontier=True)
+            elif self._compares_values():
                 check_same_values(self.name, self.out_digest, digest(tensors), traces, kept_from)
         return tuple(tensors)
 

@@ -56,6 +56,7 @@ from ._draws import LAYOUT_DRAWS, layout_draw, redrawn
 from ._errors import CheckpointError
 from ._naming import OnThreadStack
 from ._saving import WriteWatch, may_write
+from ._tail import TAIL
 from ._internals import (
     AccumulateGrad,
     TransformType,
@@ -1123,6 +1124,16 @@ def set_internal(internal: bool) -> bool:
 _active = _Active()
 
 
+def nested_run(depth: int) -> bool:
+    """Is funckpt's own work, or a run nested in the one whose substitutions were ``depth`` deep, on now?"""
+    return _active.internal or len(_active.substitutes) != depth
+
+
+def substitution_depth() -> int:
+    """How many runs' substitutions are on, on this thread."""
+    return len(_active.substitutes)
+
+
 def made_by_nested_region(outputs: Sequence[Any], inputs: Sequence[Any] = ()) -> None:
     """Count the tensors a nested region's Function returned as made by the runs we are inside.
 
@@ -1372,6 +1383,10 @@ class Substitute(OnThreadStack, TorchFunctionMode):
         self.layout_draws = False
         # Where a forward run records no graph it can see: what carries a derivative (see Taint).
         self.taint: Taint | None = None
+        # The forward run's last calls that a tail may hold (index, function, arguments, result),
+        # and how many calls it made, metadata reads aside (see _tail); None where not noted.
+        self.trail: list[tuple[int, Any, tuple[Any, ...], Any]] | None = None
+        self.calls = 0
 
     def _thread_stack(self) -> list[Any]:
         return _active.substitutes
@@ -1405,6 +1420,7 @@ class Substitute(OnThreadStack, TorchFunctionMode):
         (see :func:`made_by_nested_region`, which gives its ``inputs``): they take positions
         (``made`` in a forward run, ``keep`` in a recomputation)."""
         inside, made, keep = self.inside, self.made, self.keep
+        self.trail = None  # (a nested region's work is not this run's to skip)
         if self.taint is not None:
             self.taint.spread(None, inputs, {}, outputs)
         if made is not None:  # a forward run: a tensor's position is its index in ``made``
@@ -1507,8 +1523,17 @@ class Substitute(OnThreadStack, TorchFunctionMode):
             ):
                 watch = self.watch
                 if watch is not None and may_write(func, kwargs) and not _active.internal:
-                    return self._note_made_here(watch.call(func, args, kwargs or {}), made)
-                return self._note_made_here(func(*args, **kwargs) if kwargs else func(*args), made)
+                    out = watch.call(func, args, kwargs or {})
+                else:
+                    out = func(*args, **kwargs) if kwargs else func(*args)
+                trail = self.trail
+                if trail is not None:  # (see _tail: the calls the run ends with)
+                    self.calls += 1
+                    if func in TAIL and not kwargs and not _active.internal:
+                        trail.append((self.calls - 1, func, args, out))
+                    elif trail:
+                        trail.clear()
+                return self._note_made_here(out, made)
         # Any other call: the common case (no captured tensor to swap, every tensor known or made
         # inside) builds nothing. (Here, not in a method of its own: torch 2.11's Dynamo, tracing
         # this handler where a compiled function runs inside remat, fails a guard on the call.)
@@ -1584,6 +1609,13 @@ class Substitute(OnThreadStack, TorchFunctionMode):
                 self.taint.spread(func, args if swapped is None else swapped, kwargs or {}, outs)
         else:
             self.note_made(outs)
+        trail = self.trail
+        if trail is not None:  # (as in the common case: a call whose captured tensors were swapped)
+            self.calls += 1
+            if func in TAIL and not kwargs and special is None and not compiling and not _active.internal:
+                trail.append((self.calls - 1, func, args if swapped is None else tuple(swapped), out))
+            elif trail:
+                trail.clear()
         return out
 
     def _plain(self, values: Iterable[Any]) -> bool:

@@ -661,7 +661,7 @@ def _agree(
 
 
 _Check = tuple[
-    str, Sequence["Digest | None"], Sequence["Digest | None"], "tuple[Sequence[str], Sequence[str]] | None", "int | None"
+    str, Sequence["Digest | None"], Sequence["Digest | None"], "tuple[Sequence[str], Sequence[str]] | None", "int | None", bool
 ]
 
 
@@ -701,9 +701,11 @@ def check_same_values(
     recomputed: Sequence[Digest | None],
     traces: tuple[Sequence[str], Sequence[str]] | None,
     kept_from: int | None = None,
+    frontier: bool = False,
 ) -> None:
     """Raise :class:`CheckpointError` if a recomputed output's values differ from the forward run's
-    (``kept_from``: as for :func:`check_same_outputs`).
+    (``kept_from``: as for :func:`check_same_outputs`; ``frontier``: the digests are of the tensors
+    the function's last calls read, whose recomputation was skipped, see ``_tail``).
 
     On an accelerator, inside a backward pass, the comparison waits for the end of
     that backward: reading the digests is a host synchronisation, and one at the end
@@ -711,7 +713,7 @@ def check_same_values(
     kernels. The error is then raised by the backward call itself, as any other is.
     """
     if not DEFER_ON_CPU and _all_read(forward) and _all_read(recomputed):  # the common case: compare now
-        _compare(name, forward, recomputed, traces, kept_from)
+        _compare(name, forward, recomputed, traces, kept_from, frontier)
         return
     task = current_graph_task_id()
     on_device = any(d is not None and d.stats is not None and not d.stats[0].is_cpu for d in (*forward, *recomputed))
@@ -720,13 +722,13 @@ def check_same_values(
             pending = _deferred.get(task)
             if pending is None:
                 pending = _deferred[task] = _Pending()
-            pending.checks.append((name, forward, recomputed, traces, kept_from))
+            pending.checks.append((name, forward, recomputed, traces, kept_from, frontier))
         # One callback per check: the first to run compares everything pending for this task
         # (one host synchronisation), the others find nothing; a check deferred after that
         # one ran (by a later callback) still has its own.
         queue_engine_callback(lambda: _check_deferred(task, pending))
         return
-    _compare(name, forward, recomputed, traces, kept_from)
+    _compare(name, forward, recomputed, traces, kept_from, frontier)
 
 
 def _all_read(digests: Sequence[Digest | None]) -> bool:
@@ -751,6 +753,7 @@ def _compare(
     recomputed: Sequence[Digest | None],
     traces: tuple[Sequence[str], Sequence[str]] | None,
     kept_from: int | None = None,
+    frontier: bool = False,
 ) -> None:
     differing = differing_digests(forward, recomputed)
     if not differing:
@@ -768,9 +771,9 @@ def _compare(
     total = "position-weighted sum" if a.weighted_sum else "sum"
     message = (
         f"remat({name}): {the_recomputation()} did not reproduce the forward pass: "
-        f"{_output_words(i, kept_from)} has other values ({total} {s_f:.6g}, norm {n_f:.6g} in the forward pass; "
+        f"{'an intermediate tensor its last operations read' if frontier else _output_words(i, kept_from)} has other values ({total} {s_f:.6g}, norm {n_f:.6g} in the forward pass; "
         f"{total} {s_r:.6g}, norm {n_r:.6g} in the recomputation{weighted})"
-        + (f", and {len(differing) - 1} more output(s) differ" if len(differing) > 1 else "")
+        + (f", and {len(differing) - 1} more {'tensor' if frontier else 'output'}(s) differ" if len(differing) > 1 else "")
         + ". The gradient would be that of another computation. The function must compute the same "
         "thing when called again with the same inputs: it may depend on state that changed between the "
         "forward and the backward pass (a counter, an iterator, a global, a module attribute), read an "

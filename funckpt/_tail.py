@@ -1,0 +1,273 @@
+"""Recomputing less: the last operations of a function, whose values no gradient needs.
+
+A block typically ends with a projection and a residual add, ``x + h @ w2``. The backward
+pass needs what the matmul saved (``h`` and ``w2``), not what it returned, and the add saves
+nothing. ``torch.utils.checkpoint``, which recomputes only until the forward graph's saved
+tensors are all filled, never computes those two again; remat, which differentiates a graph
+it records anew, would: the block's largest matmul recomputed for nothing.
+
+So the forward run notes the calls it ends with (:attr:`Substitute.trail
+<funckpt._capture.Substitute>`), and :func:`plan` keeps the longest run of them made of
+matmuls and adds whose results no later one saves (a matmul saves its operands: an add
+feeding a matmul is not in it). Where their work is worth it, the recomputation records
+their autograd nodes without running their matmul kernels (:class:`Deferring` and
+:class:`_Skip`): the nodes save the real operands, so the gradient is the same, and the
+results are uninitialized memory of the right layout (the adds run on it). A result that turns out to be read after all (a
+later call takes it, the recomputation takes another course) is computed then, before the
+reader sees it: being wrong costs time, never a value.
+
+The determinism check, which compares the outputs' values, compares instead those of the
+tensors the skipped calls read (the *frontier*): the outputs are a fixed function of them, and
+the gradient depends on nothing else the skipped calls would compute.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+
+from ._errors import Digest, digest
+
+__all__ = ["TAIL", "Deferring", "TailPlan", "plan"]
+
+_MATMULS = frozenset(
+    [
+        torch.matmul,
+        torch.Tensor.matmul,
+        torch.Tensor.__matmul__,
+        torch.mm,
+        torch.Tensor.mm,
+        torch.bmm,
+        torch.Tensor.bmm,
+        torch.nn.functional.linear,
+        torch.addmm,
+        torch.Tensor.addmm,
+    ]
+)
+_ADDS = frozenset(
+    [
+        torch.add,
+        torch.Tensor.add,
+        torch.Tensor.__add__,
+        torch.Tensor.__radd__,
+        torch.sub,
+        torch.Tensor.sub,
+        torch.Tensor.__sub__,
+        torch.Tensor.__rsub__,
+    ]
+)
+#: The torch functions a tail is made of: each returns a new tensor, writes nothing, draws
+#: nothing, and saves for its backward its operands at most (an add saves none), never its result.
+TAIL = _MATMULS | _ADDS
+
+#: The kernels :class:`_Skip` does not run: the matmuls, where the work is, whose result's layout
+#: their meta kernels give exactly (their operands share a dtype). Everything else runs: the
+#: views, copies and casts around them, and the adds (cheap, and their dtype follows promotion
+#: rules a meta tensor cannot stand in for: a Python number's), on whatever a skipped matmul left.
+_aten = torch.ops.aten
+_SKIPPED = frozenset([_aten.mm.default, _aten.addmm.default, _aten.bmm.default, _aten.baddbmm.default])
+
+#: Multiply-adds of the skipped matmuls below which skipping is not worth its Python (a mode
+#: on every call of the recomputation): on the CPU, about 0.1 ms of work; on an accelerator,
+#: where the host's time per call is what a launch-bound step waits for, far more.
+_WORTH = {"cpu": 1 << 22}
+_WORTH_ELSEWHERE = 1 << 30
+
+
+@dataclass
+class TailPlan:
+    """What the forward run found: the recomputation may skip the calls from ``start`` on."""
+
+    start: int  # index of the first skipped call among the run's calls (metadata reads not counted)
+    funcs: tuple[Any, ...]  # the skipped calls' functions, in order
+    frontier_meta: tuple[tuple[torch.Size, torch.dtype, torch.device], ...]
+    frontier_digest: list[Digest | None] | None  # None: values not compared
+
+
+def _tensors(args: Sequence[Any]) -> list[torch.Tensor]:
+    return [a for a in args if isinstance(a, torch.Tensor)]
+
+
+def _frontier(calls: Sequence[tuple[Any, tuple[Any, ...], torch.Tensor]], inputs: set[int]) -> list[torch.Tensor]:
+    """The tensors ``calls`` read that none of them made and that are not the run's inputs, in order."""
+    made = {id(out) for _, _, out in calls}
+    seen: set[int] = set()
+    frontier = []
+    for _, args, _ in calls:
+        for a in _tensors(args):
+            if id(a) not in made and id(a) not in inputs and id(a) not in seen:
+                seen.add(id(a))
+                frontier.append(a)
+    return frontier
+
+
+def _multiply_adds(func: Any, args: tuple[Any, ...], out: torch.Tensor) -> int:
+    operand = args[1] if func in (torch.addmm, torch.Tensor.addmm) else args[0]
+    depth = operand.shape[-1] if isinstance(operand, torch.Tensor) and operand.dim() else 1
+    return out.numel() * depth
+
+
+def _read_elsewhere(calls: Sequence[tuple[Any, tuple[Any, ...], torch.Tensor]], outputs: Sequence[torch.Tensor]) -> bool:
+    """Does a node of the run's graph other than the calls' own take one of their results?
+
+    What no torch-function mode sees (a custom ``autograd.Function`` whose forward calls a
+    C++ extension, a module's backward hook) may read a result after the calls: it would read
+    uninitialized memory in the recomputation. Only nodes made since the first call can.
+    """
+    own = {out.grad_fn for _, _, out in calls}
+    first = min(node._sequence_nr() for node in own if node is not None)
+    seen: set[Any] = set()
+    stack = [t.grad_fn for t in outputs if t.grad_fn is not None]
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        for child, _ in node.next_functions:
+            if child is None:
+                continue
+            if child in own and node not in own:
+                return True
+            if child._sequence_nr() >= first:
+                stack.append(child)
+    return False
+
+
+def plan(
+    trail: Sequence[tuple[int, Any, tuple[Any, ...], Any]],
+    inputs: tuple[torch.Tensor, ...],
+    outputs: Sequence[torch.Tensor],
+    compare_values: bool,
+) -> TailPlan | None:
+    """The tail the recomputation may skip, from the forward run's last calls (``trail``: index,
+    function, positional arguments, result) and what it returned (``outputs``, with their graph),
+    or ``None`` where there is none worth skipping."""
+    saved: set[int] = set()  # what the matmuls kept so far save: their operands
+    calls: list[tuple[Any, tuple[Any, ...], torch.Tensor]] = []
+    start = -1
+    for index, func, args, out in reversed(trail):
+        if not isinstance(out, torch.Tensor) or id(out) in saved or not out.requires_grad:
+            break
+        if func in _MATMULS:
+            saved.update(id(a) for a in _tensors(args))
+        calls.append((func, args, out))
+        start = index
+    calls.reverse()
+    worth = sum(_multiply_adds(f, a, o) for f, a, o in calls if f in _MATMULS)
+    if not calls or worth < _WORTH.get(calls[-1][2].device.type, _WORTH_ELSEWHERE) or _read_elsewhere(calls, outputs):
+        return None
+    frontier = _frontier(calls, {id(t) for t in inputs})
+    return TailPlan(
+        start,
+        tuple(f for f, _, _ in calls),
+        tuple((t.shape, t.dtype, t.device) for t in frontier),
+        digest(frontier) if compare_values else None,
+    )
+
+
+class _Skip(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's untyped __init_subclass__
+    """Below autograd, for one deferred call: the matmul kernels return uninitialized memory of
+    their result's layout (found by their meta kernels); everything else runs."""
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func in _SKIPPED:
+            tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+            if all(type(t) is torch.Tensor for t in tensors):
+                return self._empty(func, args, kwargs, tensors)
+        return func(*args, **kwargs)
+
+    @staticmethod
+    def _empty(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], tensors: list[torch.Tensor]) -> torch.Tensor:
+        def meta(a: Any) -> Any:
+            if isinstance(a, torch.Tensor):
+                return torch.empty_strided(a.shape, a.stride(), dtype=a.dtype, device="meta")
+            return a
+
+        with _disable_current_modes():  # (the modes below see no meta call: a flop counter counts none)
+            shape = func(*map(meta, args), **{k: meta(v) for k, v in kwargs.items()})
+        return torch.empty_strided(shape.shape, shape.stride(), dtype=shape.dtype, device=tensors[0].device)
+
+
+class _Deferred:
+    __slots__ = ("args", "func", "kwargs", "out")
+
+    def __init__(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: torch.Tensor) -> None:
+        self.func, self.args, self.kwargs, self.out = func, args, kwargs, out
+
+
+class Deferring(TorchFunctionMode):
+    """A recomputation's mode: the calls from the plan's ``start`` on that a tail may hold are
+    deferred (recorded by autograd, not computed); a call that reads a deferred result as a
+    value (anything but an add, which saves nothing) has it computed first."""
+
+    def __init__(
+        self, tail: TailPlan, metadata: frozenset[Any], depth: Callable[[], int], nested: Callable[[int], bool]
+    ) -> None:
+        super().__init__()
+        # ``metadata``: the calls that read no value (not counted, as in the forward run); ``depth``
+        # and ``nested``: funckpt's own work, or a nested region's run, is not this run's to defer.
+        self.tail, self.metadata, self.depth, self.nested = tail, metadata, depth, nested
+        self.at: int | None = None  # how many substitutions are on where the function runs
+        self.calls = 0
+        self.pending: dict[int, _Deferred] = {}
+        self.off = False
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if self.off or func in self.metadata:
+            return func(*args, **kwargs)
+        index = self.calls
+        self.calls += 1
+        if self.at is None:  # (the first call is the function's: the run's substitution, if any, is on)
+            self.at = self.depth()
+        pending = self.pending
+        if (
+            index >= self.tail.start
+            and func in TAIL
+            and not kwargs
+            and not self.nested(self.at)
+            and torch.is_grad_enabled()
+            and any(a.requires_grad for a in _tensors(args))
+        ):
+            if pending and func in _MATMULS:  # (its operands are saved: their values are needed)
+                self._compute(args)
+            with _Skip():  # type: ignore[no-untyped-call]
+                out = func(*args)
+            if isinstance(out, torch.Tensor):
+                pending[id(out)] = _Deferred(func, args, kwargs, out)
+            return out
+        if pending:
+            self._compute((*args, *kwargs.values()))
+        return func(*args, **kwargs)
+
+    def _compute(self, values: Sequence[Any]) -> None:
+        """Compute the deferred results among ``values`` (in lists and tuples too), in place."""
+        for v in values:
+            if isinstance(v, torch.Tensor):
+                entry = self.pending.get(id(v))
+                if entry is not None and entry.out is v:
+                    del self.pending[id(v)]
+                    self._compute(entry.args)
+                    with torch.no_grad():
+                        v.copy_(entry.func(*entry.args, **entry.kwargs))
+            elif isinstance(v, (list, tuple)):
+                self._compute(v)
+
+    def finish(self, inputs: tuple[torch.Tensor, ...]) -> list[torch.Tensor] | None:
+        """After the run: the frontier if the deferred calls are the plan's (their results then
+        stay uninitialized), else ``None``, every result computed."""
+        self.off = True
+        entries = list(self.pending.values())
+        frontier = _frontier([(e.func, e.args, e.out) for e in entries], {id(t) for t in inputs})
+        meta = tuple((t.shape, t.dtype, t.device) for t in frontier)
+        if tuple(e.func for e in entries) == self.tail.funcs and meta == self.tail.frontier_meta:
+            self.pending = {}
+            return frontier
+        self._compute([e.out for e in entries])
+        return None
