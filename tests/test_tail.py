@@ -356,3 +356,19 @@ def test_python_numbers_and_other_dtypes_in_the_tail(always, dtype):
         want, got = grads_backward(fn, p, X.to(dtype)), grads_backward(remat(fn), p, X.to(dtype))
         assert got[0].dtype == want[0].dtype == dtype
         assert_close(got, want)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_large_block_on_a_gpu_skips_its_last_matmul():
+    # 8 x 1024 tokens of width 1024: the last matmul holds 34G multiply-adds, above the threshold.
+    g = torch.Generator(device="cuda").manual_seed(0)
+    p = {
+        "w1": torch.randn(1024, 4096, device="cuda", generator=g) / 32,
+        "b1": torch.zeros(4096, device="cuda"),
+        "w2": torch.randn(4096, 1024, device="cuda", generator=g) / 64,
+        "b2": torch.zeros(1024, device="cuda"),
+    }
+    x = torch.randn(8 * 1024, 1024, device="cuda", generator=g)
+    assert backward_matmuls(remat(block), p, x) == backward_matmuls(block, p, x) + 1
+    got, want = grads_backward(remat(block), p, x), grads_backward(block, p, x)
+    assert_close(got, want, rtol=1e-3, atol=1e-3)
