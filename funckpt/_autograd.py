@@ -1012,7 +1012,7 @@ class _RematFunction(torch.autograd.Function):
                 ctx.region.release_kept()  # no second backward through this node: free them now
                 _forget_region(ctx)
             return (None, *grads)
-        level = interpreter.level()
+        level = ctx.level  # (the interpreter's: _own_live_level found it on top)
         lowered_p = tuple(unwrap_for_grad(p, level) for p in primals)
         lowered_c = tuple(unwrap_for_grad(c, level) for c in cotangents)
         with lowered(interpreter):

@@ -1,6 +1,7 @@
 """Recomputing less: the last operations of a function, whose values no gradient needs.
 
-A block typically ends with a projection and a residual add, ``x + h @ w2``. The backward
+A block typically ends with a projection and a residual add, ``x + h @ w2`` (a convolutional
+one, ``(x + conv(h)) / scale``). The backward
 pass needs what the matmul saved (``h`` and ``w2``), not what it returned, and the add saves
 nothing. ``torch.utils.checkpoint``, which recomputes only until the forward graph's saved
 tensors are all filled, never computes those two again; remat, which differentiates a graph
@@ -8,8 +9,8 @@ it records anew, would: the block's largest matmul recomputed for nothing.
 
 So the forward run notes the calls it ends with (:attr:`Substitute.trail
 <funckpt._capture.Substitute>`), and :func:`plan` keeps the longest run of them made of
-matmuls and adds whose results no later one saves (a matmul saves its operands: an add
-feeding a matmul is not in it). Where their work is worth it, the recomputation records
+matmuls, convolutions, adds and products by numbers whose results no later one saves (a
+matmul saves its operands: an add feeding a matmul is not in it). Where their work is worth it, the recomputation records
 their autograd nodes without running their matmul kernels (:class:`Deferring` and
 :class:`_Skip`): the nodes save the real operands, so the gradient is the same, and the
 results are uninitialized memory of the right layout (the adds run on it). A result that turns out to be read after all (a
@@ -49,6 +50,18 @@ _MATMULS = frozenset(
         torch.Tensor.addmm,
     ]
 )
+_CONVS = frozenset(
+    [
+        torch.nn.functional.conv1d,
+        torch.nn.functional.conv2d,
+        torch.nn.functional.conv3d,
+        torch.nn.functional.conv_transpose1d,
+        torch.nn.functional.conv_transpose2d,
+        torch.nn.functional.conv_transpose3d,
+    ]
+)
+#: Functions whose backward saves their operands: a tail result they read is no tail result.
+_SAVES_OPERANDS = _MATMULS | _CONVS
 _ADDS = frozenset(
     [
         torch.add,
@@ -61,16 +74,31 @@ _ADDS = frozenset(
         torch.Tensor.__rsub__,
     ]
 )
+#: A product or quotient by a Python number saves that number only (of a tensor, both operands).
+_SCALED = frozenset(
+    [torch.mul, torch.Tensor.mul, torch.Tensor.__mul__, torch.Tensor.__rmul__, torch.div, torch.Tensor.div, torch.Tensor.__truediv__]
+)
 #: The torch functions a tail is made of: each returns a new tensor, writes nothing, draws
-#: nothing, and saves for its backward its operands at most (an add saves none), never its result.
-TAIL = _MATMULS | _ADDS
+#: nothing, and saves for its backward its operands at most (an add saves none, nor does a
+#: product by a number), never its result.
+TAIL = _SAVES_OPERANDS | _ADDS | _SCALED
 
-#: The kernels :class:`_Skip` does not run: the matmuls, where the work is, whose result's layout
-#: their meta kernels give exactly (their operands share a dtype). Everything else runs: the
-#: views, copies and casts around them, and the adds (cheap, and their dtype follows promotion
-#: rules a meta tensor cannot stand in for: a Python number's), on whatever a skipped matmul left.
+
+def _saves_nothing_of(func: Any, args: tuple[Any, ...]) -> bool:
+    """Does this call of a :data:`TAIL` function save none of its tensor arguments?"""
+    if func in _ADDS:
+        return True
+    return func in _SCALED and len(args) == 2 and isinstance(args[0], torch.Tensor) and not isinstance(args[1], torch.Tensor)
+
+#: The kernels :class:`_Skip` does not run: the matmuls and convolutions, where the work is,
+#: whose result's layout their meta kernels give exactly (their operands share a dtype).
+#: Everything else runs: the views, copies and casts around them, and the adds and products
+#: (cheap, and their dtype follows promotion rules a meta tensor cannot stand in for: a Python
+#: number's), on whatever a skipped kernel left.
 _aten = torch.ops.aten
-_SKIPPED = frozenset([_aten.mm.default, _aten.addmm.default, _aten.bmm.default, _aten.baddbmm.default])
+_SKIPPED = frozenset(
+    [_aten.mm.default, _aten.addmm.default, _aten.bmm.default, _aten.baddbmm.default, _aten.convolution.default]
+)
 
 #: Multiply-adds of the skipped matmuls below which skipping is not worth its Python (a mode
 #: on every call of the recomputation, a few tens of microseconds for a block): on the CPU,
@@ -109,6 +137,9 @@ def _frontier(calls: Sequence[tuple[Any, tuple[Any, ...], torch.Tensor]], inputs
 
 
 def _multiply_adds(func: Any, args: tuple[Any, ...], out: torch.Tensor) -> int:
+    if func in _CONVS:  # (each output value: a weight's input channels times its kernel)
+        weight = args[1]
+        return out.numel() * (weight.numel() // max(weight.shape[0], 1)) if isinstance(weight, torch.Tensor) else 0
     operand = args[1] if func in (torch.addmm, torch.Tensor.addmm) else args[0]
     depth = operand.shape[-1] if isinstance(operand, torch.Tensor) and operand.dim() else 1
     return out.numel() * depth
@@ -155,12 +186,14 @@ def plan(
     for index, func, args, out in reversed(trail):
         if not isinstance(out, torch.Tensor) or id(out) in saved or not out.requires_grad:
             break
-        if func in _MATMULS:
+        if func in _SAVES_OPERANDS:
             saved.update(id(a) for a in _tensors(args))
+        elif not _saves_nothing_of(func, args):
+            break
         calls.append((func, args, out))
         start = index
     calls.reverse()
-    worth = sum(_multiply_adds(f, a, o) for f, a, o in calls if f in _MATMULS)
+    worth = sum(_multiply_adds(f, a, o) for f, a, o in calls if f in _SAVES_OPERANDS)
     if not calls or worth < _WORTH.get(calls[-1][2].device.type, _WORTH_ELSEWHERE) or _read_elsewhere(calls, outputs):
         return None
     frontier = _frontier(calls, {id(t) for t in inputs})
@@ -229,15 +262,16 @@ class Deferring(TorchFunctionMode):
         if self.at is None:  # (the first call is the function's: the run's substitution, if any, is on)
             self.at = self.depth()
         pending = self.pending
+        saves = func in _SAVES_OPERANDS
         if (
             index >= self.tail.start
-            and func in TAIL
+            and (saves or (func in TAIL and _saves_nothing_of(func, args)))
             and not kwargs
             and not self.nested(self.at)
             and torch.is_grad_enabled()
             and any(a.requires_grad for a in _tensors(args))
         ):
-            if pending and func in _MATMULS:  # (its operands are saved: their values are needed)
+            if pending and saves:  # (its operands are saved: their values are needed)
                 self._compute(args)
             with _Skip():  # type: ignore[no-untyped-call]
                 out = func(*args)

@@ -372,3 +372,45 @@ def test_a_large_block_on_a_gpu_skips_its_last_matmul():
     assert backward_matmuls(remat(block), p, x) == backward_matmuls(block, p, x) + 1
     got, want = grads_backward(remat(block), p, x), grads_backward(block, p, x)
     assert_close(got, want, rtol=1e-3, atol=1e-3)
+
+
+def test_a_convolution_block_with_a_scaled_residual(always):
+    # A diffusion model's resnet block ends (x + conv(h)) / scale: the convolution is not recomputed.
+    torch.manual_seed(0)
+    c1, c2 = nn.Conv2d(4, 8, 3, padding=1).double(), nn.Conv2d(8, 4, 3, padding=1).double()
+    x = torch.randn(2, 4, 6, 6, dtype=D)
+
+    def f(x):
+        return (x + c2(F.silu(c1(x)))) / 1.5
+
+    def grads(g):
+        c1.zero_grad(), c2.zero_grad()
+        loss = g(g(x.clone().requires_grad_())).sin().sum()
+        with CountKernels() as count, ConvCount() as convs:
+            loss.backward()
+        return [q.grad.clone() for q in (*c1.parameters(), *c2.parameters())], convs.n
+
+    (want, plain), (got, ours) = grads(f), grads(remat(f))
+    assert_close(got, want)
+    assert ours == plain + 2  # (two calls, each recomputing its first convolution only)
+
+
+class ConvCount(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.n = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten.convolution.default:
+            self.n += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_product_by_a_tensor_is_no_tail(always):
+    # A layer scale (x + gamma * mlp(x)): the product saves the matmul's result, which is recomputed.
+    def f(p, x):
+        return x + p["gamma"] * (x.tanh() @ p["w"])
+
+    p = {"w": torch.randn(8, 8, dtype=D), "gamma": torch.full((8,), 0.1, dtype=D)}
+    assert_close(grads_backward(remat(f), p, X), grads_backward(f, p, X))
+    assert backward_matmuls(remat(f), p, X) == backward_matmuls(f, p, X) + 1
