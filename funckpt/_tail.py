@@ -115,12 +115,19 @@ class TailPlan:
 
     start: int  # index of the first skipped call among the run's calls (metadata reads not counted)
     funcs: tuple[Any, ...]  # the skipped calls' functions, in order
+    # Their other arguments (a product's number, a convolution's stride), in order: the nodes
+    # save them, so a recomputation whose calls take others is not the plan's.
+    constants: tuple[tuple[Any, ...], ...]
     frontier_meta: tuple[tuple[torch.Size, torch.dtype, torch.device], ...]
     frontier_digest: list[Digest | None] | None  # None: values not compared
 
 
 def _tensors(args: Sequence[Any]) -> list[torch.Tensor]:
     return [a for a in args if isinstance(a, torch.Tensor)]
+
+
+def _constants(args: Sequence[Any]) -> tuple[Any, ...]:
+    return tuple(a for a in args if not isinstance(a, torch.Tensor))
 
 
 def _frontier(calls: Sequence[tuple[Any, tuple[Any, ...], torch.Tensor]], inputs: set[int]) -> list[torch.Tensor]:
@@ -200,6 +207,7 @@ def plan(
     return TailPlan(
         start,
         tuple(f for f, _, _ in calls),
+        tuple(_constants(a) for _, a, _ in calls),
         tuple((t.shape, t.dtype, t.device) for t in frontier),
         digest(frontier) if compare_values else None,
     )
@@ -227,6 +235,14 @@ class _Skip(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's unty
         with _disable_current_modes():  # (the modes below see no meta call: a flop counter counts none)
             shape = func(*map(meta, args), **{k: meta(v) for k, v in kwargs.items()})
         return torch.empty_strided(shape.shape, shape.stride(), dtype=shape.dtype, device=tensors[0].device)
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Equal constants (a NaN, or anything whose equality is not a bool, is not: the plan is then not followed)."""
+    try:
+        return bool(a == b)
+    except Exception:  # (an object whose == raises, or returns an array)
+        return False
 
 
 class _Deferred:
@@ -302,7 +318,11 @@ class Deferring(TorchFunctionMode):
         entries = list(self.pending.values())
         frontier = _frontier([(e.func, e.args, e.out) for e in entries], {id(t) for t in inputs})
         meta = tuple((t.shape, t.dtype, t.device) for t in frontier)
-        if tuple(e.func for e in entries) == self.tail.funcs and meta == self.tail.frontier_meta:
+        if (
+            tuple(e.func for e in entries) == self.tail.funcs
+            and meta == self.tail.frontier_meta
+            and _same(tuple(_constants(e.args) for e in entries), self.tail.constants)
+        ):
             self.pending = {}
             return frontier
         self._compute([e.out for e in entries])

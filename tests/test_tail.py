@@ -414,3 +414,25 @@ def test_a_product_by_a_tensor_is_no_tail(always):
     p = {"w": torch.randn(8, 8, dtype=D), "gamma": torch.full((8,), 0.1, dtype=D)}
     assert_close(grads_backward(remat(f), p, X), grads_backward(f, p, X))
     assert backward_matmuls(remat(f), p, X) == backward_matmuls(f, p, X) + 1
+
+
+@pytest.mark.parametrize("last", ["product", "quotient", "dilation"])
+def test_a_number_of_a_skipped_call_that_changed_is_caught(always, last):
+    # The node of a product by a number saves the number: the recomputation's must be the
+    # forward run's, or the gradient would be another function's (the outputs then differ).
+    runs = []
+
+    def f(p, x):
+        runs.append(None)
+        c = 1.0 + len(runs)
+        if last == "dilation":
+            # (dilation 2 and padding 1, then 4 and 2: the same shape, other values)
+            k = 1 + len(runs) % 2
+            return F.conv1d(x.tanh().T.unsqueeze(0), p["w"].unsqueeze(-1).expand(8, 8, 2), None, 1, k, 2 * k)
+        h = x + x.tanh() @ p["w"]
+        return h * c if last == "product" else h / c
+
+    p = {"w": torch.randn(8, 8, dtype=D, requires_grad=True)}
+    y = remat(f)(p, X.clone().requires_grad_())
+    with pytest.raises(CheckpointError, match="did not reproduce|other values|other shape|different"):
+        y.sum().backward()
