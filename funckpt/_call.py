@@ -160,7 +160,65 @@ def _call_eagerly(
         check_static_argnums(callable_name(fn), options, args)
         return call_with_own_hooks(fn, args, kwargs) if wrapped else fn(*args, **kwargs)
     _initialize_if_lazy(fn, args, kwargs)
-    return run_prepared(*prepare(fn, options, args, kwargs, make_region=WrappedModuleRegion if wrapped else None))
+    if wrapped and has_own_hooks(fn) and cast(Any, fn)._compiled_call_impl is None:
+        return _with_own_hooks_around(cast(torch.nn.Module, fn), options, args, kwargs)
+    name = None
+    if type(fn) is functools.partial:
+        name = callable_name(fn)
+        fn, args, kwargs = _partial_arguments(fn, args, kwargs, positional=not options.static_argnums)
+    return run_prepared(*prepare(fn, options, args, kwargs, make_region=WrappedModuleRegion if wrapped else None, name=name))
+
+
+def _partial_arguments(
+    fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], positional: bool
+) -> tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any]]:
+    """``functools.partial(f, *a, **k)(*args, **kwargs)`` as the call of ``f`` it is: the partial's
+    arguments become the region's arguments (the positional ones only where ``positional``: the
+    positions of ``static_argnums`` are the caller's).
+
+    Reached through the partial instead, its tensors would be captured tensors, which the
+    substitution mode swaps where an operator receives them: a custom ``autograd.Function``
+    receives them unseen (HF's checkpointing calls ``partial(layer.forward, **kwargs)``, and
+    SEW-D's attention applies its dropout Function to a keyword argument), and the gradient
+    would be missing. As arguments, the function receives the region's own inputs.
+    """
+    while isinstance(fn, functools.partial) and type(fn) is functools.partial and (positional or not fn.args):
+        args, kwargs = (*fn.args, *args), {**fn.keywords, **kwargs}
+        fn = fn.func
+    if isinstance(fn, functools.partial) and type(fn) is functools.partial and fn.keywords:
+        # (its positional arguments stay the partial's: only the keywords move)
+        kwargs, fn = {**fn.keywords, **kwargs}, functools.partial(fn.func, *fn.args)
+    return fn, args, kwargs
+
+
+def _with_own_hooks_around(module: torch.nn.Module, options: RematOptions, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """The call of a module a ``remat`` wrapper wraps, that has hooks of its own: they run around
+    the checkpointed ``forward``, once, on the caller's tensors, as without remat.
+
+    Inside the region a hook would see the run's own stand-ins for the inputs: a forward hook
+    keeping the layer's input (transformers' recorder of ``output_hidden_states``, which HF puts
+    on the layers at a model's first call, or at a backbone's construction) would keep a tensor
+    no gradient reaches the caller through, and the recomputation would run it again. torch's
+    own ``_call_impl`` runs them (the module's alone, see :func:`call_with_own_hooks`), with the
+    module's ``forward`` standing for the region while it does.
+    """
+    forward = module.forward  # (bound, or what a library set on the instance)
+
+    def region(*a: Any, **k: Any) -> Any:
+        made, routed = prepare(module, options, a, k, make_region=_ForwardRegion)
+        cast(_ForwardRegion, made).forward = forward
+        return run_prepared(made, routed)
+
+    own = module.__dict__
+    before = own.get("forward", _ABSENT)
+    own["forward"] = region
+    try:
+        return call_with_own_hooks(module, args, kwargs)
+    finally:
+        if before is _ABSENT:
+            del own["forward"]
+        else:
+            own["forward"] = before
 
 
 def run_prepared(region: UserRegion, routed: list[torch.Tensor]) -> Any:
@@ -1414,7 +1472,7 @@ class UserRegion(Region):
         with self._running(flat, forward=True, grad=grad_mode, modes=modes, watch=watch) as run:
             if (grad_forward or at_own_level or tainting) and run.substitute is not None:
                 run.substitute.made = []
-            if grad_forward and self.saved is None and run.trace is None and run.substitute is not None:
+            if grad_forward and self.saved is None and run.trace is None and run.substitute is not None and not _traced():
                 run.substitute.trail = []
             if tainting and run.substitute is not None:
                 seeds = (t for t, d in zip(flat, self.differentiable) if d)
@@ -1960,6 +2018,9 @@ class UserRegion(Region):
         return self.options.determinism_check == "default" and self.options.preserve_rng_state and self.values_reproducible
 
 
+_ABSENT = object()
+
+
 class WrappedModuleRegion(UserRegion):
     """The module a ``remat(module)`` wrapper wraps, called with its own hooks but not the global ones.
 
@@ -1971,4 +2032,14 @@ class WrappedModuleRegion(UserRegion):
 
     def run_fn(self, *args: Any, **kwargs: Any) -> Any:
         return call_with_own_hooks(self.fn, args, kwargs)
+
+
+class _ForwardRegion(UserRegion):
+    """The module a ``remat`` wrapper wraps, its ``forward`` alone: its own hooks run around the
+    call (see :func:`_with_own_hooks_around`)."""
+
+    forward: Callable[..., Any]
+
+    def run_fn(self, *args: Any, **kwargs: Any) -> Any:
+        return self.forward(*args, **kwargs)
 

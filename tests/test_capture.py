@@ -9,7 +9,7 @@ import torch
 import torch.func as tf
 from torch.testing import assert_close
 
-from funckpt import CheckpointError, policies, remat
+from funckpt import CheckpointError, checkpoint, policies, remat
 
 D = torch.float64
 X = torch.randn(3, 4, dtype=D, generator=torch.Generator().manual_seed(3))
@@ -734,9 +734,28 @@ def test_module_reached_through_its_places_recomputes_without_the_substitution_m
     assert backward_calls == []
 
 
+class _ClosesOverItsWeight(torch.nn.Module):
+    """Reaches its linear's weight through a function it keeps, which closes over it."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4, dtype=D)
+        w = self.lin.weight
+        self.post = lambda o: torch.tanh(o) @ w
+
+    def forward(self, x):
+        return self.post(self.lin(x))
+
+
 def test_module_reaching_its_weight_through_a_closure_recomputes_under_the_substitution_mode(monkeypatch):
-    _, backward_calls = _substitution_calls_in_backward(_hooked_linear(), monkeypatch)
+    _, backward_calls = _substitution_calls_in_backward(_ClosesOverItsWeight(), monkeypatch)
     assert backward_calls and not any(backward_calls)  # the recomputation's own mode
+
+
+def test_a_forward_hook_of_a_remat_layer_runs_outside_the_checkpointed_call(monkeypatch):
+    # (its closure's weight is the module's own: the hook runs once, around the call)
+    _, backward_calls = _substitution_calls_in_backward(_hooked_linear(), monkeypatch)
+    assert backward_calls == []
 
 
 class _CachesItsWeightOnFirstCall(torch.nn.Module):
@@ -1709,3 +1728,36 @@ def test_a_generator_behind_a_proxy_is_replayed(held):
     assert_close(torch.autograd.grad(remat(fn)(x, *args).sum(), x), expected)
     proxy.manual_seed(5)
     assert_close(tf.grad(lambda x: remat(fn)(x, *args).sum())(X), expected[0])
+
+
+class _Twice(torch.autograd.Function):
+    """A custom Function (HF SEW-D's dropout): its apply passes no torch-function mode."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * 2
+
+
+@pytest.mark.parametrize("how", ["keyword", "positional"])
+def test_a_partials_tensor_given_to_a_custom_function(how):
+    """HF's checkpointing calls ``checkpoint(partial(layer.forward, **kwargs), *args)``; a keyword
+    tensor the layer hands to a custom Function is the call's argument, routed as one."""
+
+    def layer(h, rel):
+        return (h * _Twice.apply(rel)).sin()
+
+    def grads(wrap):
+        w = torch.randn(4, dtype=D, requires_grad=True, generator=torch.Generator().manual_seed(0))
+        h = torch.randn(4, dtype=D, requires_grad=True, generator=torch.Generator().manual_seed(1))
+        rel = w * 1.5
+        fn = functools.partial(layer, rel=rel) if how == "keyword" else functools.partial(lambda r, x: layer(x, r), rel)
+        out = fn(h) if wrap is None else wrap(fn, h) if wrap is checkpoint else wrap(fn)(h)
+        out.sum().backward()
+        return h.grad, w.grad
+
+    assert_close(grads(checkpoint), grads(None))
+    assert_close(grads(remat), grads(None))

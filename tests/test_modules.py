@@ -1121,3 +1121,74 @@ def test_torch_jit_trace_of_a_model_with_several_remat_layers():
     x = torch.randn(3, 4, dtype=D)
     traced = torch.jit.trace(model, (x,), check_trace=False)
     assert_close(traced(x), plain(x))
+
+
+def _layers_with_a_recording_hook(keep):
+    """An embedding, two layers, and a forward hook on the first that keeps its input or output
+    (transformers' recorder of ``output_hidden_states`` keeps the first layer's input)."""
+    torch.manual_seed(0)
+    emb = nn.Linear(4, 4, dtype=D)
+    layers = nn.ModuleList([nn.Sequential(nn.Linear(4, 4, dtype=D), nn.Tanh()) for _ in range(2)])
+    kept, calls = [], []
+
+    def hook(module, args, out):
+        calls.append(None)
+        kept.append(args[0] if keep == "input" else out)
+
+    layers[0].register_forward_hook(hook)
+    return emb, layers, kept, calls
+
+
+@pytest.mark.parametrize("keep", ["input", "output"])
+def test_a_hook_of_the_wrapped_layer_keeping_a_tensor_gets_the_callers(keep):
+    """A hook registered on the layer before it is remat'd runs around the checkpointed forward,
+    once, on the caller's tensors: a loss through what it kept has the gradient it has without remat."""
+
+    def grads(wrap):
+        emb, layers, kept, calls = _layers_with_a_recording_hook(keep)
+        if wrap:
+            for i in range(len(layers)):
+                layers[i] = remat(layers[i])
+        h = emb(torch.randn(3, 4, dtype=D, generator=torch.Generator().manual_seed(1)))
+        for layer in layers:
+            h = layer(h)
+        (h.sum() + kept[0].square().sum()).backward()
+        return [emb.weight.grad, emb.bias.grad], len(calls)
+
+    (want, plain_calls), (got, calls) = grads(False), grads(True)
+    assert_close(got, want)
+    assert calls == plain_calls == 1  # (not again in the recomputation)
+
+
+@pytest.mark.parametrize("keep", ["input", "output"])
+def test_a_hook_of_the_wrapped_layer_keeping_a_tensor_under_torch_func_grad(keep):
+    def grads(wrap):
+        emb, layers, kept, _ = _layers_with_a_recording_hook(keep)
+        model = nn.Sequential(emb, *[remat(l) if wrap else l for l in layers])
+        params = {k: v.detach() for k, v in model.named_parameters()}
+        x = torch.randn(3, 4, dtype=D, generator=torch.Generator().manual_seed(1))
+
+        def loss(p):
+            kept.clear()
+            return tf.functional_call(model, p, (x,)).sum() + kept[0].square().sum()
+
+        return tf.grad(loss)(params)
+
+    want, got = grads(False), grads(True)
+    assert_close({k.replace(".wrapped", ""): v for k, v in got.items()}, want)
+
+
+def test_hooks_of_the_wrapped_layer_change_its_inputs_and_outputs_as_without_remat():
+    def run(wrap):
+        torch.manual_seed(0)
+        layer = nn.Linear(4, 4, dtype=D)
+        layer.register_forward_pre_hook(lambda m, args: (args[0] * 2,))
+        layer.register_forward_hook(lambda m, args, out: out.tanh())
+        layer.register_full_backward_hook(lambda m, gi, go: (gi[0] * 3,))
+        m = remat(layer) if wrap else layer
+        x = torch.randn(3, 4, dtype=D, requires_grad=True)
+        y = m(x)
+        y.sin().sum().backward()
+        return y, x.grad, layer.weight.grad
+
+    assert_close(run(True), run(False))
