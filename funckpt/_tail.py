@@ -24,6 +24,7 @@ the gradient depends on nothing else the skipped calls would compute.
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -120,6 +121,11 @@ class TailPlan:
     constants: tuple[tuple[Any, ...], ...]
     frontier_meta: tuple[tuple[torch.Size, torch.dtype, torch.device], ...]
     frontier_digest: list[Digest | None] | None  # None: values not compared
+    # Where each skipped call's arguments come from (an earlier skipped call, an input by its
+    # position, a frontier tensor by its position, a number by its value): the frontier's values
+    # determine the outputs only with the same wiring (another input for the last matmul, the
+    # operands of a sub swapped, would give another gradient from the same frontier).
+    wiring: tuple[Any, ...] = ()
 
 
 def _tensors(args: Sequence[Any]) -> list[torch.Tensor]:
@@ -130,17 +136,43 @@ def _constants(args: Sequence[Any]) -> tuple[Any, ...]:
     return tuple(a for a in args if not isinstance(a, torch.Tensor))
 
 
-def _frontier(calls: Sequence[tuple[Any, tuple[Any, ...], torch.Tensor]], inputs: set[int]) -> list[torch.Tensor]:
-    """The tensors ``calls`` read that none of them made and that are not the run's inputs, in order."""
-    made = {id(out) for _, _, out in calls}
-    seen: set[int] = set()
-    frontier = []
-    for _, args, _ in calls:
-        for a in _tensors(args):
-            if id(a) not in made and id(a) not in inputs and id(a) not in seen:
-                seen.add(id(a))
-                frontier.append(a)
-    return frontier
+_NUMBERS = (numbers.Number, str, type(None))  # (a NumPy scalar too: numbers.Number registers them)
+
+
+def _frontier(
+    calls: Sequence[tuple[Any, tuple[Any, ...], torch.Tensor]], inputs: Sequence[torch.Tensor]
+) -> tuple[list[torch.Tensor], tuple[Any, ...]]:
+    """The tensors ``calls`` read that none of them made and that are not the run's inputs, in
+    order, and the calls' wiring (see :attr:`TailPlan.wiring`)."""
+    made = {id(out): k for k, (_, _, out) in enumerate(calls)}
+    given: dict[int, int] = {}
+    for k, t in enumerate(inputs):
+        given.setdefault(id(t), k)
+    at: dict[int, int] = {}
+    frontier: list[torch.Tensor] = []
+    wiring = tuple((func, tuple(_source(a, made, given, at, frontier) for a in args)) for func, args, _ in calls)
+    return frontier, wiring
+
+
+def _source(a: Any, made: dict[int, int], given: dict[int, int], at: dict[int, int], frontier: list[torch.Tensor]) -> Any:
+    """Where an argument of a skipped call comes from (a frontier tensor is added to ``frontier``).
+    (A function of its own, not a closure: a recursive closure is a reference cycle, which would
+    keep the frontier alive past the run, where it would look kept outside the call.)"""
+    if isinstance(a, torch.Tensor):
+        key = id(a)
+        if key in made:
+            return ("made", made[key])
+        if key in given:
+            return ("input", given[key])
+        if key not in at:
+            at[key] = len(frontier)
+            frontier.append(a)
+        return ("frontier", at[key])
+    if isinstance(a, _NUMBERS):
+        return ("value", type(a), a)
+    if isinstance(a, (tuple, list)):  # (a convolution's stride, padding)
+        return ("seq", type(a), tuple(_source(b, made, given, at, frontier) for b in a))
+    return ("other", object())  # (no tail function takes another kind of value: never the same wiring)
 
 
 def _multiply_adds(func: Any, args: tuple[Any, ...], out: torch.Tensor) -> int:
@@ -203,13 +235,14 @@ def plan(
     worth = sum(_multiply_adds(f, a, o) for f, a, o in calls if f in _SAVES_OPERANDS)
     if not calls or worth < _WORTH.get(calls[-1][2].device.type, _WORTH_ELSEWHERE) or _read_elsewhere(calls, outputs):
         return None
-    frontier = _frontier(calls, {id(t) for t in inputs})
+    frontier, wiring = _frontier(calls, inputs)
     return TailPlan(
         start,
         tuple(f for f, _, _ in calls),
         tuple(_constants(a) for _, a, _ in calls),
         tuple((t.shape, t.dtype, t.device) for t in frontier),
         digest(frontier) if compare_values else None,
+        wiring,
     )
 
 
@@ -316,12 +349,14 @@ class Deferring(TorchFunctionMode):
         stay uninitialized), else ``None``, every result computed."""
         self.off = True
         entries = list(self.pending.values())
-        frontier = _frontier([(e.func, e.args, e.out) for e in entries], {id(t) for t in inputs})
+        frontier, wiring = _frontier([(e.func, e.args, e.out) for e in entries], inputs)
         meta = tuple((t.shape, t.dtype, t.device) for t in frontier)
+        tail = self.tail
         if (
-            tuple(e.func for e in entries) == self.tail.funcs
-            and meta == self.tail.frontier_meta
-            and _same(tuple(_constants(e.args) for e in entries), self.tail.constants)
+            tuple(e.func for e in entries) == tail.funcs
+            and meta == tail.frontier_meta
+            and _same(tuple(_constants(e.args) for e in entries), tail.constants)
+            and _same(wiring, tail.wiring)
         ):
             self.pending = {}
             return frontier

@@ -436,3 +436,25 @@ def test_a_number_of_a_skipped_call_that_changed_is_caught(always, last):
     y = remat(f)(p, X.clone().requires_grad_())
     with pytest.raises(CheckpointError, match="did not reproduce|other values|other shape|different"):
         y.sum().backward()
+
+
+@pytest.mark.parametrize("course", ["another input", "operands swapped", "another number"])
+def test_a_tail_wired_otherwise_in_the_recomputation_is_caught(always, course):
+    # The same functions read the same frontier (x.tanh()), but the last matmul takes another
+    # input, or the sub's operands are swapped, or the add another number: the outputs, and for
+    # the first two the gradient, are another computation's. As without the tail: CheckpointError.
+    state = {"n": 0}
+
+    def f(p, x):
+        state["n"] += 1
+        first, h = state["n"] == 1, x.tanh()
+        if course == "another input":
+            return x + h @ (p["w"] if first else p["v"])
+        if course == "operands swapped":
+            return h @ p["w"] - x if first else x - h @ p["w"]
+        return h @ p["w"] + (1.0 if first else 2.0)
+
+    p = {k: torch.randn(8, 8, dtype=D, requires_grad=True) for k in ("w", "v")}
+    y = remat(f)(p, X.clone().requires_grad_())
+    with pytest.raises(CheckpointError, match="output tensor 0 has other values"):
+        y.sum().backward()
