@@ -254,7 +254,9 @@ class _Skip(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's unty
         kwargs = kwargs or {}
         if func in _SKIPPED:
             tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
-            if all(type(t) is torch.Tensor for t in tensors):
+            # (A plain, strided layout: the meta kernels are asked with each operand's strides,
+            # which a sparse or mkldnn operand, a graph's fixed adjacency matrix, has not.)
+            if all(type(t) is torch.Tensor and t.layout == torch.strided for t in tensors):
                 return self._empty(func, args, kwargs, tensors)
         return func(*args, **kwargs)
 

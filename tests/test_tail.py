@@ -458,3 +458,17 @@ def test_a_tail_wired_otherwise_in_the_recomputation_is_caught(always, course):
     y = remat(f)(p, X.clone().requires_grad_())
     with pytest.raises(CheckpointError, match="output tensor 0 has other values"):
         y.sum().backward()
+
+
+@pytest.mark.parametrize("layout", ["csr", "coo"])
+def test_a_sparse_operand_in_the_tail(always, layout):
+    # A fixed sparse matrix (a graph's adjacency) times the last matmul: it has no strides for a
+    # meta kernel, so that product is computed; the gradient is the function's.
+    dense = torch.randn(6, 6, dtype=D, generator=torch.Generator().manual_seed(2)) * (torch.arange(36).reshape(6, 6) % 3 == 0)
+    adj = dense.to_sparse_csr() if layout == "csr" else dense.to_sparse()
+
+    def f(p, x):
+        return x + adj @ (x.tanh() @ p["w"])
+
+    p = {"w": torch.randn(8, 8, dtype=D)}
+    assert_close(grads_backward(remat(f), p, X), grads_backward(f, p, X))
