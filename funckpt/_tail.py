@@ -126,6 +126,9 @@ class TailPlan:
     # determine the outputs only with the same wiring (another input for the last matmul, the
     # operands of a sub swapped, would give another gradient from the same frontier).
     wiring: tuple[Any, ...] = ()
+    # Per output of the run: the index of the skipped call that made it, or None. The outputs
+    # no skipped call made are compared as without a tail (they are no function of the frontier).
+    returns: tuple[int | None, ...] = ()
 
 
 def _tensors(args: Sequence[Any]) -> list[torch.Tensor]:
@@ -243,7 +246,14 @@ def plan(
         tuple((t.shape, t.dtype, t.device) for t in frontier),
         digest(frontier) if compare_values else None,
         wiring,
+        _returns([out for _, _, out in calls], outputs),
     )
+
+
+def _returns(made: Sequence[torch.Tensor], outputs: Sequence[Any]) -> tuple[int | None, ...]:
+    """Per output, the index among ``made`` of the tensor it is, or None."""
+    at = {id(t): k for k, t in enumerate(made)}
+    return tuple(at.get(id(t)) if isinstance(t, torch.Tensor) else None for t in outputs)
 
 
 class _Skip(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's untyped __init_subclass__
@@ -303,6 +313,7 @@ class Deferring(TorchFunctionMode):
         self.calls = 0
         self.pending: dict[int, _Deferred] = {}
         self.off = False
+        self.skipped: list[_Deferred] = []  # what finish left uninitialized
 
     def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
@@ -361,6 +372,17 @@ class Deferring(TorchFunctionMode):
             and _same(wiring, tail.wiring)
         ):
             self.pending = {}
+            self.skipped = entries
             return frontier
         self._compute([e.out for e in entries])
         return None
+
+    def returns_as_planned(self, outputs: Sequence[Any]) -> bool:
+        """After :meth:`finish` returned a frontier: do the run's outputs hold the skipped results
+        where the forward run's did? If not, the skipped results are computed (``False``)."""
+        entries = self.skipped
+        if _returns([e.out for e in entries], outputs) == self.tail.returns:
+            return True
+        self.pending = {id(e.out): e for e in entries}
+        self._compute([e.out for e in entries])
+        return False

@@ -472,3 +472,50 @@ def test_a_sparse_operand_in_the_tail(always, layout):
 
     p = {"w": torch.randn(8, 8, dtype=D)}
     assert_close(grads_backward(remat(f), p, X), grads_backward(f, p, X))
+
+
+def test_an_output_computed_before_the_tail_is_still_compared(always):
+    # The auxiliary output is no result of the skipped calls, nor read by them: it changed with
+    # the counter, and its gradient would be the recomputation's. As without the tail: CheckpointError.
+    state = {"n": 0}
+
+    def f(p, x):
+        state["n"] += 1
+        aux = x.sin() * state["n"]
+        return x + x.tanh() @ p["w"], aux
+
+    p = {"w": torch.randn(8, 8, dtype=D, requires_grad=True)}
+    y, aux = remat(f)(p, X.clone().requires_grad_())
+    with pytest.raises(CheckpointError, match="output tensor 1 has other values"):
+        (y.sum() + aux.sum()).backward()
+
+
+def test_outputs_returned_in_another_order_are_computed(always):
+    # The recomputation returns the skipped result where the forward run returned another output:
+    # the skipped results are computed and the outputs compared.
+    state = {"n": 0}
+
+    def f(p, x):
+        state["n"] += 1
+        h = x.tanh()
+        y = x + h @ p["w"]
+        return (y, h) if state["n"] == 1 else (h, y)
+
+    p = {"w": torch.randn(8, 8, dtype=D, requires_grad=True)}
+    y, h = remat(f)(p, X.clone().requires_grad_())
+    with pytest.raises(CheckpointError, match="other values"):
+        (y.sum() + h.sum()).backward()
+
+
+def test_outputs_beside_the_tail_keep_their_gradient(always):
+    def f(p, x):
+        h = x.tanh()
+        return x + h @ p["w"], h.cos(), h
+
+    def grads(g):
+        w, x = torch.randn(8, 8, dtype=D, generator=torch.Generator().manual_seed(5)).requires_grad_(), X.clone().requires_grad_()
+        y, c, h = g({"w": w}, x)
+        (y.sin().sum() + c.square().sum() + h.sum()).backward()
+        return w.grad, x.grad
+
+    assert_close(grads(remat(f)), grads(f))
