@@ -313,20 +313,23 @@ class Deferring(TorchFunctionMode):
         self.calls = 0
         self.pending: dict[int, _Deferred] = {}
         self.off = False
+        self.stopped = False  # (another call came after a deferred one: nothing more is deferred)
         self.skipped: list[_Deferred] = []  # what finish left uninitialized
 
     def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         if self.off or func in self.metadata:
             return func(*args, **kwargs)
+        # (A call is counted once it has returned, as the forward run counts it: one that raises,
+        # a fallback's probe in a try block, is not counted there.)
         index = self.calls
-        self.calls += 1
         if self.at is None:  # (the first call is the function's: the run's substitution, if any, is on)
             self.at = self.depth()
         pending = self.pending
         saves = func in _SAVES_OPERANDS
         if (
-            index >= self.tail.start
+            not self.stopped
+            and index >= self.tail.start
             and (saves or (func in TAIL and _saves_nothing_of(func, args)))
             and not kwargs
             and not self.nested(self.at)
@@ -337,12 +340,21 @@ class Deferring(TorchFunctionMode):
                 self._compute(args)
             with _Skip():  # type: ignore[no-untyped-call]
                 out = func(*args)
+            self.calls = index + 1
             if isinstance(out, torch.Tensor):
                 pending[id(out)] = _Deferred(func, args, kwargs, out)
             return out
         if pending:
-            self._compute((*args, *kwargs.values()))
-        return func(*args, **kwargs)
+            # In the forward run, the tail was the last calls: any other call after a deferred one
+            # is another course (or calls counted otherwise). Whatever it reads or writes, the
+            # deferred results are computed now, from the values their operands hold now, and
+            # nothing more is deferred (a later write to an operand, or a reader no mode sees,
+            # would otherwise find them wrong).
+            self.stopped = True
+            self._compute([e.out for e in list(pending.values())])
+        out = func(*args, **kwargs)
+        self.calls = index + 1
+        return out
 
     def _compute(self, values: Sequence[Any]) -> None:
         """Compute the deferred results among ``values`` (in lists and tuples too), in place."""
