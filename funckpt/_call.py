@@ -48,6 +48,7 @@ from ._capture import (
     find_captured,
     has_tangent,
     is_generator,
+    is_sharded,
     local_graph_leaves,
     nested_run,
     next_sequence_nr,
@@ -160,7 +161,8 @@ def _call_eagerly(
         check_static_argnums(callable_name(fn), options, args)
         return call_with_own_hooks(fn, args, kwargs) if wrapped else fn(*args, **kwargs)
     _initialize_if_lazy(fn, args, kwargs)
-    if wrapped and has_own_hooks(fn) and cast(Any, fn)._compiled_call_impl is None:
+    if wrapped and has_own_hooks(fn) and cast(Any, fn)._compiled_call_impl is None and not is_sharded(fn):
+        # (FSDP's hooks, inside the call, are refused there: see _capture._refuse_sharded)
         return _with_own_hooks_around(cast(torch.nn.Module, fn), options, args, kwargs)
     name = None
     if type(fn) is functools.partial:

@@ -615,6 +615,12 @@ def _refuse_sharded(m: torch.nn.Module, prefix: str) -> None:
     )
 
 
+def is_sharded(module: Any) -> bool:
+    """Is ``module`` managed by FSDP (whose hooks swap its parameters around its calls)?"""
+    sharded = _sharded_types()
+    return bool(sharded) and isinstance(module, sharded)
+
+
 def _sharded_types() -> tuple[type[Any], ...]:
     """FSDP's module types, if FSDP was imported (else no module can be one)."""
     fsdp = sys.modules.get("torch.distributed.fsdp")

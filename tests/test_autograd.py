@@ -704,28 +704,48 @@ def test_policies_below_a_vmap(policy, transform):
 
 
 @pytest.mark.parametrize("transform", ["vmap of grad", "hessian", "vmap of jacrev"])
-def test_an_output_a_forward_hook_keeps_is_refused_below_a_vmap_as_under_grad(transform):
-    """A hook keeping a layer's output, used in the loss: under grad remat raises (its gradient
-    would be missing); under vmap(grad) it returned a silently wrong gradient. It raises there too."""
+def test_an_output_a_forward_hook_of_the_layer_keeps_below_a_vmap(transform):
+    """A hook keeping a layer's output, used in the loss: the layer's own hooks run around the
+    remat'd call, on its outputs, so what it keeps is the caller's (under vmap(grad) this once
+    gave a silently wrong gradient, then raised): the derivatives are those without remat."""
     torch.manual_seed(0)
     lin = torch.nn.Linear(4, 4, dtype=torch.float64)
     kept = []
     lin.register_forward_hook(lambda m, i, o: kept.append(o))
-    layer = remat(lin)
+
+    def loss_of(layer):
+        def loss(x):
+            kept.clear()
+            y = layer(x)
+            return (y.sin() + kept[0] * 2).sum()
+
+        return loss
+
+    x = torch.randn(3, 4, dtype=torch.float64)
+    runs = {
+        "vmap of grad": lambda loss: tf.vmap(tf.grad(loss))(x),
+        "hessian": lambda loss: tf.hessian(loss)(x[0]),
+        "vmap of jacrev": lambda loss: tf.vmap(tf.jacrev(loss))(x),
+    }
+    assert_close(runs[transform](loss_of(remat(lin))), runs[transform](loss_of(lin)))
+
+
+def test_an_output_a_forward_hook_inside_the_function_keeps_is_refused_below_a_vmap():
+    """The same hook on a module inside a remat'd function runs inside the call: under vmap(grad)
+    what it keeps would carry no gradient, and remat raises (as under grad)."""
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(4, 4, dtype=torch.float64)
+    kept = []
+    lin.register_forward_hook(lambda m, i, o: kept.append(o))
+    layer = remat(lambda x: lin(x))
 
     def loss(x):
         kept.clear()
         y = layer(x)
         return (y.sin() + kept[0] * 2).sum()
 
-    x = torch.randn(3, 4, dtype=torch.float64)
-    runs = {
-        "vmap of grad": lambda: tf.vmap(tf.grad(loss))(x),
-        "hessian": lambda: tf.hessian(loss)(x[0]),
-        "vmap of jacrev": lambda: tf.vmap(tf.jacrev(loss))(x),
-    }
     with pytest.raises(CheckpointError, match="outlived the call"):
-        runs[transform]()
+        tf.vmap(tf.grad(loss))(torch.randn(3, 4, dtype=torch.float64))
 
 
 @pytest.mark.parametrize("wrt", [0, (0, 1)], ids=["W alone", "W and c"])
