@@ -299,8 +299,10 @@ class _Deferred:
 
 class Deferring(TorchFunctionMode):
     """A recomputation's mode: the calls from the plan's ``start`` on that a tail may hold are
-    deferred (recorded by autograd, not computed); a call that reads a deferred result as a
-    value (anything but an add, which saves nothing) has it computed first."""
+    deferred (recorded by autograd, not computed; a matmul's deferred operands are computed
+    first, since it saves them). Any other call after a deferred one is another course than
+    the forward run's: every deferred result is computed before it runs, and nothing more is
+    deferred."""
 
     def __init__(
         self, tail: TailPlan, metadata: frozenset[Any], depth: Callable[[], int], nested: Callable[[int], bool]
