@@ -16,6 +16,7 @@ reading top to bottom; they share the context they run ``fn`` in
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import gc
@@ -1475,7 +1476,7 @@ class UserRegion(Region):
             if (grad_forward or at_own_level or tainting) and run.substitute is not None:
                 run.substitute.made = []
             if grad_forward and self.saved is None and run.trace is None and run.substitute is not None and not _traced():
-                run.substitute.trail = []
+                run.substitute.trail = collections.deque(maxlen=_tail.TRAIL_LENGTH)
             if tainting and run.substitute is not None:
                 seeds = (t for t, d in zip(flat, self.differentiable) if d)
                 run.substitute.taint = Taint(seeds, any_grad_mode=sweep or self.required_grad_at_call is None)

@@ -1391,7 +1391,8 @@ class Substitute(OnThreadStack, TorchFunctionMode):
         self.taint: Taint | None = None
         # The forward run's last calls that a tail may hold (index, function, arguments, result),
         # and how many calls it made, metadata reads aside (see _tail); None where not noted.
-        self.trail: list[tuple[int, Any, tuple[Any, ...], Any]] | None = None
+        # (At most TRAIL_LENGTH of them: what the run made is not held on for longer.)
+        self.trail: collections.deque[tuple[int, Any, tuple[Any, ...], Any]] | None = None
         self.calls = 0
 
     def _thread_stack(self) -> list[Any]:

@@ -35,7 +35,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 
 from ._errors import Digest, digest
 
-__all__ = ["TAIL", "Deferring", "TailPlan", "plan"]
+__all__ = ["TAIL", "TRAIL_LENGTH", "Deferring", "TailPlan", "plan"]
 
 _MATMULS = frozenset(
     [
@@ -100,6 +100,11 @@ _aten = torch.ops.aten
 _SKIPPED = frozenset(
     [_aten.mm.default, _aten.addmm.default, _aten.bmm.default, _aten.baddbmm.default, _aten.convolution.default]
 )
+
+#: The most calls a tail holds (a block's end: a projection, its bias, a scale, the residual add),
+#: and so the most the forward run notes (``Substitute.trail``), holding what they made: a run of
+#: many adds and scalings (an elementwise loop) keeps no more of its intermediates alive.
+TRAIL_LENGTH = 8
 
 #: Multiply-adds of the skipped matmuls below which skipping is not worth its Python (a mode
 #: on every call of the recomputation, a few tens of microseconds for a block): on the CPU,

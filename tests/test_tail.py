@@ -541,3 +541,23 @@ def test_calls_that_raise_are_not_counted(always, check):
     p = {k: torch.randn(8, 8, dtype=D, generator=torch.Generator().manual_seed(int(k == "v"))) for k in ("w", "v")}
     r = remat(f, determinism_check=check)
     assert_close(grads_backward(r, p, X), grads_backward(f, p, X))
+
+
+def test_the_forward_run_holds_on_to_a_few_of_a_long_elementwise_chains_tensors():
+    # The forward run notes the calls a tail may hold (adds and scalings): a few, not all of them.
+    import weakref
+
+    alive = []
+
+    def f(x):
+        refs = []
+        for _ in range(50):
+            x = x * 0.99 + 0.01  # (neither operator saves its input: each result is freed after the next)
+            refs.append(weakref.ref(x))
+        alive.append(sum(r() is not None for r in refs))
+        return x
+
+    x = torch.randn(64, dtype=D, requires_grad=True)
+    f(x)
+    remat(f)(x)
+    assert alive[0] == 1 and alive[1] <= _tail.TRAIL_LENGTH
