@@ -121,15 +121,13 @@ class TailPlan:
 
     start: int  # index of the first skipped call among the run's calls (metadata reads not counted)
     funcs: tuple[Any, ...]  # the skipped calls' functions, in order
-    # Their other arguments (a product's number, a convolution's stride), in order: the nodes
-    # save them, so a recomputation whose calls take others is not the plan's.
-    constants: tuple[tuple[Any, ...], ...]
     frontier_meta: tuple[tuple[torch.Size, torch.dtype, torch.device], ...]
     frontier_digest: list[Digest | None] | None  # None: values not compared
     # Where each skipped call's arguments come from (an earlier skipped call, an input by its
     # position, a frontier tensor by its position, a number by its value): the frontier's values
     # determine the outputs only with the same wiring (another input for the last matmul, the
-    # operands of a sub swapped, would give another gradient from the same frontier).
+    # operands of a sub swapped, would give another gradient from the same frontier), and the
+    # nodes save the numbers (a product's factor, a convolution's dilation).
     wiring: tuple[Any, ...] = ()
     # Per output of the run: the index of the skipped call that made it, or None. The outputs
     # no skipped call made are compared as without a tail (they are no function of the frontier).
@@ -138,10 +136,6 @@ class TailPlan:
 
 def _tensors(args: Sequence[Any]) -> list[torch.Tensor]:
     return [a for a in args if isinstance(a, torch.Tensor)]
-
-
-def _constants(args: Sequence[Any]) -> tuple[Any, ...]:
-    return tuple(a for a in args if not isinstance(a, torch.Tensor))
 
 
 _NUMBERS = (numbers.Number, str, type(None))  # (a NumPy scalar too: numbers.Number registers them)
@@ -247,7 +241,6 @@ def plan(
     return TailPlan(
         start,
         tuple(f for f, _, _ in calls),
-        tuple(_constants(a) for _, a, _ in calls),
         tuple((t.shape, t.dtype, t.device) for t in frontier),
         digest(frontier) if compare_values else None,
         wiring,
@@ -288,7 +281,8 @@ class _Skip(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's unty
 
 
 def _same(a: Any, b: Any) -> bool:
-    """Equal constants (a NaN, or anything whose equality is not a bool, is not: the plan is then not followed)."""
+    """Equal wirings (a NaN among their numbers, or anything whose equality is not a bool, is not:
+    the plan is then not followed)."""
     try:
         return bool(a == b)
     except Exception:  # (an object whose == raises, or returns an array)
@@ -387,7 +381,6 @@ class Deferring(TorchFunctionMode):
         if (
             tuple(e.func for e in entries) == tail.funcs
             and meta == tail.frontier_meta
-            and _same(tuple(_constants(e.args) for e in entries), tail.constants)
             and _same(wiring, tail.wiring)
         ):
             self.pending = {}
