@@ -212,16 +212,7 @@ def _with_own_hooks_around(module: torch.nn.Module, options: RematOptions, args:
         cast(_ForwardRegion, made).forward = forward
         return run_prepared(made, routed)
 
-    own = module.__dict__
-    before = own.get("forward", _ABSENT)
-    own["forward"] = region
-    try:
-        return call_with_own_hooks(module, args, kwargs)
-    finally:
-        if before is _ABSENT:
-            del own["forward"]
-        else:
-            own["forward"] = before
+    return call_with_own_hooks(module, args, kwargs, forward=region)
 
 
 def run_prepared(region: UserRegion, routed: list[torch.Tensor]) -> Any:
@@ -2031,9 +2022,6 @@ class UserRegion(Region):
         """Compare output values too? Not when random operators are allowed to draw anew,
         nor when the forward run read memory it allocated uninitialized."""
         return self.options.determinism_check == "default" and self.options.preserve_rng_state and self.values_reproducible
-
-
-_ABSENT = object()
 
 
 class WrappedModuleRegion(UserRegion):

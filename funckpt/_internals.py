@@ -561,41 +561,50 @@ _BACKWARD_HOOK_GETTERS = ("_get_backward_hooks", "_get_backward_pre_hooks")
 _ABSENT = object()
 
 
-def _call_with_own_backward_hooks(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """:data:`_call_impl_own_hooks` for a module with backward hooks of its own, where global ones
-    are registered too: ``_call_impl`` asks the module for its backward hooks, and torch's
-    methods add the global ones. For the call, the module's own attributes (which come before
-    its class's methods) are those methods seeing no global hooks."""
+def _call_with_own_attributes(module: Any, values: dict[str, Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """:data:`_call_impl_own_hooks` with the module's own attributes (which come before its
+    class's methods) set to ``values`` for the call, and put back as they were after it."""
     own = module.__dict__
-    before = [own.get(name, _ABSENT) for name in _BACKWARD_HOOK_GETTERS]
-    for name, getter in zip(_BACKWARD_HOOK_GETTERS, _own_backward_hook_getters):
-        own[name] = types.MethodType(getter, module)
+    before = {name: own.get(name, _ABSENT) for name in values}
+    own.update(values)
     try:
         return _call_impl_own_hooks(module, *args, **kwargs)
     finally:
-        for name, value in zip(_BACKWARD_HOOK_GETTERS, before):
+        for name, value in before.items():
             if value is _ABSENT:
                 own.pop(name, None)
             else:
                 own[name] = value
 
 
-def call_with_own_hooks(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+def call_with_own_hooks(
+    module: Any, args: tuple[Any, ...], kwargs: dict[str, Any], forward: Callable[..., Any] | None = None
+) -> Any:
     """``module(*args, **kwargs)`` running the module's own hooks but not the global ones.
 
     For the module a ``remat`` wrapper wraps: the wrapper's own call, which torch runs
     with the global hooks, is this module's call for every hook that sees it (it
     poses as its class), and a global hook must not apply twice to one layer's call.
+    ``forward``: what stands for the module's ``forward`` in a call that runs its own hooks
+    (their ``_call_impl`` calls it), where the caller gives one.
+
+    For a module with backward hooks of its own, where global ones are registered too:
+    ``_call_impl`` asks the module for its backward hooks, and torch's methods add the global
+    ones. For the call, the module's own attributes are those methods seeing no global hooks.
     """
     if module._compiled_call_impl is not None:  # (module.compile(): torch's compiled call, hooks and all)
         return module(*args, **kwargs)
     if not has_own_hooks(module):
-        forward = module._slow_forward if torch._C._get_tracing_state() else module.forward
-        return forward(*args, **kwargs)
+        call = forward or (module._slow_forward if torch._C._get_tracing_state() else module.forward)
+        return call(*args, **kwargs)
+    values: dict[str, Any] = {} if forward is None else {"forward": forward}
     if (module._backward_hooks or module._backward_pre_hooks) and (
         _module_module._global_backward_hooks or _module_module._global_backward_pre_hooks
     ):
-        return _call_with_own_backward_hooks(module, args, kwargs)
+        for name, getter in zip(_BACKWARD_HOOK_GETTERS, _own_backward_hook_getters):
+            values[name] = types.MethodType(getter, module)
+    if values:
+        return _call_with_own_attributes(module, values, args, kwargs)
     return _call_impl_own_hooks(module, *args, **kwargs)
 
 
