@@ -185,10 +185,10 @@ def _partial_arguments(
     SEW-D's attention applies its dropout Function to a keyword argument), and the gradient
     would be missing. As arguments, the function receives the region's own inputs.
     """
-    while isinstance(fn, functools.partial) and type(fn) is functools.partial and (positional or not fn.args):
+    while type(fn) is functools.partial and (positional or not fn.args):
         args, kwargs = (*fn.args, *args), {**fn.keywords, **kwargs}
         fn = fn.func
-    if isinstance(fn, functools.partial) and type(fn) is functools.partial and fn.keywords:
+    if type(fn) is functools.partial and fn.keywords:
         # (its positional arguments stay the partial's: only the keywords move)
         kwargs, fn = {**fn.keywords, **kwargs}, functools.partial(fn.func, *fn.args)
     return fn, args, kwargs
