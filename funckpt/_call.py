@@ -23,7 +23,7 @@ import gc
 import types
 import warnings
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Container, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar, cast
 
@@ -878,14 +878,17 @@ class UserRegion(Region):
         self._recompute_context = None
         return context if context is not None else _two_contexts(self.options.context_fn, self.name)[1]
 
-    def _write_watch(self, flat: tuple[torch.Tensor, ...], snapshots_possible: bool, leaves: bool) -> WriteWatch:
+    def _write_watch(
+        self, flat: tuple[torch.Tensor, ...], snapshots_possible: bool, leaves: Container[int]
+    ) -> WriteWatch:
         """Snapshot each input before the forward run first writes it.
 
         The recomputation must start from the values the forward run started
         from (say a buffer that is updated and then read). A write to a
         differentiable input that autograd records raises: the caller's graph
-        would not know of it. ``leaves``: the differentiable inputs of this run
-        are local leaves (the forward run records its own graph).
+        would not know of it. ``leaves``: the inputs that are leaves of a graph
+        this run records (its own, under plain autograd; that of a grad level of
+        its own, under vmap or forward mode), whose recorded writes autograd refuses.
         """
         storages: dict[int | None, int] = {}  # storage -> the first input on it
         on_same_storage: dict[int, list[int]] = {}  # that input -> every input on its storage
@@ -895,21 +898,7 @@ class UserRegion(Region):
                 first = storages.setdefault(key, i)
                 on_same_storage.setdefault(first, []).append(i)
 
-        def before_write(index: int, t: torch.Tensor) -> None:
-            # ``t`` is what the operator writes: the input or any view of its storage.
-            # Every input on that storage is snapshotted whole, not ``t``.
-            written = on_same_storage[index]
-            if any(self.differentiable[i] for i in written):
-                if not leaves and (torch.is_grad_enabled() or forward_mode_active()):
-                    raise _in_place_error(self.name)
-                # A write no graph records (under no_grad, or through ``.detach()`` or ``.data``:
-                # ``nn.Embedding(max_norm=...)`` renormalizes rows of its weight so), with or
-                # without remat; the gradient is that of the operators after it. Where the
-                # differentiable inputs are local leaves, every write that reaches here is one:
-                # autograd refuses a recorded write to a leaf (or a view of one) before it.
-                # Like a buffer's update, it happens once, in the forward run; the
-                # recomputation starts from a snapshot and writes that.
-                self.written_without_grad.update(i for i in written if self.differentiable[i])
+        def snapshot(written: list[int]) -> None:
             fresh = [i for i in written if i not in self.snapshots]
             if not snapshots_possible:
                 # Under torch.func (vmap's batched tensors, a grad level's wrappers) the inputs have no
@@ -922,6 +911,28 @@ class UserRegion(Region):
                     self.snapshots.update(zip(fresh, clone_together([bottom(flat[i]) for i in fresh])))
                 return
             self.snapshots.update(zip(fresh, clone_together([flat[i] for i in fresh])))
+
+        def before_write(index: int, t: torch.Tensor) -> None:
+            # ``t`` is what the operator writes: the input or any view of its storage.
+            # Every input on that storage is snapshotted whole, not ``t``.
+            written = on_same_storage[index]
+            unknown = [i for i in written if self.differentiable[i] and i not in leaves]
+            if unknown and (torch.is_grad_enabled() or forward_mode_active()):
+                # Whether a graph records this write cannot be told here, below every transform.
+                # A plain tensor's version counter tells it after the run (_RematFunction.forward):
+                # it moves for a write through the tensor or a view of it, not through ``.data``
+                # (a Gemma3n layer clamps its own weight so, under vmap(grad) of its parameters).
+                if not all(type(flat[i]) in (torch.Tensor, torch.nn.Parameter) and not is_functorch_wrapped(flat[i]) for i in unknown):
+                    raise _in_place_error(self.name)
+            else:
+                # A write no graph records (under no_grad, or through ``.detach()`` or ``.data``:
+                # ``nn.Embedding(max_norm=...)`` renormalizes rows of its weight so), with or
+                # without remat; the gradient is that of the operators after it. To a local leaf,
+                # every write that reaches here is one: autograd refuses a recorded write to a
+                # leaf (or a view of one) before it. Like a buffer's update, it happens once, in
+                # the forward run; the recomputation starts from a snapshot and writes that.
+                self.written_without_grad.update(i for i in written if self.differentiable[i])
+            snapshot(written)
 
         return WriteWatch(storages, before_write)
 
@@ -1439,10 +1450,11 @@ class UserRegion(Region):
         # torch functions receive functorch's wrappers, whose storages it cannot see).
         modes: list[Any] = []
         watch = None
+        leaves = self._local_leaves(flat, grad_forward)
         if self.saved is not None:
-            modes.append(self.saved.recorder(self._write_watch(flat, plain_autograd, grad_forward)))
+            modes.append(self.saved.recorder(self._write_watch(flat, plain_autograd, leaves)))
         elif not all(self.differentiable):
-            watch = self._write_watch(flat, plain_autograd, grad_forward)
+            watch = self._write_watch(flat, plain_autograd, leaves)
             if not plain_autograd:
                 modes.append(watch)
                 watch = None
@@ -1633,6 +1645,17 @@ class UserRegion(Region):
                 self.snapshots[i] = clone_together([g.detach()])[0]
             self.written_without_grad.add(i)
             g.data = t.detach()
+
+    def _local_leaves(self, flat: tuple[torch.Tensor, ...], grad_forward: bool) -> frozenset[int]:
+        """The inputs that are leaves of the graph this forward run records: every differentiable
+        one where it records its own (plain autograd), the primals of the grad level of its own
+        (see _forward_run_at_a_grad_level), none where it records none."""
+        if grad_forward:
+            return frozenset(i for i, (t, d) in enumerate(zip(flat, self.differentiable)) if d and has_gradient_dtype(t))
+        if self._made_at_own_level is not None:
+            required = self.required_grad_at_call or [False] * len(flat)
+            return frozenset(i for i, (t, r) in enumerate(zip(flat, required)) if r and has_gradient_dtype(t))
+        return frozenset()
 
     def _forward_run_at_a_grad_level(self, flat: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
         """The forward run under a grad level of its own, where the call had inputs requiring grad.

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch.testing import assert_close
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-from funckpt import CheckpointError, remat, set_checkpoint_debug_enabled
+from funckpt import CheckpointError, policies, remat, set_checkpoint_debug_enabled
 from funckpt import _capture
 
 D = torch.float64
@@ -150,6 +150,22 @@ def test_in_place_update_of_a_differentiable_input_raises_under_vmap_and_hessian
     to a leaf: the forward run at a grad level of its own gets its differentiable inputs as leaves."""
     with pytest.raises(CheckpointError, match="modified .*differentiable inputs in place"):
         transform(torch.randn(4, 4, dtype=D), X)
+
+
+@pytest.mark.parametrize("write", ["direct", "through a view"])
+def test_in_place_update_of_a_differentiable_input_raises_under_vmap_with_a_saving_policy(write):
+    """With a policy the forward run records no graph of its own under vmap(grad): a write to a
+    differentiable input is told from one through ``.data`` by the input's version counter."""
+
+    def f(w, x):
+        (w if write == "direct" else w[0]).mul_(2)
+        return (x @ w).sin()
+
+    def loss(w, x):
+        return remat(f, policy=policies.dots_saveable)(w * 1, x).sum()
+
+    with pytest.raises(CheckpointError, match="modified .*differentiable inputs in place"):
+        tf.vmap(tf.grad(loss), in_dims=(None, 0))(torch.randn(4, 4, dtype=D), X)
 
 
 def test_in_place_update_of_an_input_under_vmap_runs_as_without_remat():

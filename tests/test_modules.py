@@ -6,7 +6,7 @@ import torch.func as tf
 import torch.nn as nn
 from torch.testing import assert_close
 
-from funckpt import CheckpointError, remat
+from funckpt import CheckpointError, policies, remat
 
 D = torch.float64
 
@@ -944,6 +944,47 @@ def test_embedding_with_max_norm_under_functional_call_and_grad(kind):
     got = tf.grad(lambda p: loss(remat(layer), p))({"weight": layer.weight.detach()})
     assert_close(got, expected)
     assert_close(layer.weight, reference.weight)
+
+
+class _ClampsItsOwnWeight(nn.Module):
+    """Gemma3n's AltUp in training mode: it clamps its own weight through ``.data`` (no graph
+    records the write) before using it."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(4, 4, dtype=D)
+
+    def forward(self, x):
+        self.linear.weight.data.clamp_(-0.3, 0.3)
+        return self.linear(x).tanh()
+
+
+@pytest.mark.parametrize("policy", [None, policies.dots_saveable], ids=["default", "dots_saveable"])
+@pytest.mark.parametrize("how", ["vmap(grad)", "grad", "backward"])
+def test_a_layer_clamping_its_own_weight_through_data_gets_the_gradients_without_remat(how, policy):
+    """Per-example gradients of the parameters of such a layer: the write is one no graph records,
+    as without remat, not a differentiable input modified in place."""
+
+    def run(wrap):
+        torch.manual_seed(0)
+        inner = _ClampsItsOwnWeight()
+        outer = nn.Sequential(wrap(inner))
+        xs = torch.randn(3, 4, dtype=D)
+        params = {k: v.detach() for k, v in outer.named_parameters()}
+
+        def loss(p, x):
+            return tf.functional_call(outer, p, (x,)).square().sum()
+
+        if how == "vmap(grad)":
+            grads = tf.vmap(tf.grad(loss), in_dims=(None, 0))(params, xs)
+        elif how == "grad":
+            grads = tf.grad(loss)(params, xs[0])
+        else:
+            outer(xs).square().sum().backward()
+            grads = {k: p.grad for k, p in outer.named_parameters()}
+        return grads, inner.linear.weight.detach()
+
+    assert_close(run(lambda m: remat(m, policy=policy)), run(lambda m: m))
 
 
 _LAZY = {
