@@ -1450,11 +1450,10 @@ class UserRegion(Region):
         # torch functions receive functorch's wrappers, whose storages it cannot see).
         modes: list[Any] = []
         watch = None
-        leaves = self._local_leaves(flat, grad_forward)
         if self.saved is not None:
-            modes.append(self.saved.recorder(self._write_watch(flat, plain_autograd, leaves)))
+            modes.append(self.saved.recorder(self._write_watch(flat, plain_autograd, self._local_leaves(flat, grad_forward))))
         elif not all(self.differentiable):
-            watch = self._write_watch(flat, plain_autograd, leaves)
+            watch = self._write_watch(flat, plain_autograd, self._local_leaves(flat, grad_forward))
             if not plain_autograd:
                 modes.append(watch)
                 watch = None
