@@ -216,11 +216,11 @@ class Saved:
         self.offload_lock = threading.Lock()
         self.versions: dict[int, list[int]] = {}
         self.labels: dict[int, str] = {}  # position -> the name that kept it, if any
-        # id(output tensor) -> (weak reference, position), forward run only; the weak
-        # reference guards against a freed tensor's id being reused by another.
-        self.producer: dict[int, tuple[weakref.ref[torch.Tensor], int]] = {}
+        # id(output tensor) -> (weak reference, position, version as made), forward run only; the
+        # weak reference guards against a freed tensor's id being reused by another.
+        self.producer: dict[int, tuple[weakref.ref[torch.Tensor], int, int]] = {}
         self.written: set[int | None] = set()  # storages written by in-place ops in the forward run
-        self._outputs: dict[int, tuple[Any, list[weakref.ref[torch.Tensor]]]] = {}
+        self._outputs: dict[int, tuple[Any, list[weakref.ref[torch.Tensor]], list[int]]] = {}
 
     # forward run
 
@@ -260,6 +260,10 @@ class Saved:
         if entry is None or entry[0]() is not value:
             return
         position = entry[1]
+        if _versions(value) != [entry[2]]:
+            # Written since the operator made it (``x @ w`` of a vector ends in ``squeeze_``, an
+            # in-place view): no longer what the operator returns, so never handed back for it.
+            return
         op = self.trace[position][0]
         verdict = self.ask(CHECKPOINT_NAME, (x, name), {})
         if verdict:
@@ -278,9 +282,9 @@ class Saved:
             if refs is None:  # a single-tensor output: the named tensor is that output
                 self.keep(position, value, label=name, verdict=verdict)
                 return
-            structure, weak = refs
+            structure, weak, made = refs
             alive = [w() for w in weak]
-            if all(t is not None for t in alive):  # else: recompute that op, never serve part of it
+            if all(t is not None for t in alive) and _versions(alive) == made:  # else: recompute that op, never serve part of it
                 self.keep(position, structure(alive), label=name, verdict=verdict)
         elif name in self.excluded:
             self.kept.pop(position, None)
@@ -817,9 +821,9 @@ class Recorder(OnThreadStack, WriteWatch):  # type: ignore[no-untyped-call]  # t
                 if position not in saved.kept and isinstance(out, (tuple, list)) and all(
                     isinstance(t, torch.Tensor) for t in out
                 ):
-                    saved._outputs[position] = (type(out), [weakref.ref(t) for t in out])
+                    saved._outputs[position] = (type(out), [weakref.ref(t) for t in out], _versions(out))
                 for t in _tensors(out):
-                    saved.producer[id(t)] = (weakref.ref(t), position)
+                    saved.producer[id(t)] = (weakref.ref(t), position, _versions(t)[0])
         return out
 
 

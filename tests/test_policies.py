@@ -230,6 +230,34 @@ def test_kept_value_modified_inside_the_forward_is_recomputed():
     assert_close(w1.grad, expected)
 
 
+def _named_vector_matmul(w1, w2, x):
+    v = x.reshape(-1, x.shape[-1])[0]  # (a vector, for a batch of rows or one row under vmap)
+    return x + checkpoint_name(v @ w1, "up").tanh() @ w2
+
+
+@pytest.mark.parametrize("transform", ["grad", "vjp", "vmap_grad", "backward"])
+def test_a_named_matmul_of_a_vector_is_recomputed_not_replayed(transform):
+    """``v @ w`` of a vector runs ``mm`` on ``v.unsqueeze(0)`` and then ``squeeze_`` on its result:
+    the value the name finds is no longer what ``mm`` returned, so it is not handed back for it
+    (the backward's matmul got the squeezed vector: torch's raw "mat2 must be a matrix")."""
+    expected, _ = grads_and_counts(_named_vector_matmul, transform)
+    got, _ = grads_and_counts(remat(_named_vector_matmul, policy=policies.save_only_these_names("up")), transform)
+    assert_close(got, expected)
+
+
+@pytest.mark.parametrize("check", ["default", "none"])
+def test_a_named_value_written_in_place_after_its_operator_made_it_is_recomputed(check):
+    def f(w1, x):
+        y = x @ w1
+        y.mul_(2)
+        return checkpoint_name(y, "y").sin()
+
+    w1 = W1.clone().requires_grad_()
+    r = remat(f, policy=policies.save_only_these_names("y"), determinism_check=check)
+    r(w1, X).sum().backward()
+    assert_close(w1.grad, tf.grad(lambda w: f(w, X).sum())(W1))
+
+
 def test_divergent_recomputation_falls_back_to_recomputing():
     def f(w1, x):
         if torch.is_grad_enabled():  # the forward runs without grad, the recomputation with it
