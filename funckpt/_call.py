@@ -1477,7 +1477,7 @@ class UserRegion(Region):
         with self._running(flat, forward=True, grad=grad_mode, modes=modes, watch=watch) as run:
             if (grad_forward or at_own_level or tainting) and run.substitute is not None:
                 run.substitute.made = []
-            if grad_forward and self.saved is None and run.trace is None and run.substitute is not None and not _traced():
+            if grad_forward and run.trace is None and run.substitute is not None and not _traced():
                 run.substitute.trail = collections.deque(maxlen=_tail.TRAIL_LENGTH)
             if tainting and run.substitute is not None:
                 seeds = (t for t, d in zip(flat, self.differentiable) if d)
@@ -1572,7 +1572,7 @@ class UserRegion(Region):
         # (Before the escapes are looked for: the trail holds what the run made.)
         trail, substitute.trail = substitute.trail, None
         if trail and self.plan is None and not self.rebound_attributes:
-            self.tail = _tail.plan(trail, flat, tensors, self._compares_values())
+            self.tail = _tail.plan(trail, flat, tensors, self._compares_values(), self.saved.keeps if self.saved is not None else None)
         del trail
         if grad_forward:  # drop the run's local graph
             returned_at, viewing = _returned_by_id(tensors)
@@ -1904,11 +1904,14 @@ class UserRegion(Region):
                 copies[i] = _rebatched(self.name, flat[i], copies[i])
             flat = tuple(_restored(t, copies[i]) if i in copies else t for i, t in enumerate(flat))
         modes: list[Any] = []
+        replayer = None
         if self.saved is not None and not forward_mode_active():
-            modes.append(self.saved.replayer())
+            replayer = self.saved.replayer()
+            modes.append(replayer)
         deferring = None
         if self.tail is not None and peek_interpreter_stack() is None and forward_ad_level() < 0:
-            deferring = _tail.Deferring(self.tail, _METADATA, substitution_depth, nested_run)
+            skip = replayer.skip_kernels if replayer is not None else None
+            deferring = _tail.Deferring(self.tail, _METADATA, substitution_depth, nested_run, skip)
         frontier = None
         hooks_before = {i: _hook_keys(flat[i]) for i in self.moved_hooks}
         unsubstituted = False

@@ -39,7 +39,7 @@ from typing import Any, cast
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from . import _budget, _offload
+from . import _budget, _offload, _tail
 from ._errors import CheckpointError
 from ._internals import OpOverload, OpOverloadPacket, bottom, clone_storage, skip_code, storage_of
 from ._naming import OnThreadStack, active
@@ -417,6 +417,11 @@ class Saved:
 
     def recorder(self, watch: WriteWatch) -> Recorder:
         return Recorder(self, watch.storages, watch.before_write)
+
+    def keeps(self, t: torch.Tensor) -> bool:
+        """Is ``t``'s memory that of a value this call keeps (held as it is, not offloaded)?"""
+        storage = storage_of(t)
+        return storage is not None and any(storage_of(k) == storage for v in self.kept.values() for k in _tensors(v))
 
     def replayer(self) -> Replayer:
         return Replayer(self, self.fetch())
@@ -836,6 +841,12 @@ class Replayer(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's u
         self.diverged = False
         # Storages of the kept values this run was handed (an alias of each), by position: see _copy_before_write.
         self.handed: dict[int | None, int] = {}
+        # On for a call a recomputation defers (see _tail.Deferring): its matmul kernels are skipped
+        # here, where they are counted, rather than by a dispatch mode above, which would hide them.
+        self.skipping = False
+
+    def skip_kernels(self) -> _SkipKernels:
+        return _SkipKernels(self)
 
     def __torch_dispatch__(
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
@@ -862,6 +873,8 @@ class Replayer(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's u
             # it is, as a residual ``h += x`` does: no longer what the operator made, so it runs)
         if self.handed:
             self._copy_before_write(func, args, kwargs)
+        if self.skipping:
+            return _tail.run_or_skip(func, args, kwargs)
         return func(*args, **kwargs)
 
     def _copy_before_write(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -887,3 +900,18 @@ class Replayer(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's u
                 copy = _cloned(out)
                 saved.kept[position] = copy
                 saved.versions[position] = _versions(copy)
+
+
+class _SkipKernels:
+    """:meth:`Replayer.skip_kernels`: the replayer skips matmul kernels while it is on."""
+
+    __slots__ = ("replayer",)
+
+    def __init__(self, replayer: Replayer) -> None:
+        self.replayer = replayer
+
+    def __enter__(self) -> None:
+        self.replayer.skipping = True
+
+    def __exit__(self, *exc: Any) -> None:
+        self.replayer.skipping = False

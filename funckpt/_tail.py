@@ -20,12 +20,17 @@ reader sees it: being wrong costs time, never a value.
 The determinism check, which compares the outputs' values, compares instead those of the
 tensors the skipped calls read (the *frontier*): the outputs are a fixed function of them, and
 the gradient depends on nothing else the skipped calls would compute.
+
+Under a saving policy, the policy's replayer (a dispatch mode that counts every operator to
+find the values it kept) skips the kernels itself: a mode above it would hide them from its
+count. A matmul whose result the policy keeps is replayed, not computed, and is no tail.
 """
 
 from __future__ import annotations
 
 import numbers
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,7 +40,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 
 from ._errors import Digest, digest
 
-__all__ = ["TAIL", "TRAIL_LENGTH", "Deferring", "TailPlan", "plan"]
+__all__ = ["TAIL", "TRAIL_LENGTH", "Deferring", "TailPlan", "plan", "run_or_skip"]
 
 _MATMULS = frozenset(
     [
@@ -217,10 +222,12 @@ def plan(
     inputs: tuple[torch.Tensor, ...],
     outputs: Sequence[torch.Tensor],
     compare_values: bool,
+    kept: Callable[[torch.Tensor], bool] | None = None,
 ) -> TailPlan | None:
     """The tail the recomputation may skip, from the forward run's last calls (``trail``: index,
     function, positional arguments, result) and what it returned (``outputs``, with their graph),
-    or ``None`` where there is none worth skipping."""
+    or ``None`` where there is none worth skipping. ``kept``: does a saving policy keep this
+    result (its recomputation then computes nothing to skip: the replay hands it over)?"""
     saved: set[int] = set()  # what the matmuls kept so far save: their operands
     calls: list[tuple[Any, tuple[Any, ...], torch.Tensor]] = []
     start = -1
@@ -234,7 +241,7 @@ def plan(
         calls.append((func, args, out))
         start = index
     calls.reverse()
-    worth = sum(_multiply_adds(f, a, o) for f, a, o in calls if f in _SAVES_OPERANDS)
+    worth = sum(_multiply_adds(f, a, o) for f, a, o in calls if f in _SAVES_OPERANDS and not (kept and kept(o)))
     if not calls or worth < _WORTH.get(calls[-1][2].device.type, _WORTH_ELSEWHERE) or _read_elsewhere(calls, outputs):
         return None
     frontier, wiring = _frontier(calls, inputs)
@@ -254,30 +261,36 @@ def _returns(made: Sequence[torch.Tensor], outputs: Sequence[Any]) -> tuple[int 
     return tuple(at.get(id(t)) if isinstance(t, torch.Tensor) else None for t in outputs)
 
 
+def run_or_skip(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """Operator ``func`` on its arguments, below autograd, for a deferred call: a matmul or
+    convolution kernel returns uninitialized memory of its result's layout (found by its meta
+    kernel) instead; everything else runs."""
+    if func in _SKIPPED:
+        tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+        # (A plain, strided layout: the meta kernels are asked with each operand's strides,
+        # which a sparse or mkldnn operand, a graph's fixed adjacency matrix, has not.)
+        if all(type(t) is torch.Tensor and t.layout == torch.strided for t in tensors):
+            return _empty(func, args, kwargs, tensors)
+    return func(*args, **kwargs)
+
+
+def _empty(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], tensors: list[torch.Tensor]) -> torch.Tensor:
+    def meta(a: Any) -> Any:
+        if isinstance(a, torch.Tensor):
+            return torch.empty_strided(a.shape, a.stride(), dtype=a.dtype, device="meta")
+        return a
+
+    with _disable_current_modes():  # (the modes below see no meta call: a flop counter counts none)
+        shape = func(*map(meta, args), **{k: meta(v) for k, v in kwargs.items()})
+    return torch.empty_strided(shape.shape, shape.stride(), dtype=shape.dtype, device=tensors[0].device)
+
+
 class _Skip(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's untyped __init_subclass__
-    """Below autograd, for one deferred call: the matmul kernels return uninitialized memory of
-    their result's layout (found by their meta kernels); everything else runs."""
+    """Below autograd, for one deferred call: :func:`run_or_skip` for each operator. (With a saving
+    policy, its replayer skips instead: it must count every operator, see ``Replayer``.)"""
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
-        kwargs = kwargs or {}
-        if func in _SKIPPED:
-            tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
-            # (A plain, strided layout: the meta kernels are asked with each operand's strides,
-            # which a sparse or mkldnn operand, a graph's fixed adjacency matrix, has not.)
-            if all(type(t) is torch.Tensor and t.layout == torch.strided for t in tensors):
-                return self._empty(func, args, kwargs, tensors)
-        return func(*args, **kwargs)
-
-    @staticmethod
-    def _empty(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], tensors: list[torch.Tensor]) -> torch.Tensor:
-        def meta(a: Any) -> Any:
-            if isinstance(a, torch.Tensor):
-                return torch.empty_strided(a.shape, a.stride(), dtype=a.dtype, device="meta")
-            return a
-
-        with _disable_current_modes():  # (the modes below see no meta call: a flop counter counts none)
-            shape = func(*map(meta, args), **{k: meta(v) for k, v in kwargs.items()})
-        return torch.empty_strided(shape.shape, shape.stride(), dtype=shape.dtype, device=tensors[0].device)
+        return run_or_skip(func, args, kwargs or {})
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -304,12 +317,20 @@ class Deferring(TorchFunctionMode):
     deferred."""
 
     def __init__(
-        self, tail: TailPlan, metadata: frozenset[Any], depth: Callable[[], int], nested: Callable[[int], bool]
+        self,
+        tail: TailPlan,
+        metadata: frozenset[Any],
+        depth: Callable[[], int],
+        nested: Callable[[int], bool],
+        skip: Callable[[], AbstractContextManager[Any]] | None = None,
     ) -> None:
         super().__init__()
         # ``metadata``: the calls that read no value (not counted, as in the forward run); ``depth``
         # and ``nested``: funckpt's own work, or a nested region's run, is not this run's to defer.
+        # ``skip``: what skips a deferred call's kernels (a saving policy's replayer, which must
+        # see them to keep count; else a dispatch mode of its own, on for that call only).
         self.tail, self.metadata, self.depth, self.nested = tail, metadata, depth, nested
+        self.skip: Callable[[], AbstractContextManager[Any]] = skip or _Skip
         self.at: int | None = None  # how many substitutions are on where the function runs
         self.calls = 0
         self.pending: dict[int, _Deferred] = {}
@@ -339,7 +360,7 @@ class Deferring(TorchFunctionMode):
         ):
             if pending and saves:  # (its operands are saved: their values are needed)
                 self._compute(args)
-            with _Skip():  # type: ignore[no-untyped-call]
+            with self.skip():
                 out = func(*args)
             self.calls = index + 1
             if isinstance(out, torch.Tensor):

@@ -17,7 +17,7 @@ from torch.testing import assert_close
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
-from funckpt import CheckpointError, remat
+from funckpt import CheckpointError, checkpoint_name, policies, remat
 from funckpt import _tail
 
 D = torch.float64
@@ -262,11 +262,66 @@ def test_under_autocast(always):
     assert_close(grads(remat(block)), grads(block))
 
 
-def test_with_a_saving_policy_nothing_is_skipped(always):
-    from funckpt import policies
+def named_block(p, x):
+    h = F.layer_norm(x, x.shape[-1:])
+    up = checkpoint_name(h @ p["w1"], "up")
+    return x + F.gelu(up + p["b1"]) @ p["w2"] + p["b2"]
 
-    r = remat(block, policy=policies.save_only_these_names("nothing"))
-    assert_close(grads_backward(r, params(), X), grads_backward(block, params(), X))
+
+@pytest.mark.parametrize(
+    "policy, recomputed",
+    [
+        (policies.nothing_saveable, 1),
+        (policies.save_only_these_names("up"), 0),  # (the first matmul's result is replayed)
+        (policies.save_any_names_but_these("up"), 1),  # (no other value is named: nothing is kept)
+        (policies.dots_saveable, 0),
+    ],
+    ids=["nothing_saveable", "save_only_these_names", "save_any_names_but_these", "dots_saveable"],
+)
+def test_with_a_saving_policy_the_last_matmul_is_not_recomputed_either(always, policy, recomputed):
+    # The policy's replayer, which counts every operator to find the kept ones, skips the kernels.
+    r = remat(named_block, policy=policy)
+    assert backward_matmuls(r, params(), X) == backward_matmuls(named_block, params(), X) + recomputed
+    assert_close(grads_backward(r, params(), X), grads_backward(named_block, params(), X))
+
+
+@pytest.mark.parametrize("policy", [policies.dots_saveable, policies.everything_saveable], ids=["dots", "everything"])
+def test_a_tail_whose_matmuls_a_policy_keeps_is_not_deferred(policy, monkeypatch):
+    # Replayed, the kept result costs nothing to skip: no mode runs the recomputation's calls.
+    made = []
+    monkeypatch.setattr(_tail, "Deferring", lambda *a: made.append(a) or _tail.Deferring(*a))
+    p, x = params(64), torch.randn(512, 64, dtype=D)
+    assert_close(grads_backward(remat(block, policy=policy), p, x), grads_backward(block, p, x))
+    assert not made
+
+
+@pytest.mark.parametrize("transform", ["grad", "vmap_of_grad", "grad_of_grad"])
+def test_with_a_saving_policy_under_torch_func_transforms(always, transform):
+    r = remat(named_block, policy=policies.save_only_these_names("up"))
+
+    def loss(f):
+        return lambda p, x: f(p, f(p, x)).sin().sum()
+
+    def run(f):
+        if transform == "grad":
+            return tf.grad(loss(f), argnums=(0, 1))(params(), X)
+        if transform == "vmap_of_grad":
+            return tf.vmap(tf.grad(loss(f)), in_dims=(None, 0))(params(), X)
+        return tf.grad(lambda p, x: tf.grad(loss(f))(p, x)["w2"].square().sum())(params(), X)
+
+    assert_close(run(r), run(named_block))
+
+
+def test_with_a_saving_policy_a_second_backward_recomputes_again(always):
+    r = remat(named_block, policy=policies.save_only_these_names("up"))
+
+    def twice(f):
+        p = {k: v.clone().requires_grad_() for k, v in params().items()}
+        loss = f(p, f(p, X)).sin().sum()
+        first = torch.autograd.grad(loss, list(p.values()), retain_graph=True)
+        return first, torch.autograd.grad(loss, list(p.values()))
+
+    assert_close(twice(r), twice(named_block))
 
 
 def test_a_plan_is_made_from_the_last_calls_only():
