@@ -241,7 +241,10 @@ def plan(
         calls.append((func, args, out))
         start = index
     calls.reverse()
-    worth = sum(_multiply_adds(f, a, o) for f, a, o in calls if f in _SAVES_OPERANDS and not (kept and kept(o)))
+    work = [(f, a, o) for f, a, o in calls if f in _SAVES_OPERANDS]
+    if kept is not None and work and all(kept(o) for _, _, o in work):
+        return None  # (each replayed: nothing left to skip)
+    worth = sum(_multiply_adds(f, a, o) for f, a, o in work if not (kept and kept(o)))
     if not calls or worth < _WORTH.get(calls[-1][2].device.type, _WORTH_ELSEWHERE) or _read_elsewhere(calls, outputs):
         return None
     frontier, wiring = _frontier(calls, inputs)
