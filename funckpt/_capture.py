@@ -71,6 +71,7 @@ from ._internals import (
     maybe_get_level,
     sequence_nr,
     set_fwd_grad_enabled,
+    torch_function_modes,
     unpack_dual,
 )
 
@@ -1162,8 +1163,22 @@ def route_through_enclosing(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     ``autograd.Function.apply`` does not pass through torch-function modes, so a
     remat nested inside another region's function would otherwise receive the
     outer region's *original* captured tensors instead of its substitutes.
+
+    Only through the substitutions whose modes are on, as the function's own operators
+    are. Under torch.func a region nested in another's run is applied through
+    ``custom_function_call``, which passes through the enclosing mode: its run happens in
+    that mode's handler, where the mode is off, one level below the enclosing run (its
+    Function's forward lowered). The enclosing run's substitutes are tensors of that run's
+    levels (a run at a vjp or jvp level of its own wraps its inputs there): routed through
+    them, a call nested one region deeper would get the wrapper of a level that is not on
+    the stack (remat then raises that it belongs to an enclosing transform), where the
+    region around it holds the same tensor unwrapped, the very tensor captured (its own
+    substitution maps it to itself: nothing to swap).
     """
+    on = {id(m) for m in torch_function_modes()} if _active.substitutes else set()
     for substitute in reversed(_active.substitutes):
+        if id(substitute) not in on:
+            continue
         mapping = substitute.mapping
         routed = [mapping.get(id(t), t) for t in tensors]
         if any(r is not t for r, t in zip(routed, tensors)):

@@ -30,6 +30,7 @@ __all__ = [
     "bind_forward_once",
     "torch_pytree_node",
     "torch_function_mode_enabled",
+    "torch_function_modes",
     "has_gradient_dtype",
     "register_tensor_hook",
     "backward_names_no_inputs",
@@ -483,6 +484,11 @@ def dispatch_modes_active() -> bool:
 def torch_function_mode_enabled() -> bool:
     """Is any torch-function mode active (``with torch.device(...)`` is one)?"""
     return bool(torch._C._is_torch_function_mode_enabled())
+
+
+def torch_function_modes() -> list[Any]:
+    """The torch-function modes on now, innermost last (one being handled is off while its handler runs)."""
+    return [torch._C._get_function_stack_at(i) for i in range(torch._C._len_torch_function_stack())]
 
 
 def current_graph_task_id() -> int:

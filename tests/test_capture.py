@@ -1761,3 +1761,44 @@ def test_a_partials_tensor_given_to_a_custom_function(how):
 
     assert_close(grads(checkpoint), grads(None))
     assert_close(grads(remat), grads(None))
+
+
+@pytest.mark.parametrize("transform", ["jacrev", "hessian", "vmap(grad)", "grad(vmap)", "vmap(jvp)", "backward"])
+def test_a_remat_two_deep_gets_the_closure_tensors_of_the_run_around_it(transform):
+    """Three remat'd functions nested in one another, the innermost reaching a tensor no derivative
+    flows into through the closures. A run at a vjp or jvp level of its own (the outer one's
+    recomputation under jacrev) holds it wrapped at that level; the run nested in it runs one level
+    lower (its Function's forward lowered, with no transform left on the stack) and holds it as it
+    is: what a call inside that one must get, not the wrapper of a level that is not on the stack."""
+    b = torch.randn(4, dtype=D, generator=torch.Generator().manual_seed(7))
+    w = torch.randn(4, 4, dtype=D, generator=torch.Generator().manual_seed(8))
+
+    def program(wrap):
+        def inner(x):
+            return x * b.sum() + b
+
+        def middle(x):
+            return wrap(inner)(x.sin()) + b
+
+        def outer(x):
+            return wrap(middle)(torch.tanh(x @ w)) * b
+
+        return wrap(outer)
+
+    def run(wrap):
+        f = program(wrap)
+        if transform == "jacrev":
+            return tf.jacrev(f)(X[0])
+        if transform == "hessian":
+            return tf.hessian(lambda x: f(x).sin().sum())(X[0])
+        if transform == "vmap(grad)":
+            return tf.vmap(tf.grad(lambda x: f(x).sin().sum()))(X)
+        if transform == "grad(vmap)":
+            return tf.grad(lambda xs: tf.vmap(f)(xs).sin().sum())(X)
+        if transform == "vmap(jvp)":
+            return tf.vmap(lambda x: tf.jvp(f, (x,), (torch.ones_like(x),)))(X)
+        x = X.clone().requires_grad_()
+        f(x).sin().sum().backward()
+        return x.grad
+
+    assert_close(run(remat), run(lambda f: f))
