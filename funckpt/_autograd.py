@@ -516,7 +516,9 @@ class JvpRegion(Region):
         diff = [i for i, p in enumerate(primals) if self.with_tangent[i] and has_gradient_dtype(p)]
 
         def f(*xs: torch.Tensor) -> Tensors:
-            full = list(primals)
+            # (Under torch.func.jvp, the inputs without a tangent join its level too; a dual made
+            # at the user's forward-mode level below has no level of its own to join.)
+            full = at_the_top_level(primals) if peek_interpreter_stack() is not None else list(primals)
             for i, x in zip(diff, xs):
                 full[i] = x
             return self.base.run(tuple(full), Phase.RECOMPUTE)
@@ -661,6 +663,23 @@ def _advancing(create_graph: bool) -> Iterator[None]:
         yield
 
 
+def at_the_top_level(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """``tensors`` wrapped at the innermost level: a ``torch.func.vjp`` or ``jvp`` that a run of a
+    region entered, whose function receives all of a region's inputs, its primals or not.
+
+    ``torch.func.grad`` and ``jvp`` wrap all of their arguments at their level; a run's own vjp or
+    jvp differentiates only some of a region's inputs, and the others, captured from below its
+    level, would be tensors torch refuses to write in place there (BatchNorm's running statistics,
+    a layer clamping its own weight through ``.data``) where, without remat, they are tensors of
+    the caller's level, which may be written. So they join the level too. (A run nested in this
+    one routes its captured tensors only through the substitutions whose modes are on, and so
+    never gets one of these wrappers where this level is not on the stack: see
+    :func:`~funckpt._capture.route_through_enclosing`.)
+    """
+    level = peek_interpreter_stack().level()
+    return [wrap_for_grad(t, level) for t in tensors]
+
+
 def _recompute_of(
     region: Region, primals: Tensors, wrt: Sequence[int], differentiable: list[bool]
 ) -> Callable[..., Tensors]:
@@ -671,7 +690,7 @@ def _recompute_of(
     """
 
     def f(*xs: torch.Tensor) -> Tensors:
-        full = list(primals)
+        full = at_the_top_level(primals)
         for i, x in zip(wrt, xs):
             full[i] = x
         outs = region.run(tuple(full), Phase.RECOMPUTE)

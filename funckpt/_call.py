@@ -34,7 +34,7 @@ from torch.nn.parameter import is_lazy
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 from . import _aliasing, _autocast, _rng, _tail
-from ._autograd import Phase, Region, apply, eager_under_compile, local_input
+from ._autograd import Phase, Region, apply, at_the_top_level, eager_under_compile, local_input
 from ._capture import (
     attributes_as_at_the_call,
     _METADATA,
@@ -1677,12 +1677,10 @@ class UserRegion(Region):
             return self.forward_run(flat)
 
         def run(*xs: torch.Tensor) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
-            # (The other inputs stay captured from below this level, where torch refuses an in-place
-            # write to them: a vmapped ensemble's BatchNorm statistics under vmap(grad) with the
-            # BatchNorm inside a larger remat'd block. Wrapping them all at the level, as
-            # torch.func.grad wraps its arguments, let tensors of the level outlive it in nested
-            # calls: not done.)
-            full = list(flat)
+            # The other inputs join the level too, as torch.func.grad wraps all of its arguments: a
+            # vmapped ensemble's BatchNorm statistics, updated in place, or a weight a layer clamps
+            # through .data while per-example input gradients are taken (see at_the_top_level).
+            full = at_the_top_level(flat)
             for i, x in zip(wrt, xs):
                 full[i] = x
             outs = self.forward_run(tuple(full))

@@ -176,12 +176,6 @@ def test_in_place_update_of_an_input_under_vmap_runs_as_without_remat():
     assert_close(tf.vmap(lambda x: remat(relu)(x @ w).sum())(X), tf.vmap(lambda x: relu(x @ w).sum())(X))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=RuntimeError,
-    reason="the forward run's own grad level (inputs requiring grad under vmap) captures the other "
-    "inputs from below it, where torch refuses their in-place update: torch's raw error, not yet remat's",
-)
 def test_in_place_update_of_an_input_under_vmap_by_a_function_reaching_parameters():
     """Under vmap, a function reaching a module's parameters writes its (non-differentiated) input:
     the recomputation would start from a copy of the input as it was."""

@@ -448,21 +448,13 @@ def _remat_block(net):
 
 @pytest.mark.parametrize("transform", ["vmap(grad)", "vmap then backward"])
 @pytest.mark.parametrize("place", [_remat_batch_norm, remat, _remat_block], ids=["batch norm", "whole model", "block"])
-def test_ensemble_with_batch_norm_in_training_mode_under_vmap(transform, place, request):
+def test_ensemble_with_batch_norm_in_training_mode_under_vmap(transform, place):
     """Model ensembling (stack_module_state, vmap over the members) with BatchNorm in training mode:
     each member's running statistics, a slice of the stacked buffers, are updated in place under
     vmap. With remat anywhere around it, the gradients and the updated statistics are those
-    without remat (the forward run updates them once; the recomputation starts from copies)."""
-    if transform == "vmap(grad)":
-        request.applymarker(
-            pytest.mark.xfail(
-                strict=True,
-                raises=RuntimeError,
-                reason="under vmap(grad) the forward run's own grad level captures the statistics from "
-                "below it, where torch refuses their in-place update (see _forward_run_at_a_grad_level); "
-                "torch's raw error, not yet remat's",
-            )
-        )
+    without remat (the forward run updates them once; the recomputation starts from copies).
+    Under vmap(grad) the statistics join the forward run's own grad level, as torch.func.grad
+    wraps all of its arguments (see at_the_top_level)."""
     members = [_ensemble_member(s) for s in range(3)]
     params, buffers = tf.stack_module_state(members)
     x = torch.randn(5, 4, dtype=D)
@@ -982,6 +974,38 @@ def test_a_layer_clamping_its_own_weight_through_data_gets_the_gradients_without
         else:
             outer(xs).square().sum().backward()
             grads = {k: p.grad for k, p in outer.named_parameters()}
+        return grads, inner.linear.weight.detach()
+
+    assert_close(run(lambda m: remat(m, policy=policy)), run(lambda m: m))
+
+
+@pytest.mark.parametrize("policy", [None, policies.dots_saveable], ids=["default", "dots_saveable"])
+@pytest.mark.parametrize("how", ["vmap(grad)", "vmap(grad(vmap))", "vmap(jacrev)", "jacfwd"])
+def test_a_layer_clamping_its_own_weight_through_data_gets_the_input_gradients_without_remat(how, policy):
+    """Per-example gradients of the input of such a layer, its parameters not differentiated: the
+    weight is no primal of the forward run's own grad level, nor of the recomputation's vjp or jvp,
+    and joins their levels as torch.func.grad wraps all of its arguments, where torch allows the
+    write (captured from below a level, it refuses it: 'mutate a captured Tensor')."""
+
+    def run(wrap):
+        torch.manual_seed(0)
+        inner = _ClampsItsOwnWeight()
+        outer = nn.Sequential(wrap(inner))
+        xs = torch.randn(3, 4, dtype=D)
+        params = {k: v.detach() for k, v in outer.named_parameters()}
+
+        def loss(p, x):
+            return tf.functional_call(outer, p, (x,)).square().sum()
+
+        if how == "vmap(grad)":
+            grads = tf.vmap(tf.grad(loss, argnums=1), in_dims=(None, 0))(params, xs)
+        elif how == "vmap(grad(vmap))":
+            chunks = xs.reshape(3, 1, 4)
+            grads = tf.vmap(tf.grad(lambda p, x: tf.vmap(loss, in_dims=(None, 0))(p, x).sum(), argnums=1), in_dims=(None, 0))(params, chunks)
+        elif how == "vmap(jacrev)":
+            grads = tf.vmap(tf.jacrev(lambda p, x: tf.functional_call(outer, p, (x,)), argnums=1), in_dims=(None, 0))(params, xs)
+        else:
+            grads = tf.jacfwd(lambda p, x: tf.functional_call(outer, p, (x,)), argnums=1)(params, xs[0])
         return grads, inner.linear.weight.detach()
 
     assert_close(run(lambda m: remat(m, policy=policy)), run(lambda m: m))
