@@ -55,7 +55,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from . import _aliasing, _rng
-from ._capture import has_tangent, made_by_nested_region, set_internal
+from ._capture import has_tangent, made_by_nested_region, note_nested_node, set_internal
 from ._errors import CheckpointError, differing_digests, digest
 from ._internals import (
     autograd_included,
@@ -928,6 +928,7 @@ class _RematFunction(torch.autograd.Function):
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Tensors) -> None:
         region, *flat = inputs
         ctx.region = region
+        note_nested_node(ctx)  # (in the forward runs this call is nested in: see forget_nested_regions)
         # Inputs no gradient flows into (buffers, masks, frozen weights, unused module
         # state the function merely reaches) are saved as fresh aliases: same storage,
         # own version counter. A BatchNorm elsewhere bumping its statistics between
@@ -1156,6 +1157,23 @@ def _forget_region(ctx: Any) -> None:
     """
     ctx.region = None
     ctx.unsaved = {}
+
+
+def forget_nested_regions(contexts: Sequence[weakref.ref[Any]]) -> None:
+    """Forget the regions of the nodes a forward run recorded where its caller keeps no graph.
+
+    Under a torch.func transform no node made inside a forward run is ever differentiated:
+    those at the run's own levels go with them, and those below them (its grad mode is the
+    caller's, inside the enclosing Function's forward) are dropped once that Function's node
+    takes the outputs, which carry them until then. A nested region's node holds the region,
+    and so the function and the tensors of the enclosing run it closes over: dropped here,
+    they do not look like tensors kept outside the enclosing call (see ``note_nested_node``).
+    A backward through such a node, which the transforms never take, would raise.
+    """
+    for r in contexts:
+        ctx = r()
+        if ctx is not None:
+            _forget_region(ctx)
 
 
 def _saved_primals(ctx: Any) -> Tensors:

@@ -34,7 +34,7 @@ from torch.nn.parameter import is_lazy
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 from . import _aliasing, _autocast, _rng, _tail
-from ._autograd import Phase, Region, apply, at_the_top_level, eager_under_compile, local_input
+from ._autograd import Phase, Region, apply, at_the_top_level, eager_under_compile, forget_nested_regions, local_input
 from ._capture import (
     attributes_as_at_the_call,
     _METADATA,
@@ -1477,6 +1477,8 @@ class UserRegion(Region):
         with self._running(flat, forward=True, grad=grad_mode, modes=modes, watch=watch) as run:
             if (grad_forward or at_own_level or tainting) and run.substitute is not None:
                 run.substitute.made = []
+            if (at_own_level or tainting) and run.substitute is not None:
+                run.substitute.nested = []  # (the nodes of the regions nested here: forgotten once fn returns)
             if grad_forward and run.trace is None and run.substitute is not None and not _traced():
                 run.substitute.trail = collections.deque(maxlen=_tail.TRAIL_LENGTH)
             if tainting and run.substitute is not None:
@@ -1494,6 +1496,15 @@ class UserRegion(Region):
             containers = None if self.argspec.tensors_only else _container_snapshot(run.args, run.kwargs)
             out = self._call_fn(run.args, run.kwargs, True, grad_forward)
             self._refuse_container_writes(containers, run.args, run.kwargs)
+        if run.substitute is not None and run.substitute.nested is not None:
+            # Where the run records no graph its caller keeps, the nodes of the regions nested in it
+            # are never differentiated, but its outputs carry those recorded below its levels (in the
+            # enclosing Function's forward) until that Function's node takes them: each holds its
+            # region, and the tensors of this run its function closes over (its captured inputs),
+            # which would look kept outside the call to the checks for escapes below.
+            nested, run.substitute.nested = run.substitute.nested, None
+            forget_nested_regions(nested)
+            del nested
         if out is _SUPPRESSED:
             raise _suppressed(self.name)
         if run.substitute is not None and run.substitute.layout_draws:

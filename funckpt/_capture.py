@@ -1157,6 +1157,25 @@ def made_by_nested_region(outputs: Sequence[Any], inputs: Sequence[Any] = ()) ->
         substitute.note_made(outputs, inputs)
 
 
+def note_nested_node(ctx: Any) -> None:
+    """Note the context of a remat'd region's autograd node, made inside the forward runs we are in.
+
+    Under a torch.func transform a forward run records no graph its caller keeps: what it
+    records at its own levels goes with them, and what it records below them (grad mode on, as
+    the caller's, inside the enclosing Function's forward) is dropped when that Function's
+    node takes its outputs. A nested region's node recorded there is never differentiated, yet
+    until then it holds the nested region, and through it the tensors of the enclosing run
+    that the nested function closes over (its captured inputs): they would look kept outside
+    the enclosing call. The run lets go of those regions before it looks for escapes (see
+    ``UserRegion.forward_run``). Weakly, so a node dropped earlier is not kept alive.
+    """
+    if _is_compiling():
+        return
+    for substitute in _active.substitutes:
+        if substitute.nested is not None:
+            substitute.nested.append(weakref.ref(ctx))
+
+
 def route_through_enclosing(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     """Map tensors through the substitutions of the regions we are running inside.
 
@@ -1409,6 +1428,9 @@ class Substitute(OnThreadStack, TorchFunctionMode):
         # (At most TRAIL_LENGTH of them: what the run made is not held on for longer.)
         self.trail: collections.deque[tuple[int, Any, tuple[Any, ...], Any]] | None = None
         self.calls = 0
+        # The contexts of the autograd nodes of the regions applied inside this forward run, weakly,
+        # where the run records no graph its caller keeps (see note_nested_node); None where not noted.
+        self.nested: list[weakref.ref[Any]] | None = None
 
     def _thread_stack(self) -> list[Any]:
         return _active.substitutes

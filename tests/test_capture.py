@@ -9,7 +9,7 @@ import torch
 import torch.func as tf
 from torch.testing import assert_close
 
-from funckpt import CheckpointError, checkpoint, policies, remat
+from funckpt import CheckpointError, checkpoint, checkpoint_name, policies, remat
 
 D = torch.float64
 X = torch.randn(3, 4, dtype=D, generator=torch.Generator().manual_seed(3))
@@ -1802,3 +1802,112 @@ def test_a_remat_two_deep_gets_the_closure_tensors_of_the_run_around_it(transfor
         return x.grad
 
     assert_close(run(remat), run(lambda f: f))
+
+
+def _nested_over_an_intermediate(variant, w, outer_policy, inner_policy, wrap, kept=None):
+    """A remat'd function closing over ``h``, computed by the remat'd function it is called in."""
+
+    def outer(x):
+        h = (w @ x).sin()
+        if kept is not None:  # (also kept outside the call: a real escape)
+            kept.append(h)
+        if variant == "closure":
+
+            def inner(x_):
+                return checkpoint_name(w @ (x_ * h), "h").tanh()
+
+            return wrap(inner, inner_policy)(x) + h
+        if variant == "not returned":  # h reaches the result through the nested call alone
+
+            def inner(x_):
+                return (w @ (x_ * h)).tanh()
+
+            return wrap(inner, inner_policy)(x) * 2
+        if variant == "called twice":
+
+            def inner(x_):
+                return (w @ (x_ * h)).tanh()
+
+            f = wrap(inner, inner_policy)
+            return f(f(x)) + h
+        assert variant == "two deep"  # the innermost closes over both enclosing runs' intermediates
+
+        def middle(x_):
+            g = (w @ x_).cos()
+
+            def innermost(y):
+                return (w @ (y * h * g)).tanh()
+
+            return wrap(innermost, inner_policy)(x_) * g
+
+        return wrap(middle, inner_policy)(x) + h
+
+    return wrap(outer, outer_policy)
+
+
+def _grads_of_nested(transform, variant, outer_policy, inner_policy, wrap, kept=None):
+    w0 = torch.randn(4, 4, dtype=D, generator=torch.Generator().manual_seed(5))
+
+    def f(w, x):
+        return _nested_over_an_intermediate(variant, w, outer_policy, inner_policy, wrap, kept)(x).sin()
+
+    if transform in ("vmap then backward", "backward"):
+        w = w0.clone().requires_grad_()
+        out = tf.vmap(lambda x: f(w, x).sum())(X) if transform == "vmap then backward" else f(w, X[0])
+        out.sum().backward()
+        return w.grad
+    if transform == "grad(vmap)":
+        return tf.grad(lambda w: tf.vmap(lambda x: f(w, x).sum())(X).sum())(w0)
+    if transform == "vmap(grad)":
+        return tf.vmap(lambda x: tf.grad(lambda w: f(w, x).sum())(w0))(X)
+    if transform == "jacrev":
+        return tf.jacrev(lambda w: f(w, X[0]))(w0)
+    if transform == "jacrev(vmap)":
+        return tf.jacrev(lambda w: tf.vmap(lambda x: f(w, x))(X))(w0)
+    assert transform == "vmap(jacrev)"
+    return tf.vmap(lambda x: tf.jacrev(lambda w: f(w, x))(w0))(X)
+
+
+_NESTED_TRANSFORMS = ["vmap then backward", "grad(vmap)", "vmap(grad)", "jacrev", "jacrev(vmap)", "vmap(jacrev)", "backward"]
+_NESTED_POLICIES = [
+    (None, None),
+    (None, policies.everything_saveable),
+    (policies.everything_saveable, None),
+    (policies.dots_saveable, policies.nothing_saveable),
+    (policies.everything_saveable, policies.everything_saveable),
+]
+_POLICY_IDS = [f"{getattr(o, '__name__', o)}-{getattr(i, '__name__', i)}" for o, i in _NESTED_POLICIES]
+
+
+@pytest.mark.parametrize("policy", _NESTED_POLICIES, ids=_POLICY_IDS)
+@pytest.mark.parametrize("variant", ["closure", "not returned", "called twice", "two deep"])
+@pytest.mark.parametrize("transform", _NESTED_TRANSFORMS)
+def test_a_nested_remat_closing_over_an_intermediate_of_the_run_around_it(transform, variant, policy):
+    """The nested region holds the enclosing run's tensor it closes over as one of its inputs: no
+    escape. Under a transform the enclosing run's outputs carry, until its Function's node takes
+    them, the graph it recorded below its levels (grad mode on, as the caller's), with the nested
+    region's node, its function and that tensor: it was refused as kept outside the call (vmap then
+    backward; grad(vmap) two deep)."""
+    outer_policy, inner_policy = policy
+
+    def with_remat(f, p):
+        return remat(f, policy=p)
+
+    def without(f, p):
+        return f
+
+    assert_close(
+        _grads_of_nested(transform, variant, outer_policy, inner_policy, with_remat),
+        _grads_of_nested(transform, variant, outer_policy, inner_policy, without),
+    )
+
+
+@pytest.mark.parametrize("policy", [(None, None), (policies.everything_saveable, None), (policies.dots_saveable, policies.nothing_saveable)], ids=_POLICY_IDS[:1] + _POLICY_IDS[2:4])
+@pytest.mark.parametrize("variant", ["closure", "two deep"])
+@pytest.mark.parametrize("transform", ["vmap then backward", "grad(vmap)", "vmap(grad)", "jacrev"])
+def test_an_intermediate_a_nested_remat_closes_over_is_refused_where_also_kept_outside(transform, variant, policy):
+    """What the nested regions hold is let go of, not excused: the same tensor appended to a list
+    outside the call still escapes it, and its derivative would be silently missing."""
+    kept: list[torch.Tensor] = []
+    with pytest.raises(CheckpointError, match="outlived the call"):
+        _grads_of_nested(transform, variant, *policy, lambda f, p: remat(f, policy=p), kept)
