@@ -1709,11 +1709,17 @@ def has_tangent(t: torch.Tensor) -> bool:
     """
     if forward_ad_level() < 0:
         return False
+    # funckpt's own work (set_internal): asked while the runs a call is nested in are on (a nested
+    # remat's prepare), unpacking returns the caller's very tangent, which they must not count as
+    # made by their function (under jvp(vmap(f)) it looked kept outside the enclosing call).
+    internal = set_internal(True)
     try:
         with set_fwd_grad_enabled(True):
             return unpack_dual(t).tangent is not None
     except RuntimeError:  # inside vmap: no batching rule for _unpack_dual; assume it may carry one
         return is_functorch_wrapped(t)
+    finally:
+        set_internal(internal)
 
 
 def local_graph_leaves(

@@ -1862,13 +1862,28 @@ def _grads_of_nested(transform, variant, outer_policy, inner_policy, wrap, kept=
         return tf.vmap(lambda x: tf.grad(lambda w: f(w, x).sum())(w0))(X)
     if transform == "jacrev":
         return tf.jacrev(lambda w: f(w, X[0]))(w0)
+    if transform in ("vmap(jvp)", "jvp(vmap)"):  # (forward mode: the tangents)
+        t = torch.ones_like(w0)
+        if transform == "vmap(jvp)":
+            return tf.vmap(lambda x: tf.jvp(lambda w: f(w, x), (w0,), (t,)))(X)
+        return tf.jvp(lambda w: tf.vmap(lambda x: f(w, x))(X), (w0,), (t,))
     if transform == "jacrev(vmap)":
         return tf.jacrev(lambda w: tf.vmap(lambda x: f(w, x))(X))(w0)
     assert transform == "vmap(jacrev)"
     return tf.vmap(lambda x: tf.jacrev(lambda w: f(w, x))(w0))(X)
 
 
-_NESTED_TRANSFORMS = ["vmap then backward", "grad(vmap)", "vmap(grad)", "jacrev", "jacrev(vmap)", "vmap(jacrev)", "backward"]
+_NESTED_TRANSFORMS = [
+    "vmap then backward",
+    "grad(vmap)",
+    "vmap(grad)",
+    "jacrev",
+    "jacrev(vmap)",
+    "vmap(jacrev)",
+    "vmap(jvp)",
+    "jvp(vmap)",
+    "backward",
+]
 _NESTED_POLICIES = [
     (None, None),
     (None, policies.everything_saveable),
@@ -1887,7 +1902,8 @@ def test_a_nested_remat_closing_over_an_intermediate_of_the_run_around_it(transf
     escape. Under a transform the enclosing run's outputs carry, until its Function's node takes
     them, the graph it recorded below its levels (grad mode on, as the caller's), with the nested
     region's node, its function and that tensor: it was refused as kept outside the call (vmap then
-    backward; grad(vmap) two deep)."""
+    backward; grad(vmap) two deep). Under jvp(vmap) two deep, the nested call's own look for a
+    tangent on its inputs counted the caller's tangent of ``w`` as made by the run around it."""
     outer_policy, inner_policy = policy
 
     def with_remat(f, p):
