@@ -1823,6 +1823,12 @@ def _nested_over_an_intermediate(variant, w, outer_policy, inner_policy, wrap, k
                 return (w @ (x_ * h)).tanh()
 
             return wrap(inner, inner_policy)(x) * 2
+        if variant == "partial":  # reached through a partial's arguments, not a closure
+
+            def inner_of(x_, h_):
+                return (w @ (x_ * h_)).tanh()
+
+            return wrap(functools.partial(inner_of, h_=h), inner_policy)(x) + h
         if variant == "called twice":
 
             def inner(x_):
@@ -1895,7 +1901,7 @@ _POLICY_IDS = [f"{getattr(o, '__name__', o)}-{getattr(i, '__name__', i)}" for o,
 
 
 @pytest.mark.parametrize("policy", _NESTED_POLICIES, ids=_POLICY_IDS)
-@pytest.mark.parametrize("variant", ["closure", "not returned", "called twice", "two deep"])
+@pytest.mark.parametrize("variant", ["closure", "partial", "not returned", "called twice", "two deep"])
 @pytest.mark.parametrize("transform", _NESTED_TRANSFORMS)
 def test_a_nested_remat_closing_over_an_intermediate_of_the_run_around_it(transform, variant, policy):
     """The nested region holds the enclosing run's tensor it closes over as one of its inputs: no
