@@ -175,6 +175,31 @@ def _cacheable(op: Any) -> bool:
     return verdict
 
 
+_DROPOUT_AT: dict[Any, int | None] = {}
+
+
+def _keepable(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """:func:`_cacheable`, or this call draws nothing: an attention operator (every overload of
+    ``scaled_dot_product_attention`` is tagged as random, for its dropout) called with
+    ``dropout_p`` 0, as in evaluation and wherever attention has no dropout. Its result is then
+    a function of its arguments, kept as a matmul's is (``dots_saveable`` promises attention)."""
+    if _cacheable(op):
+        return True
+    at = _DROPOUT_AT.get(op, -1)
+    if at == -1:
+        names = [a.name for a in op._schema.arguments]
+        deterministic_otherwise = (
+            bool(op._schema.returns)
+            and not any(r.alias_info is not None for r in op._schema.returns)
+            and not _written_args(op)
+        )
+        at = _DROPOUT_AT[op] = names.index("dropout_p") if deterministic_otherwise and "dropout_p" in names else None
+    if at is None:
+        return False
+    p = _argument(op, args, kwargs, at)
+    return p is None or (isinstance(p, (int, float)) and p == 0)
+
+
 def _argument(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any], i: int) -> Any:
     """ATen operator ``op``'s argument at position ``i`` of its schema, given by position or keyword."""
     return args[i] if i < len(args) else kwargs.get(op._schema.arguments[i].name)
@@ -264,7 +289,6 @@ class Saved:
             # Written since the operator made it (``x @ w`` of a vector ends in ``squeeze_``, an
             # in-place view): no longer what the operator returns, so never handed back for it.
             return
-        op = self.trace[position][0]
         verdict = self.ask(CHECKPOINT_NAME, (x, name), {})
         if verdict:
             if position in self.kept:
@@ -276,8 +300,7 @@ class Saved:
                     # remains of it is the offload the name asked for.
                     self.offload[position] = verdict
                 return
-            if not _cacheable(op):
-                return
+            # (Every producer noted is an operator whose results may be kept: see Recorder.)
             refs = self._outputs.get(position)
             if refs is None:  # a single-tensor output: the named tensor is that output
                 self.keep(position, value, label=name, verdict=verdict)
@@ -816,7 +839,7 @@ class Recorder(OnThreadStack, WriteWatch):  # type: ignore[no-untyped-call]  # t
         out = func(*args, **kwargs)
         position = len(saved.trace)
         saved.trace.append((func, meta))
-        if _cacheable(func):
+        if _keepable(func, args, kwargs):
             verdict = saved.ask(func, args, kwargs)
             if verdict:
                 saved.keep(position, out, verdict=verdict)

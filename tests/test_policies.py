@@ -258,6 +258,57 @@ def test_a_named_value_written_in_place_after_its_operator_made_it_is_recomputed
     assert_close(w1.grad, tf.grad(lambda w: f(w, X).sum())(W1))
 
 
+def _attention_block(q, w, dropout_p=0.0):
+    a = torch.nn.functional.scaled_dot_product_attention(q, q, q, dropout_p=dropout_p, is_causal=True)
+    return (checkpoint_name(a, "attention") @ w).sin()
+
+
+_ATTENTION_POLICIES = {
+    "dots_saveable": policies.dots_saveable,
+    "everything_saveable": policies.everything_saveable,
+    "save_only_these_names": policies.save_only_these_names("attention"),
+    "from_torch": policies.from_torch(
+        [aten._scaled_dot_product_flash_attention_for_cpu, aten._scaled_dot_product_attention_math]
+    ),
+}
+
+
+def _attention_kernels(fn, how, dropout_p=0.0):
+    """Gradients of ``fn`` (seeded) and how many attention forward kernels the step ran."""
+    torch.manual_seed(0)
+    q = torch.randn(2, 2, 6, 4, dtype=D, generator=torch.Generator().manual_seed(3))
+    w = torch.randn(4, 4, dtype=D, generator=torch.Generator().manual_seed(4))
+    with Count() as counter:
+        if how == "backward":
+            ql, wl = q.clone().requires_grad_(), w.clone().requires_grad_()
+            fn(ql, wl, dropout_p).sum().backward()
+            g = (ql.grad, wl.grad)
+        else:
+            g = tf.grad(lambda q, w: fn(q, w, dropout_p).sum(), argnums=(0, 1))(q, w)
+    forward = [op for op in counter.ops if "scaled_dot_product" in str(op) and "backward" not in str(op)]
+    return g, len(forward)
+
+
+@pytest.mark.parametrize("how", ["backward", "grad"])
+@pytest.mark.parametrize("policy", list(_ATTENTION_POLICIES))
+def test_attention_without_dropout_is_kept_as_the_policy_asks(policy, how):
+    """Every attention operator is tagged as random (for its dropout); called with ``dropout_p``
+    0 it draws nothing, and a policy that asks for its result keeps it, as ``dots_saveable``
+    promises: the recomputation does not run the attention again."""
+    expected, once = _attention_kernels(_attention_block, how)
+    got, kernels = _attention_kernels(remat(_attention_block, policy=_ATTENTION_POLICIES[policy]), how)
+    assert_close(got, expected)
+    assert kernels == once
+
+
+@pytest.mark.parametrize("how", ["backward", "grad"])
+def test_attention_with_dropout_is_recomputed_with_the_same_mask(how):
+    expected, once = _attention_kernels(_attention_block, how, dropout_p=0.5)
+    got, kernels = _attention_kernels(remat(_attention_block, policy=policies.everything_saveable), how, dropout_p=0.5)
+    assert_close(got, expected)
+    assert kernels == 2 * once
+
+
 def test_divergent_recomputation_falls_back_to_recomputing():
     def f(w1, x):
         if torch.is_grad_enabled():  # the forward runs without grad, the recomputation with it
