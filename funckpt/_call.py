@@ -1309,6 +1309,15 @@ class UserRegion(Region):
             # The base's graph is now the Function's node: a view's grad_fn, made when the base's
             # graph was the run's own, is made again from the base's once its version moves.
             torch.autograd.graph.increment_version(base)
+        for v in views:
+            # Made again now, not at the view's next use: until then the old grad_fn holds the run's
+            # graph, and what that graph saved (a view of an input: ``w.unbind(0)[0]``) would look
+            # kept outside the call to settle_escapes. (torch refuses to remake the grad_fn of one
+            # of several views an operator returned together: that one keeps the old graph.)
+            try:
+                v.grad_fn  # noqa: B018
+            except RuntimeError:
+                pass
 
     def settle_escapes(self, refs: Sequence[weakref.ref[torch.Tensor]]) -> None:
         """After the call: which of its escaped outputs (weakly, ``refs``) are still held outside.

@@ -3388,6 +3388,28 @@ def test_what_a_kept_tensors_graph_saved_is_no_error_even_a_view_of_an_input():
     assert_close(_grads_of(lambda: loss(remat(fn)), x, w), _grads_of(lambda: loss(fn), x, w))
 
 
+@pytest.mark.parametrize("view", ["slice", "transpose"])
+def test_what_a_kept_views_graph_saved_is_no_error_even_a_view_of_an_input(view):
+    """The same where the kept tensor is a view of an intermediate (transformers' recorder keeps
+    ``attn_weights``, a slice of the softmax in DeepseekV4), whose graph saved a 0-d piece of an
+    input (``w.unbind(0)``): the view is made again from the output's graph once the call ends."""
+    kept = []
+
+    def fn(x, w):
+        a, b = w.unbind(0)
+        p = torch.softmax(x * a, -1)
+        kept.append(p[..., :-1] if view == "slice" else p.t())
+        return p * b
+
+    x, w = randn(3, 4, seed=1).requires_grad_(), randn(2, seed=2).requires_grad_()
+
+    def loss(f):
+        kept.clear()
+        return f(x, w).sum() + kept[0].square().sum()
+
+    assert_close(_grads_of(lambda: loss(remat(fn)), x, w), _grads_of(lambda: loss(fn), x, w))
+
+
 def test_a_leaf_made_inside_that_only_a_kept_tensors_graph_holds_is_no_error():
     """HF T5 sets ``position_bias.requires_grad = True`` on a tensor it makes in the layer; with
     ``output_attentions`` the kept attention weights' graph holds it, and nothing else does."""
