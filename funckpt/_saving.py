@@ -218,6 +218,18 @@ def _meta(args: tuple[Any, ...]) -> tuple[Any, ...]:
     return tuple((tuple(a.shape), a.dtype) if isinstance(a, torch.Tensor) else None for a in args)
 
 
+class _Plain:
+    """A member of an operator's returned tuple that is not a tensor (a number, ``None``), as it was."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def __call__(self) -> Any:
+        return self.value
+
+
 class Saved:
     """One remat'd call's kept operator outputs, by position in its op trace."""
 
@@ -245,7 +257,7 @@ class Saved:
         # weak reference guards against a freed tensor's id being reused by another.
         self.producer: dict[int, tuple[weakref.ref[torch.Tensor], int, int]] = {}
         self.written: set[int | None] = set()  # storages written by in-place ops in the forward run
-        self._outputs: dict[int, tuple[Any, list[weakref.ref[torch.Tensor]], list[int]]] = {}
+        self._outputs: dict[int, tuple[Any, list[weakref.ref[torch.Tensor] | _Plain], list[int]]] = {}
 
     # forward run
 
@@ -307,7 +319,8 @@ class Saved:
                 return
             structure, weak, made = refs
             alive = [w() for w in weak]
-            if all(t is not None for t in alive) and _versions(alive) == made:  # else: recompute that op, never serve part of it
+            # (else: recompute that op, never serve part of it)
+            if all(t is not None for t, w in zip(alive, weak) if not isinstance(w, _Plain)) and _versions(alive) == made:
                 self.keep(position, structure(alive), label=name, verdict=verdict)
         elif name in self.excluded:
             self.kept.pop(position, None)
@@ -846,10 +859,15 @@ class Recorder(OnThreadStack, WriteWatch):  # type: ignore[no-untyped-call]  # t
                 if saved.budget is not None:
                     saved.costs[position] = _budget.estimate_cost(func, args, kwargs, out)
             if saved.track_producers:  # for checkpoint_name: which op made which value
-                if position not in saved.kept and isinstance(out, (tuple, list)) and all(
-                    isinstance(t, torch.Tensor) for t in out
-                ):
-                    saved._outputs[position] = (type(out), [weakref.ref(t) for t in out], _versions(out))
+                # Every tuple or list, kept or not, whatever else it holds: a name on one of its
+                # members keeps the whole of it (a kept one may be taken back by a name the policy
+                # excludes, then kept again by another; convolution_backward returns Nones too).
+                if isinstance(out, (tuple, list)):
+                    saved._outputs[position] = (
+                        type(out),
+                        [weakref.ref(t) if isinstance(t, torch.Tensor) else _Plain(t) for t in out],
+                        _versions(out),
+                    )
                 for t in _tensors(out):
                     saved.producer[id(t)] = (weakref.ref(t), position, _versions(t)[0])
         return out

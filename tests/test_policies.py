@@ -309,6 +309,57 @@ def test_attention_with_dropout_is_recomputed_with_the_same_mask(how):
     assert kernels == 2 * once
 
 
+def _std_mean_named_apart(x):
+    s, m = torch.std_mean(x, dim=-1, keepdim=True)
+    s = checkpoint_name(s, "spread")  # excluded: takes back what the operator-level answer kept
+    m = checkpoint_name(m, "centre")  # another member, another name: keeps the operator's output again
+    return ((x - m) / (s + 1.0)).sin()
+
+
+@pytest.mark.parametrize(
+    "policy",
+    [
+        policies.save_anything_except_these_names("spread"),
+        policies.save_from_both_policies(
+            policies.save_anything_except_these_names("spread"), policies.save_only_these_names("centre")
+        ),
+    ],
+)
+@pytest.mark.parametrize("transform", ["backward", "grad"])
+def test_a_tuple_taken_back_by_an_excluded_name_is_kept_whole_by_another(policy, transform):
+    """A name that the policy excludes took back std_mean's kept (std, mean); a name on the mean
+    then kept the mean alone at that position, and the replay handed it back for the tuple
+    (a false CheckpointError: "Object of type 'Tensor' is not an instance of 'sequence'")."""
+    x = torch.randn(3, 5, dtype=torch.float64)
+    if transform == "grad":
+        got = tf.grad(lambda x: remat(_std_mean_named_apart, policy=policy)(x).sum())(x)
+    else:
+        xx = x.clone().requires_grad_()
+        remat(_std_mean_named_apart, policy=policy)(xx).sum().backward()
+        got = xx.grad
+    assert_close(got, tf.grad(lambda x: _std_mean_named_apart(x).sum())(x))
+
+
+def test_a_name_on_a_member_of_a_tuple_holding_nones_keeps_the_tuple():
+    """convolution_backward returns (grad_input, None, None) where only the input's gradient is
+    asked for: a name on grad_input kept it alone (the tuple holds no tensors only, so its
+    members were not noted), and the replay handed a tensor back for the tuple."""
+    w = torch.randn(2, 2, 3, dtype=torch.float64)
+
+    def f(x):
+        with torch.enable_grad():
+            x0 = x if x.requires_grad else x.detach().requires_grad_()
+            (g,) = torch.autograd.grad(torch.nn.functional.conv1d(x0, w).sin().sum(), x0, create_graph=True)
+        return (checkpoint_name(g, "g") * x).sin()
+
+    x = torch.randn(1, 2, 6, dtype=torch.float64)
+    xx = x.clone().requires_grad_()
+    remat(f, policy=policies.save_only_these_names("g"))(xx).sum().backward()
+    xe = x.clone().requires_grad_()
+    f(xe).sum().backward()
+    assert_close(xx.grad, xe.grad)
+
+
 def test_divergent_recomputation_falls_back_to_recomputing():
     def f(w1, x):
         if torch.is_grad_enabled():  # the forward runs without grad, the recomputation with it
