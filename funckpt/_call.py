@@ -1929,7 +1929,8 @@ class UserRegion(Region):
         deferring = None
         if self.tail is not None and peek_interpreter_stack() is None and forward_ad_level() < 0:
             skip = replayer.skip_kernels if replayer is not None else None
-            deferring = _tail.Deferring(self.tail, _METADATA, substitution_depth, nested_run, skip)
+            strayed = replayer.stop_replaying if replayer is not None else None
+            deferring = _tail.Deferring(self.tail, _METADATA, substitution_depth, nested_run, skip, strayed)
         frontier = None
         hooks_before = {i: _hook_keys(flat[i]) for i in self.moved_hooks}
         unsubstituted = False

@@ -889,6 +889,13 @@ class Replayer(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's u
     def skip_kernels(self) -> _SkipKernels:
         return _SkipKernels(self)
 
+    def stop_replaying(self) -> None:
+        """The run left the forward run's course (a deferred tail result is computed where the
+        forward run computed no such thing): the operators from here on are run, none replayed.
+        Counted as positions of the forward's trace, they could match a kept value of another
+        operator of the same shapes (a square matmul's), and be handed it."""
+        self.diverged = True
+
     def __torch_dispatch__(
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
     ) -> Any:

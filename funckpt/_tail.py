@@ -326,6 +326,7 @@ class Deferring(TorchFunctionMode):
         depth: Callable[[], int],
         nested: Callable[[int], bool],
         skip: Callable[[], AbstractContextManager[Any]] | None = None,
+        strayed: Callable[[], None] | None = None,
     ) -> None:
         super().__init__()
         # ``metadata``: the calls that read no value (not counted, as in the forward run); ``depth``
@@ -334,6 +335,10 @@ class Deferring(TorchFunctionMode):
         # see them to keep count; else a dispatch mode of its own, on for that call only).
         self.tail, self.metadata, self.depth, self.nested = tail, metadata, depth, nested
         self.skip: Callable[[], AbstractContextManager[Any]] = skip or _Skip
+        # ``strayed``: called before a deferred result is computed, which the forward run did not
+        # do there (the saving policy's replayer then stops handing back kept values: it counts
+        # these operators too, and would take them for the forward run's next ones).
+        self.strayed = strayed
         self.at: int | None = None  # how many substitutions are on where the function runs
         self.calls = 0
         self.pending: dict[int, _Deferred] = {}
@@ -387,6 +392,8 @@ class Deferring(TorchFunctionMode):
             if isinstance(v, torch.Tensor):
                 entry = self.pending.get(id(v))
                 if entry is not None and entry.out is v:
+                    if self.strayed is not None:
+                        self.strayed()
                     del self.pending[id(v)]
                     self._compute(entry.args)
                     with torch.no_grad():
