@@ -951,6 +951,20 @@ class _ClampsItsOwnWeight(nn.Module):
         return self.linear(x).tanh()
 
 
+def _clamping_layer_and_loss(wrap):
+    """The layer (seeded), it wrapped in a model, a batch of three, the model's parameters, and a loss."""
+    torch.manual_seed(0)
+    inner = _ClampsItsOwnWeight()
+    outer = nn.Sequential(wrap(inner))
+    xs = torch.randn(3, 4, dtype=D)
+    params = {k: v.detach() for k, v in outer.named_parameters()}
+
+    def loss(p, x):
+        return tf.functional_call(outer, p, (x,)).square().sum()
+
+    return inner, outer, xs, params, loss
+
+
 @pytest.mark.parametrize("policy", [None, policies.dots_saveable], ids=["default", "dots_saveable"])
 @pytest.mark.parametrize("how", ["vmap(grad)", "grad", "backward"])
 def test_a_layer_clamping_its_own_weight_through_data_gets_the_gradients_without_remat(how, policy):
@@ -958,15 +972,7 @@ def test_a_layer_clamping_its_own_weight_through_data_gets_the_gradients_without
     as without remat, not a differentiable input modified in place."""
 
     def run(wrap):
-        torch.manual_seed(0)
-        inner = _ClampsItsOwnWeight()
-        outer = nn.Sequential(wrap(inner))
-        xs = torch.randn(3, 4, dtype=D)
-        params = {k: v.detach() for k, v in outer.named_parameters()}
-
-        def loss(p, x):
-            return tf.functional_call(outer, p, (x,)).square().sum()
-
+        inner, outer, xs, params, loss = _clamping_layer_and_loss(wrap)
         if how == "vmap(grad)":
             grads = tf.vmap(tf.grad(loss), in_dims=(None, 0))(params, xs)
         elif how == "grad":
@@ -988,15 +994,7 @@ def test_a_layer_clamping_its_own_weight_through_data_gets_the_input_gradients_w
     write (captured from below a level, it refuses it: 'mutate a captured Tensor')."""
 
     def run(wrap):
-        torch.manual_seed(0)
-        inner = _ClampsItsOwnWeight()
-        outer = nn.Sequential(wrap(inner))
-        xs = torch.randn(3, 4, dtype=D)
-        params = {k: v.detach() for k, v in outer.named_parameters()}
-
-        def loss(p, x):
-            return tf.functional_call(outer, p, (x,)).square().sum()
-
+        inner, outer, xs, params, loss = _clamping_layer_and_loss(wrap)
         if how == "vmap(grad)":
             grads = tf.vmap(tf.grad(loss, argnums=1), in_dims=(None, 0))(params, xs)
         elif how == "vmap(grad(vmap))":
