@@ -242,9 +242,10 @@ def plan(
         start = index
     calls.reverse()
     work = [(f, a, o) for f, a, o in calls if f in _SAVES_OPERANDS]
-    if kept is not None and work and all(kept(o) for _, _, o in work):
+    skipped = work if kept is None else [(f, a, o) for f, a, o in work if not kept(o)]
+    if work and not skipped:
         return None  # (each replayed: nothing left to skip)
-    worth = sum(_multiply_adds(f, a, o) for f, a, o in work if not (kept and kept(o)))
+    worth = sum(_multiply_adds(f, a, o) for f, a, o in skipped)
     if not calls or worth < _WORTH.get(calls[-1][2].device.type, _WORTH_ELSEWHERE) or _read_elsewhere(calls, outputs):
         return None
     frontier, wiring = _frontier(calls, inputs)
