@@ -167,12 +167,19 @@ def _cacheable(op: Any) -> bool:
     if verdict is None:
         verdict = _CACHEABLE[op] = (
             torch.Tag.nondeterministic_seeded not in op.tags
-            and bool(op._schema.returns)
-            and not any(r.alias_info is not None for r in op._schema.returns)
-            and not _written_args(op)
+            and _returns_new_values(op)
             and op.overloadpacket not in _UNINITIALIZED
         )
     return verdict
+
+
+def _returns_new_values(op: Any) -> bool:
+    """Does ``op`` return something, none of it an alias of an argument, and write none of them?"""
+    return (
+        bool(op._schema.returns)
+        and not any(r.alias_info is not None for r in op._schema.returns)
+        and not _written_args(op)
+    )
 
 
 _DROPOUT_AT: dict[Any, int | None] = {}
@@ -188,12 +195,7 @@ def _keepable(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
     at = _DROPOUT_AT.get(op, -1)
     if at == -1:
         names = [a.name for a in op._schema.arguments]
-        deterministic_otherwise = (
-            bool(op._schema.returns)
-            and not any(r.alias_info is not None for r in op._schema.returns)
-            and not _written_args(op)
-        )
-        at = _DROPOUT_AT[op] = names.index("dropout_p") if deterministic_otherwise and "dropout_p" in names else None
+        at = _DROPOUT_AT[op] = names.index("dropout_p") if "dropout_p" in names and _returns_new_values(op) else None
     if at is None:
         return False
     p = _argument(op, args, kwargs, at)
