@@ -335,6 +335,8 @@ def prepare(
 def finish(region: UserRegion, routed: list[torch.Tensor], outs: tuple[torch.Tensor, ...]) -> Any:
     """The caller's result: the region's outputs in ``fn``'s output structure, views rebuilt."""
     assert region.out_slots is not None
+    if region.tainted_escapes:
+        region.refuse_tainted_survivors()
     escaped = region.escaped_outputs()
     if escaped and region.plan is None:  # (the caller reaches those where fn left them)
         outs = outs[: len(outs) - escaped]
@@ -795,6 +797,7 @@ class UserRegion(Region):
     # records no graph of its own: no closure rebound, for the check before a recomputation
     # (see _refuse_tainted_escapes).
     made_and_kept: Sequence[weakref.ref[torch.Tensor]] = ()
+    tainted_escapes: Sequence[weakref.ref[torch.Tensor]] = ()
     # Does a grad or jvp level around the call give the caller its outputs as other tensors (their
     # wrappers), rather than the tensors the forward run returned? (Set by prepare.)
     rewrapped_for_caller = False
@@ -1764,8 +1767,22 @@ class UserRegion(Region):
         if escaped:  # (what the policies of the regions around this one keep, until they end)
             held = held_by_recording_regions()
             escaped = [t for t in escaped if id(t) not in held]
-        if escaped:
+        if escaped and not forward_mode_active() and any(bottom(t).grad_fn is not None for t in outputs):
+            # Asked again once the region's Function is applied (:meth:`refuse_tainted_survivors`): a
+            # graph recorded here (below a vmap, where a module's parameters require grad) holds what
+            # its operators saved (``w[:, :2]`` for ``h @ w[:, :2]``) under the outputs until the
+            # Function's node takes them. (Not where a forward-mode rule runs the function again in
+            # between: what that run keeps would take the place of what this one kept.)
+            self.tainted_escapes = [weakref.ref(t) for t in escaped]
+        elif escaped:
             self._refuse_escape_under_transform(escaped[-1])
+
+    def refuse_tainted_survivors(self) -> None:
+        """After the call: raise if a tensor :meth:`_refuse_tainted_escapes` found is still held."""
+        refs, self.tainted_escapes = self.tainted_escapes, ()
+        alive = _alive_after_collecting(lambda: [t for r in refs if (t := r()) is not None])
+        if alive:
+            self._refuse_escape_under_transform(alive[-1])
 
     def _refuse_escape_under_transform(self, t: torch.Tensor) -> None:
         raise CheckpointError(

@@ -3192,6 +3192,33 @@ def test_nested_calls_keeping_nothing_below_a_vmap(how, outer, inner):
     assert_close(_BELOW_A_VMAP[how](nested, w, xs), _BELOW_A_VMAP[how](two, w, xs))
 
 
+_VIEWS_OF_AN_INPUT = {
+    "a slice": lambda w: w[:, :2],
+    "a transpose": lambda w: w.t(),
+}
+
+
+@pytest.mark.parametrize("policy", [None, policies.dots_saveable, policies.save_only_these_names("none")], ids=str)
+@pytest.mark.parametrize("how", list(_BELOW_A_VMAP))
+@pytest.mark.parametrize("view", list(_VIEWS_OF_AN_INPUT))
+@pytest.mark.parametrize("layer", ["a LayerNorm", "a LayerNorm's weight", "a Linear"])
+def test_a_view_of_an_input_that_a_matmul_saves_is_not_kept_below_a_vmap(layer, view, how, policy):
+    """With a saving policy below a vmap the run has no grad level of its own: a module's parameters
+    require grad where it runs, so autograd records a graph there, and the matmul's node saves the view
+    of the input it takes (``ln(x) @ w[:, :2]``). The outputs carry that graph until the call's node
+    replaces it: the view is alive at the run's end without being kept outside the call."""
+    torch.manual_seed(0)
+    module = nn.Linear(4, 4, dtype=D) if layer == "a Linear" else nn.LayerNorm(4, dtype=D)
+    first = (lambda x: x * module.weight) if layer == "a LayerNorm's weight" else module
+    take = _VIEWS_OF_AN_INPUT[view]
+
+    def fn(w, x):
+        return first(x) @ take(w)
+
+    w, xs = randn(4, 4, seed=1), randn(3, 2, 4, seed=2)
+    assert_close(_BELOW_A_VMAP[how](remat(fn, policy=policy), w, xs), _BELOW_A_VMAP[how](fn, w, xs))
+
+
 def _writes_its_cache_through_a_view(how):
     """A preallocated cache (HF's StaticCache) made inside, written through a slice of it: only the
     slice is written with what carries a derivative, the cache kept is its base."""
