@@ -1,7 +1,7 @@
 """Property: for random small networks x transforms x policies x dropout, remat changes nothing.
 
-Each example draws a network (a few layers from a pool of operators, optionally
-with dropout), a transform stack, a saving policy and whether to remat each
+Each example draws a network (a few layers from a pool of operators, one of them a
+module's, optionally with dropout), a transform stack, a saving policy and whether to remat each
 layer or the whole network, and checks that values and derivatives equal the
 un-remat'd computation's under the same seed, in float64.
 """
@@ -16,6 +16,11 @@ from funckpt import checkpoint_name, policies, remat
 
 D = torch.float64
 WIDTH = 3
+# A module whose parameters require grad where the layer runs, reached through a closure: below a
+# vmap, a graph is recorded there even where the run has no grad level of its own.
+_NORM = torch.nn.LayerNorm(WIDTH, dtype=D)
+with torch.no_grad():
+    _NORM.weight.copy_(torch.linspace(0.5, 1.5, WIDTH, dtype=D))
 
 LAYERS = {
     "linear_tanh": lambda w, x: torch.tanh(x @ w),
@@ -23,6 +28,7 @@ LAYERS = {
     "softplus_matmul": lambda w, x: torch.nn.functional.softplus(x) @ w.T,
     "named_square": lambda w, x: checkpoint_name(x @ w, "h").square() * 0.5,
     "residual_gelu": lambda w, x: x + torch.nn.functional.gelu(x @ w),
+    "norm_matmul_t": lambda w, x: _NORM(x) @ w.t(),
 }
 POLICIES = {
     "none": None,
@@ -34,7 +40,7 @@ POLICIES = {
     "offload": policies.save_and_offload_only_these_names(names_which_can_be_offloaded=["h"]),
 }
 # dropout needs a transform whose vmap (if any) allows randomness
-TRANSFORMS_WITH_DROPOUT = ["grad", "vmap_grad", "grad_grad", "backward"]
+TRANSFORMS_WITH_DROPOUT = ["grad", "vmap_grad", "grad_grad", "backward", "grad_vmap", "vmap_backward"]
 TRANSFORMS = TRANSFORMS_WITH_DROPOUT + ["jacrev", "jacfwd", "hessian"]
 
 
@@ -60,6 +66,8 @@ def run(transform, net, ws, x, seed):
         return tf.grad(loss)(ws, x)
     if transform == "vmap_grad":
         return tf.vmap(tf.grad(loss), in_dims=(None, 0), randomness="different")(ws, x.unsqueeze(1))
+    if transform == "grad_vmap":
+        return tf.grad(lambda ws: tf.vmap(lambda x: loss(ws, x), randomness="different")(x.unsqueeze(1)).sum())(ws)
     if transform == "grad_grad":
         return tf.grad(lambda ws: sum(g.sin().sum() for g in tf.grad(loss)(ws, x)))(ws)
     if transform == "jacrev":
@@ -69,7 +77,10 @@ def run(transform, net, ws, x, seed):
     if transform == "hessian":
         return tf.hessian(lambda x: loss(ws, x))(x)
     leaves = [w.clone().requires_grad_() for w in ws]
-    loss(leaves, x).backward()
+    if transform == "vmap_backward":
+        tf.vmap(lambda x: loss(leaves, x), randomness="different")(x.unsqueeze(1)).sum().backward()
+    else:
+        loss(leaves, x).backward()
     return [w.grad for w in leaves]
 
 
