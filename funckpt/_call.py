@@ -90,6 +90,7 @@ from ._internals import (
     has_gradient_dtype,
     hide_saved_tensors_hooks,
     bottom,
+    module_trackers_off,
     forward_ad_level,
     forward_mode_active,
     is_functorch_wrapped,
@@ -674,6 +675,9 @@ class _Running:
         replace, mapping = region.replacements([flat[i] for i in region.captured_index])
         first_node = next_sequence_nr()
         try:
+            trackers = module_trackers_off()
+            if trackers is not None:
+                self.exits.append(trackers)
             cache = parametrization_cache()
             if cache is not None:
                 self._enter(_OwnParametrizationCache(cache))

@@ -614,6 +614,46 @@ def call_with_own_hooks(
     return _call_impl_own_hooks(module, *args, **kwargs)
 
 
+#: The modules of torch's module trackers: ``ModuleTracker`` (which ``FlopCounterMode`` runs) and the
+#: distributed tools' ``ModTracker`` (``MemTracker``, ``RuntimeEstimator``).
+_TRACKERS = ("torch.utils.module_tracker", "torch.distributed._tools.mod_tracker")
+
+
+def module_trackers_off() -> Callable[..., None] | None:
+    """Take the global forward hooks of torch's module trackers off for one run of a remat'd
+    function; return what puts them back (``None`` where none is registered).
+
+    A tracker's hooks register ``register_multi_grad_hook`` on each module's inputs and outputs,
+    only to know which module the backward pass is in. On a forward run's tensors (its own copies
+    of the inputs, a graph it drops) they would never be called, and their handles, kept to the
+    tracker's end, would hold that graph alive; on a recomputation's inputs, leaves differentiated
+    by ``torch.autograd.grad``, torch refuses them. Off, the modules inside the function are counted
+    as part of the remat'd call's module (or its caller's): what ``FlopCounterMode`` counts is the
+    same, attributed one level up.
+    """
+    dicts = (_module_module._global_forward_pre_hooks, _module_module._global_forward_hooks)
+    if not (dicts[0] or dicts[1]):
+        return None
+    taken = [
+        (hooks, list(hooks), {k: h for k, h in hooks.items() if type(getattr(h, "__self__", None)).__module__ in _TRACKERS})
+        for hooks in dicts
+    ]
+    if not any(off for _, _, off in taken):
+        return None
+    for hooks, _, off in taken:
+        for key in off:
+            del hooks[key]
+
+    def put_back(*_exc: Any) -> None:
+        for hooks, order, off in taken:
+            if off:  # (in their order; hooks registered since stay after them)
+                now = {**hooks, **off}
+                hooks.clear()
+                hooks.update((k, now[k]) for k in [*(k for k in order if k in now), *(k for k in now if k not in order)])
+
+    return put_back
+
+
 def has_own_hooks(module: Any) -> bool:
     """Does ``module`` have forward or backward hooks of its own (not the global ones)?"""
     return bool(module._forward_hooks or module._forward_pre_hooks or module._backward_hooks or module._backward_pre_hooks)

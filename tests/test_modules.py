@@ -1255,3 +1255,84 @@ def test_hooks_of_the_wrapped_layer_change_its_inputs_and_outputs_as_without_rem
         return y, x.grad, layer.weight.grad
 
     assert_close(run(True), run(False))
+
+
+# ---------------------------------------------------------------- torch's module trackers
+
+
+class _TwoLinears(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 16, dtype=D), nn.Linear(16, 8, dtype=D)
+
+    def forward(self, x):
+        return x + self.b(self.a(x).tanh())
+
+
+def _counted_step(wrap, how):
+    """Flops FlopCounterMode counts over a step of two layers (as ``wrap`` calls them) after a
+    Linear, and the gradients; and the flops of one layer's forward alone."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    torch.manual_seed(0)
+    pre, layers = nn.Linear(8, 8, dtype=D), nn.ModuleList([_TwoLinears(), _TwoLinears()])
+    x = torch.randn(4, 8, dtype=D)
+
+    def loss(params):
+        h = tf.functional_call(pre, {k[4:]: v for k, v in params.items() if k.startswith("pre.")}, (x,))
+        for i, layer in enumerate(layers):
+            own = {k[len(f"layers.{i}.") :]: v for k, v in params.items() if k.startswith(f"layers.{i}.")}
+            h = wrap(lambda h, layer=layer, own=own: tf.functional_call(layer, own, (h,)), h)
+        return h.sum()
+
+    named = {f"pre.{k}": v for k, v in pre.named_parameters()} | {f"layers.{k}": v for k, v in layers.named_parameters()}
+    with FlopCounterMode(display=False) as counter:
+        if how == "backward":
+            params = {k: v.detach().requires_grad_() for k, v in named.items()}
+            loss(params).backward()
+            grads = {k: v.grad for k, v in params.items()}
+        else:
+            grads = tf.grad(loss)({k: v.detach() for k, v in named.items()})
+    with FlopCounterMode(display=False) as one, torch.no_grad():
+        layers[0](torch.randn(4, 8, dtype=D))
+    return counter.get_total_flops(), grads, one.get_total_flops()
+
+
+@pytest.mark.parametrize("how", ["backward", "torch.func.grad"])
+@pytest.mark.parametrize("wrap", ["remat", "checkpoint"])
+def test_flop_counter_mode_counts_a_step_with_one_more_forward_per_checkpointed_layer(wrap, how):
+    """``FlopCounterMode`` runs torch's ``ModuleTracker``, whose global module hooks register
+    multi-grad hooks on every module's inputs and outputs: inside a remat'd call they are off (the
+    layers' modules are counted as the call's), and the count is the step's plus each layer's
+    recomputation, with the step's gradients."""
+    import funckpt
+
+    wraps = {"remat": lambda f, h: remat(f)(h), "checkpoint": lambda f, h: funckpt.checkpoint(f, h, use_reentrant=False)}
+    plain, expected, layer = _counted_step(lambda f, h: f(h), how)
+    flops, grads, _ = _counted_step(wraps[wrap], how)
+    assert_close(grads, expected)
+    assert flops == plain + 2 * layer
+
+
+def test_module_tracker_hooks_are_back_after_a_remat_call_and_see_the_wrapper_in_the_backward():
+    """The trackers' hooks are off inside the call only: the wrapper's own call is tracked, forward
+    and backward, and hooks registered after the tracker's keep their order."""
+    from torch.utils.module_tracker import ModuleTracker
+
+    layer = remat(_TwoLinears())
+    x = torch.randn(4, 8, dtype=D, requires_grad=True)
+    seen = []
+    with ModuleTracker() as tracker:
+        handle = torch.nn.modules.module.register_module_forward_hook(lambda m, i, o: seen.append(type(m).__name__))
+        try:
+            before = list(torch.nn.modules.module._global_forward_hooks.values())
+            out = layer(x)
+            assert list(torch.nn.modules.module._global_forward_hooks.values()) == before
+            inside = []
+            out.register_hook(lambda g: inside.append(set(tracker.parents)))
+            out.sum().backward()
+        finally:
+            handle.remove()
+    assert "Linear" in seen  # (a hook of the user's runs inside the call)
+    assert inside == [{"Global", "Remat"}]  # (the wrapper's call, by its type's name; not its layers')
+    assert_close(x.grad, torch.func.grad(lambda x: _TwoLinears.forward(layer, x).sum())(x.detach()))
