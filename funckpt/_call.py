@@ -89,7 +89,9 @@ from ._internals import (
     has_own_hooks,
     has_gradient_dtype,
     hide_saved_tensors_hooks,
+    FunctionModesBack,
     bottom,
+    callers_function_modes,
     module_trackers_off,
     forward_ad_level,
     forward_mode_active,
@@ -101,7 +103,6 @@ from ._internals import (
     register_tensor_hook,
     restore_saved_tensors_hooks,
     set_grad_enabled,
-    torch_function_mode_enabled,
     storage_of,
     TransformType,
     transforms_active,
@@ -329,6 +330,7 @@ def prepare(
             region.required_grad_at_call = required
         kinds = level_kinds()
         region.rewrapped_for_caller = TransformType.Grad in kinds or TransformType.Jvp in kinds
+    region.function_modes = callers_function_modes()
     notify(region, tuple(routed))
     return region, routed
 
@@ -578,15 +580,6 @@ def _rebatched(name: str, t: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
         return add_batch_dim(value, dim, level)
 
 
-def _default_device() -> torch.device | None:
-    """The device factory functions use now (``with torch.device(...)``), if torch can say.
-
-    ``None`` when no torch-function mode is active: a device context is one, so
-    there is none to replay (the common case, answered without asking torch).
-    """
-    return torch.get_default_device() if torch_function_mode_enabled() else None
-
-
 def _two_contexts(context_fn: Callable[[], tuple[Any, Any]], name: str) -> tuple[Any, Any]:
     contexts = context_fn()
     if not (
@@ -711,6 +704,8 @@ class _Running:
                 self.exits.append(restore_saved_tensors_hooks)
             if forward:
                 region._capture_state(flat)
+                if region.function_modes:
+                    self._enter(FunctionModesBack(region.function_modes))
             else:
                 for context in region._replays():
                     self._enter(context)
@@ -782,7 +777,11 @@ class UserRegion(Region):
     values_reproducible = True  # false where the forward run read memory it allocated uninitialized
     plan: _aliasing.Plan | None = None
     planned = False  # did the forward run plan its outputs (_aliasing.plan)?
-    default_device: torch.device | None = None
+    # The torch-function modes the caller runs under (a device context, a mode of the user's), which
+    # every run of the function runs under: the autograd engine runs a backward pass without them,
+    # and under a torch.func transform the Function's forward runs with them off (a mode handling
+    # the transform's operator is off while it does).
+    function_modes: tuple[Any, ...] = ()
     out_slots: TreeSlots | None = None
     forward_trace: list[str] | None = None
     debug: bool | None = None  # decided by the forward run (see _Running.__enter__)
@@ -1890,18 +1889,17 @@ class UserRegion(Region):
         return local_graph_leaves(tensors, flat, first_node, lambda t: False)[0]
 
     def _capture_state(self, flat: tuple[torch.Tensor, ...]) -> None:
-        """Record the state a recomputation replays: autocast, the generators, the default device."""
+        """Record the state a recomputation replays: autocast, the generators."""
         self.autocast = _autocast.capture(flat)
         if self.options.preserve_rng_state:
             self.rng = _rng.capture(flat, self.generators)
-        self.default_device = _default_device()
 
     def _replay_state(self, autocast: bool = True) -> contextlib.ExitStack[bool | None]:
         """Put back the state the forward run recorded, for the recomputation.
 
-        ``autocast=False`` leaves autocast as it is (a loop's reversal, which runs
-        its steps' vjps as well as their recomputations: it replays autocast around
-        each recomputation only, see ``LoopRegion.run_step_again``).
+        ``autocast=False`` leaves autocast and the torch-function modes as they are (a loop's
+        reversal, which runs its steps' vjps as well as their recomputations: it replays them
+        around each recomputation only, see ``LoopRegion.run_step_again``).
         """
         # Built inside a with: a replay that fails to enter (the RNG's) leaves the
         # ones entered before it (autocast's), rather than keeping them on for good.
@@ -1923,10 +1921,8 @@ class UserRegion(Region):
             contexts.append(training_as_at_the_call(self.captured.training))
         if self.rebound_attributes:
             contexts.append(attributes_as_at_the_call(self.rebound_attributes))
-        if self.default_device is not None and self.default_device != _default_device():
-            # The caller's ``with torch.device(...)`` is not in force where the
-            # autograd engine runs the backward (a device thread, for instance).
-            contexts.append(torch.device(self.default_device))
+        if self.function_modes and autocast:
+            contexts.append(FunctionModesBack(self.function_modes))
         return contexts
 
     def recompute(self, given: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:

@@ -45,6 +45,7 @@ from ._capture import Roots, Substitute, changed_captures, reparametrized
 from ._draws import Drawing, differs_here
 from ._errors import CheckpointError, Digest, check_same_values, digest
 from ._internals import (
+    FunctionModesBack,
     autograd_included,
     forward_mode_active,
     graph_task_keeps_graph,
@@ -705,7 +706,7 @@ class LoopRegion(UserRegion):
             # the call was not made under, or below those it was.
             functorch = self.functorch_draws
             drawing = Drawing(functorch, self.draws_by_layout and differs_here(functorch))
-            with _autocast.replay(self.autocast), drawing:
+            with _autocast.replay(self.autocast), drawing, FunctionModesBack(self.function_modes):
                 cache_was_on = _autocast.cache_off(self.autocast)
                 try:
                     return self.loop.step(k, carry, x)

@@ -3,9 +3,11 @@
 import pytest
 import torch
 import torch.func as tf
+from torch.overrides import TorchFunctionMode
 from torch.testing import assert_close
 from torch.utils.checkpoint import checkpoint
 
+import funckpt
 from funckpt import CheckpointError, remat
 from tests.fakes import LiveBf16Casts
 
@@ -244,6 +246,76 @@ def test_recomputation_runs_without_autocast_when_the_forward_had_none():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         ref.sum().backward()
     assert_close(w32.grad, w_ref.grad)
+
+
+class _DoubledSines(TorchFunctionMode):
+    """A mode of the user's that changes what a function computes: every sine doubled. Counts
+    how often it is entered (the caller's ``with``: once)."""
+
+    entered = 0
+
+    def __enter__(self):
+        type(self).entered += 1
+        return super().__enter__()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        return out * 2 if func in (torch.sin, torch.Tensor.sin) else out
+
+
+def _sines(w, x):
+    return (x @ w).sin().square() * x
+
+
+_UNDER_A_MODE = {
+    ".backward()": lambda f, w, x: torch.autograd.grad(f(w, x).sum(), w),
+    "torch.func.grad": lambda f, w, x: tf.grad(lambda w: f(w.view_as(w), x).sum())(w.detach()),
+    "vmap(grad)": lambda f, w, x: tf.vmap(tf.grad(lambda w, x: f(w, x).sum()), in_dims=(None, 0))(w.detach(), x),
+    "jacrev": lambda f, w, x: tf.jacrev(lambda w: f(w, x))(w.detach()),
+    "jvp": lambda f, w, x: tf.jvp(lambda w: f(w, x), (w.detach(),), (torch.ones_like(w),))[1],
+}
+def _twice(w, x):
+    return _sines(w, _sines(w, x))
+
+
+#: Per way of checkpointing: the function without it, and with it.
+_WRAPPED = {
+    "remat": (_sines, remat(_sines)),
+    "funckpt.checkpoint": (_sines, lambda w, x: funckpt.checkpoint(_sines, w, x, use_reentrant=False)),
+    "scan": (_twice, lambda w, x: funckpt.scan(lambda c, _: (_sines(w, c), None), x, length=2, checkpoints=1)[0]),
+}
+
+
+@pytest.mark.parametrize("wrapped", list(_WRAPPED))
+@pytest.mark.parametrize("how", list(_UNDER_A_MODE))
+def test_every_run_is_under_the_callers_torch_function_modes(how, wrapped):
+    """The autograd engine runs a backward pass without the caller's torch-function modes, and under
+    a torch.func transform the Function's forward runs with them off: each run of the function
+    has them back, as the function without remat runs under them, entered once by the caller."""
+    plain, checkpointed = _WRAPPED[wrapped]
+    w = W.clone().requires_grad_()
+    with _DoubledSines():
+        expected = _UNDER_A_MODE[how](plain, w, X)
+    _DoubledSines.entered = 0
+    with _DoubledSines():
+        got = _UNDER_A_MODE[how](checkpointed, w, X)
+    assert_close(got, expected)
+    assert _DoubledSines.entered == 1
+
+
+@pytest.mark.parametrize("how", [".backward()", "torch.func.grad", "vmap(grad)"])
+def test_every_run_makes_tensors_on_the_callers_default_device(how):
+    """``with torch.device(...)`` is a torch-function mode: factory calls in the forward run and
+    in the recomputation make their tensors where the caller's do."""
+    devices = []
+
+    def f(w, x):
+        devices.append(torch.empty(2).device.type)
+        return (x @ w).sin()
+
+    with torch.device("meta"):
+        _UNDER_A_MODE[how](remat(f), W.clone().requires_grad_(), X)
+    assert devices == ["meta", "meta"]
 
 
 def test_autocast_cache_keeps_no_cast_of_a_calls_own_leaves():
