@@ -1253,6 +1253,8 @@ _CUTS_GRADIENT = frozenset(
         for n in ("item", "tolist", "__float__", "__int__", "__bool__", "__complex__", "__index__", "__format__", "__repr__")
         if hasattr(torch.Tensor, n)
     ]
+    # nn.init's initializers, which write under no_grad (a module built inside the function):
+    + [getattr(torch.nn.init, n) for n in dir(torch.nn.init) if n.endswith("_") and not n.startswith("_")]
 )
 
 _is_compiling = torch.compiler.is_compiling  # (Dynamo reads it as True where it traces)
@@ -1438,8 +1440,9 @@ class Substitute(OnThreadStack, TorchFunctionMode):
     def _stack_item(self) -> Any:
         return self
 
-    def _swap(self, value: Any, used: set[int] | None) -> Any:
-        """``value`` with captured tensors replaced; the inputs it passes are added to ``used``."""
+    def _swap(self, value: Any, used: set[int] | None, check: bool = True) -> Any:
+        """``value`` with captured tensors replaced; the inputs it passes are added to ``used``.
+        ``check``: are the others checked (:meth:`_check`; not for what :data:`_CUTS_GRADIENT` takes)?"""
         if isinstance(value, torch.Tensor):
             key = id(value)
             replacement = self.mapping.get(key)
@@ -1451,11 +1454,11 @@ class Substitute(OnThreadStack, TorchFunctionMode):
             if key in self.known:
                 if used is not None:
                     used.add(key)
-            elif key not in self.inside:
+            elif check and key not in self.inside:
                 self._check(value)
             return value
         if isinstance(value, (list, tuple)) and value and any(isinstance(v, torch.Tensor) for v in value):
-            swapped = [self._swap(v, used) for v in value]
+            swapped = [self._swap(v, used, check) for v in value]
             return type(value)(swapped) if isinstance(value, list) else tuple(swapped)
         return value
 
@@ -1604,7 +1607,7 @@ class Substitute(OnThreadStack, TorchFunctionMode):
                 elif key not in inside and func not in _CUTS_GRADIENT:
                     self._check(a)
             elif isinstance(a, (list, tuple)) and a:
-                b = self._swap(a, used)
+                b = self._swap(a, used, func not in _CUTS_GRADIENT)
                 if b is not a:
                     if swapped is None:
                         swapped = list(args)
@@ -1612,7 +1615,8 @@ class Substitute(OnThreadStack, TorchFunctionMode):
         if kwargs:
             for v in kwargs.values():
                 if isinstance(v, (torch.Tensor, list, tuple)):  # else nothing to swap or check
-                    kwargs = {k: self._swap(v, used) for k, v in kwargs.items()}
+                    check = func not in _CUTS_GRADIENT
+                    kwargs = {k: self._swap(v, used, check) for k, v in kwargs.items()}
                     break
         redraw = None
         special = _SPECIAL.get(func)  # (one lookup for the few functions noted here)

@@ -901,6 +901,42 @@ def test_parameter_made_on_the_first_call_inside_remat_is_refused_not_silently_d
         remat(_MakesAParameterOnItsFirstCall())(x).square().sum().backward()
 
 
+class _RebuildsItsBlockOnItsFirstCall(torch.nn.Module):
+    """HF BigBird's switch of attention type on a short sequence: on its first call the module builds
+    a new block (whose fresh Linear nn.init writes) and moves its trained Linear into it."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4, dtype=D)
+        self.block = torch.nn.Identity()
+        self.switched = False
+
+    def forward(self, x):
+        if not self.switched:
+            self.switched = True
+            fresh = torch.nn.Sequential(torch.nn.Linear(4, 4, dtype=D), torch.nn.Tanh())
+            fresh[0] = self.lin
+            self.block = fresh
+        return self.block(x).square()
+
+
+@pytest.mark.parametrize("how", [".backward()", "torch.func.grad"])
+def test_a_module_built_inside_the_call_and_initialized_there_is_no_foreign_tensor(how):
+    """nn.init writes the new module's parameters under no_grad: no gradient flows from them, and the
+    gradient of the Linear moved into the new block is the one without remat."""
+
+    def grads(wrap):
+        torch.manual_seed(0)
+        net = _RebuildsItsBlockOnItsFirstCall()
+        f = wrap(net)
+        if how == ".backward()":
+            f(X).sum().backward()
+            return {n: p.grad for n, p in net.named_parameters()}
+        return tf.grad(lambda p: tf.functional_call(f, p, (X,)).sum())({n: p.detach() for n, p in net.named_parameters()})
+
+    assert_close(grads(remat), grads(lambda m: m))
+
+
 class _FcOut(torch.nn.Module):
     """Two layers whose ``fc`` the tests below replace or wrap between forward and backward."""
 
