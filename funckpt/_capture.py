@@ -1206,11 +1206,25 @@ def route_through_enclosing(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     return tensors
 
 
-# Factories of uninitialized memory: a run that uses one may compute from garbage,
-# so its values are not compared with the recomputation's (see _errors.py).
+# Factories of uninitialized memory: a run that reads what one returns before writing it whole
+# may compute from garbage, so its values are not compared with the recomputation's (see _errors.py).
 _UNINITIALIZED = frozenset(
     {torch.empty, torch.empty_like, torch.empty_strided, torch.Tensor.new_empty, torch.Tensor.new_empty_strided}
 )
+#: What writes its first argument (or ``tensor=``) whole, reading none of its values: an uninitialized
+#: tensor written so is set (``torch.empty(n).uniform_()``, a module built inside the function,
+#: whose fresh parameters nn.init writes). (An ``out=`` argument is written whole too.)
+_WRITES_WHOLE = frozenset(
+    [
+        getattr(torch.Tensor, n)
+        for n in (
+            "fill_", "zero_", "copy_", "uniform_", "normal_", "random_", "bernoulli_",
+            "exponential_", "geometric_", "cauchy_", "log_normal_",
+        )
+        if hasattr(torch.Tensor, n)
+    ]
+    + [getattr(torch.nn.init, n) for n in dir(torch.nn.init) if n.endswith("_") and not n.startswith("_")]
+)  # fmt: skip
 
 
 _RETAIN_GRAD = torch.Tensor.retain_grad
@@ -1405,7 +1419,9 @@ class Substitute(OnThreadStack, TorchFunctionMode):
         self.inside: set[int] = set()  # ids of the tensors made inside this run (alive or not)
         self.known = {id(t) for t in inputs}
         self.first_node = first_node
-        self.uninitialized = False  # did the run allocate memory it may read before writing?
+        self.uninitialized = False  # did the run read memory it allocated uninitialized, before writing it?
+        # What the run allocated uninitialized and has not written whole yet, weakly, by id.
+        self.unset: dict[int, weakref.ref[torch.Tensor]] = {}
         self.used: set[int] = set()  # ids of the inputs passed to a torch function during the run
         # The tensors the run made, weakly, at their positions among every tensor its operators
         # returned (the forward run under plain autograd only): any still alive and requiring
@@ -1564,6 +1580,7 @@ class Substitute(OnThreadStack, TorchFunctionMode):
             if (
                 made is not None
                 and self.taint is None
+                and not self.unset
                 and func not in _SPECIAL
                 and self._plain(args)
                 and (not kwargs or self._plain(kwargs.values()))
@@ -1618,12 +1635,15 @@ class Substitute(OnThreadStack, TorchFunctionMode):
                     check = func not in _CUTS_GRADIENT
                     kwargs = {k: self._swap(v, used, check) for k, v in kwargs.items()}
                     break
+        if self.unset and not compiling:
+            self._note_reads(func, args if swapped is None else swapped, kwargs or {})
         redraw = None
         special = _SPECIAL.get(func)  # (one lookup for the few functions noted here)
         if special is None:
             pass
         elif special is _UNINITIALIZED:
-            self.uninitialized = True
+            if compiling:  # (where Dynamo traces this handler, no tensor is followed)
+                self.uninitialized = True
         elif special is _RETAIN_GRAD:
             if args and id(args[0]) in known:
                 self.retained.add(id(args[0]))
@@ -1638,6 +1658,8 @@ class Substitute(OnThreadStack, TorchFunctionMode):
             out = redraw()
         else:
             out = func(*(args if swapped is None else swapped), **(kwargs or {}))
+        if special is _UNINITIALIZED and not compiling and not _active.internal and isinstance(out, torch.Tensor):
+            self.unset[id(out)] = weakref.ref(out)  # (read before it is written whole: see _note_reads)
         # Every tensor made here is the run's own, whatever it becomes later: a leaf
         # made inside and then set to require grad (as HF T5 does) is not foreign.
         # (One loop for a tensor and a tuple alike: on torch 2.11, Dynamo tracing this handler
@@ -1665,6 +1687,28 @@ class Substitute(OnThreadStack, TorchFunctionMode):
             elif trail:
                 trail.clear()
         return out
+
+    def _note_reads(self, func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> None:
+        """Of the tensors the run allocated uninitialized (:attr:`unset`), those ``func`` writes whole
+        are set from now on; one it takes otherwise (reads, views, writes in part) may carry garbage
+        into what the run computes (:attr:`uninitialized`, and nothing more is followed)."""
+        unset = self.unset
+        whole = (args[0] if args else kwargs.get("tensor")) if func in _WRITES_WHOLE else None
+        out = kwargs.get("out")
+        outs = out if isinstance(out, (list, tuple)) else (out,)
+        for value in (*args, *kwargs.values()):
+            for t in value if isinstance(value, (list, tuple)) else (value,):
+                r = unset.get(id(t)) if isinstance(t, torch.Tensor) else None
+                if r is None or r() is not t:
+                    continue
+                if t is whole or any(t is o for o in outs):
+                    del unset[id(t)]
+                elif func not in _METADATA:
+                    self.uninitialized = True
+                    unset.clear()
+                    return
+        for key in [k for k, r in unset.items() if r() is None]:  # (dead: never read)
+            del unset[key]
 
     def _plain(self, values: Iterable[Any]) -> bool:
         """Are ``values`` (an operator's arguments) the common case's (see :meth:`__torch_function__`):

@@ -335,6 +335,33 @@ def test_recomputation_computing_something_else_with_same_shapes_raises():
         y.sum().backward()
 
 
+#: Memory a function allocates uninitialized and writes whole before reading any of it.
+_SETS_WHAT_IT_ALLOCATES = {
+    "uniform_": lambda x: torch.empty_like(x).uniform_(),
+    "copy_": lambda x: torch.empty(x.shape, dtype=x.dtype).copy_(x.cos()),
+    "out=": lambda x: torch.add(x.detach(), 1, out=torch.empty_like(x)),
+    "nn.init": lambda x: torch.nn.init.normal_(torch.empty_like(x)),
+    "a module built inside": lambda x: torch.nn.Linear(x.shape[-1], 2, dtype=x.dtype),  # (HF BigBird)
+}
+
+
+@pytest.mark.parametrize("how", list(_SETS_WHAT_IT_ALLOCATES))
+def test_memory_allocated_uninitialized_and_written_whole_leaves_the_value_check_on(how):
+    """Only a read of memory before it is written whole may carry garbage into the values: a function
+    that writes what it allocates (a module built inside the call) is still checked."""
+    calls = []
+
+    def f(x):
+        calls.append(1)
+        _SETS_WHAT_IT_ALLOCATES[how](x)
+        return x.sin() * len(calls)  # another value on each call
+
+    x = X.clone().requires_grad_()
+    y = remat(f)(x)
+    with pytest.raises(CheckpointError, match="output tensor 0 has other values"):
+        y.sum().backward()
+
+
 @pytest.mark.parametrize("numpy", [True, False], ids=["through NumPy", "torch without NumPy"])
 @pytest.mark.parametrize("defer", [False, True], ids=["read at once", "deferred, as on an accelerator"])
 @pytest.mark.parametrize(
