@@ -1472,7 +1472,6 @@ class UserRegion(Region):
             if not plain_autograd:
                 modes.append(watch)
                 watch = None
-        marks = recording_marks() if grad_forward else []  # before this region's own recorder starts
         out: Any = _SUPPRESSED
         # The caller's grad mode, as under torch.utils.checkpoint, also where the run records no
         # graph of its own (below a vmap, in a Function's forward, which turns it off).
@@ -1489,6 +1488,10 @@ class UserRegion(Region):
             and (sweep or not (plain_autograd or grad_forward))
             and not _traced()
         )
+        # Where the enclosing regions' policies stood before this region's own recorder starts: what
+        # they keep of this run carries the graph it records (plain autograd, or below a vmap where a
+        # module's parameters require grad), with what its operators saved (see detach_kept_since).
+        marks = recording_marks() if grad_forward or tainting else []
         with self._running(flat, forward=True, grad=grad_mode, modes=modes, watch=watch) as run:
             if (grad_forward or at_own_level or tainting) and run.substitute is not None:
                 run.substitute.made = []
@@ -1549,6 +1552,7 @@ class UserRegion(Region):
                 # other tensor kept. (An output viewing an input stays a view of it: a fresh one.)
                 tensors = _detached_if_made(tensors, made or [], flat)
                 out = None  # (nor does the function's own result hold them on)
+            detach_kept_since(marks)
             self._refuse_tainted_escapes(taint, made or [], tensors, flat)
         del made
         substitute = run.substitute

@@ -3219,6 +3219,27 @@ def test_a_view_of_an_input_that_a_matmul_saves_is_not_kept_below_a_vmap(layer, 
     assert_close(_BELOW_A_VMAP[how](remat(fn, policy=policy), w, xs), _BELOW_A_VMAP[how](fn, w, xs))
 
 
+@pytest.mark.parametrize("inner", [None, policies.dots_saveable, policies.everything_saveable], ids=str)
+@pytest.mark.parametrize("outer", [policies.dots_saveable, policies.everything_saveable], ids=str)
+@pytest.mark.parametrize("how", list(_BELOW_A_VMAP))
+@pytest.mark.parametrize("view", list(_VIEWS_OF_AN_INPUT))
+def test_a_view_of_an_input_that_a_nested_calls_matmul_saves_is_not_kept_below_a_vmap(view, how, outer, inner):
+    """A call nested in one whose policy keeps its matmuls: the enclosing policy keeps the inner run's
+    matmul output, which carries the graph the inner run records below the vmap (the view of the inner
+    call's input its node saved) until the enclosing run ends. That view is not kept outside the inner call."""
+    take = _VIEWS_OF_AN_INPUT[view]
+
+    def block(w, h):
+        return torch.tanh(h @ take(w))
+
+    def two(w, x, b=block):
+        return b(w, x @ w).sin()
+
+    w, xs = randn(4, 4, seed=1), randn(3, 2, 4, seed=2)
+    nested = remat(functools.partial(two, b=remat(block, policy=inner)), policy=outer)
+    assert_close(_BELOW_A_VMAP[how](nested, w, xs), _BELOW_A_VMAP[how](two, w, xs))
+
+
 def _writes_its_cache_through_a_view(how):
     """A preallocated cache (HF's StaticCache) made inside, written through a slice of it: only the
     slice is written with what carries a derivative, the cache kept is its base."""
