@@ -73,6 +73,7 @@ from ._internals import (
     set_fwd_grad_enabled,
     torch_function_modes,
     unpack_dual,
+    unwrap_one_level,
 )
 
 # Code from these packages is library code: we do not walk its globals.
@@ -508,7 +509,7 @@ def changed_captures(fn: Callable[..., Any], before: Captured, made: Iterable[to
         for t in now.tensors
         if id(t) not in seen
         and (
-            (is_functorch_wrapped(t) and not is_dead_tensor_wrapper(t))
+            (is_functorch_wrapped(t) and not is_dead_tensor_wrapper(t) and _may_carry_a_derivative(t))
             or (t.requires_grad and t.grad_fn is None)
         )
     ]
@@ -516,6 +517,21 @@ def changed_captures(fn: Callable[..., Any], before: Captured, made: Iterable[to
         return changed
     held = {id(t) for _, named in find_captured(fn).modules for t in named.values()}
     return [t for t in changed if id(t) not in held]
+
+
+def _may_carry_a_derivative(t: torch.Tensor) -> bool:
+    """Could a live functorch tensor carry a derivative: a floating dtype, and at one of its levels it
+    requires grad or carries a tangent? (A BatchedTensor reads False whatever it wraps: each level
+    is asked.) An integer tensor, or one detached at every level (a log the code around a call
+    appends to, below a vmap), carries none: reached by a recomputation, it is no rebound input."""
+    if not has_gradient_dtype(t):
+        return False
+    while True:
+        if t.requires_grad or has_tangent(t):
+            return True
+        if not is_functorch_wrapped(t):
+            return False
+        t = unwrap_one_level(t)
 
 
 @dataclass

@@ -3240,6 +3240,51 @@ def test_a_view_of_an_input_that_a_nested_calls_matmul_saves_is_not_kept_below_a
     assert_close(_BELOW_A_VMAP[how](nested, w, xs), _BELOW_A_VMAP[how](two, w, xs))
 
 
+class _Log:
+    """An object a function reaches through its closure, holding a list the code around the call appends to."""
+
+    def __init__(self):
+        self.entries = []
+
+
+@pytest.mark.parametrize("loop", [False, True], ids=["a nested call", "a checkpointed loop's step"])
+@pytest.mark.parametrize("how", list(_BELOW_A_VMAP))
+@pytest.mark.parametrize("what", ["an integer tensor", "a detached tensor"])
+def test_what_carries_no_derivative_appended_to_a_list_a_call_reaches_is_no_rebound_input_below_a_vmap(what, how, loop):
+    """The code around a remat'd call (or the step of a checkpointed loop) logs an integer or detached
+    tensor into a list that the call's function reaches: its recomputation finds it there, a tensor of
+    a live vmap level that was not there at the call. It carries no derivative: no rebound input."""
+    log = _Log()
+
+    def record(h):
+        log.entries.append(h.argmax(-1) if what == "an integer tensor" else h.detach())
+
+    def block(w, h):
+        log  # (reaches the log, as a layer reaches its model)
+        return torch.tanh(h @ w)
+
+    def two(w, x, b=block):
+        h = b(w, x @ w)
+        record(h)
+        return h.sin()
+
+    def step(w):
+        def f(c, _):
+            h = torch.tanh(c @ w)
+            record(h)
+            return h, None
+
+        return f
+
+    if loop:
+        ours = lambda w, x: funckpt.scan(step(w), x, length=2, checkpoints=1)[0]  # noqa: E731
+        plain = lambda w, x: step(w)(step(w)(x, None)[0], None)[0]  # noqa: E731
+    else:
+        ours, plain = remat(functools.partial(two, b=remat(block))), two
+    w, xs = randn(4, 4, seed=1), randn(3, 2, 4, seed=2)
+    assert_close(_BELOW_A_VMAP[how](ours, w, xs), _BELOW_A_VMAP[how](plain, w, xs))
+
+
 def _writes_its_cache_through_a_view(how):
     """A preallocated cache (HF's StaticCache) made inside, written through a slice of it: only the
     slice is written with what carries a derivative, the cache kept is its base."""
