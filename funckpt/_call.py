@@ -77,6 +77,7 @@ from ._errors import (
     the_recomputation,
 )
 from ._internals import (
+    CreationMeta,
     DisableFuncTorch,
     add_batch_dim,
     is_batchedtensor,
@@ -95,6 +96,7 @@ from ._internals import (
     module_trackers_off,
     forward_ad_level,
     forward_mode_active,
+    get_creation_meta,
     is_functorch_wrapped,
     level_kinds,
     outside_functorch,
@@ -1250,6 +1252,13 @@ class UserRegion(Region):
                 kept.append((k, t))
         bases = outputs | {id(t) for _, t in kept}
         views = [t for _, t in kept if t._base is not None and id(t._base) in bases]
+        # Not one of several views an operator returned together (``h.unbind(0)[1]``), nor any
+        # other view of its base: autograd cannot make such a view's grad_fn again from its base's
+        # once the base's version moves (which points the others at the Function), and would
+        # refuse every later use of it. Without remat the caller may not update it in place
+        # either: it is an output of its own, and so are the other views of its base.
+        together = {id(t._base) for t in views if get_creation_meta(t) == CreationMeta.MULTI_OUTPUT_NODE}
+        views = [t for t in views if id(t._base) not in together]
         if views:
             self.escaped_views = [weakref.ref(t) for t in views]
             apart = {id(t) for t in views}

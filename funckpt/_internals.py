@@ -27,6 +27,8 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 __all__ = [
     "AccumulateGrad",
+    "CreationMeta",
+    "get_creation_meta",
     "bind_forward_once",
     "torch_pytree_node",
     "torch_function_mode_enabled",
@@ -134,6 +136,12 @@ unwrap_for_grad: Callable[[torch.Tensor, int], torch.Tensor] = _C._unwrap_for_gr
 wrap_for_grad: Callable[[torch.Tensor, int], torch.Tensor] = _C._wrap_for_grad
 unwrap_batched: Callable[[torch.Tensor, int], tuple[torch.Tensor, int | None]] = _C._unwrap_batched
 add_batch_dim: Callable[[torch.Tensor, int, int], torch.Tensor] = _C._add_batch_dim
+
+# ------------------------------------------------------------------ autograd: views
+#: How autograd made a view (``MULTI_OUTPUT_NODE``: one of several an operator returned together,
+#: whose grad_fn autograd cannot make again from its base once the base is written).
+CreationMeta: Any = torch._C._autograd.CreationMeta
+get_creation_meta: Callable[[torch.Tensor], Any] = torch._C._autograd._get_creation_meta
 
 #: Runs the body with functorch's dispatch keys off: ops on plain tensors stay plain
 #: even while transforms are active (torch >= 2.0).

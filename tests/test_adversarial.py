@@ -3285,6 +3285,43 @@ def test_what_carries_no_derivative_appended_to_a_list_a_call_reaches_is_no_rebo
     assert_close(_BELOW_A_VMAP[how](ours, w, xs), _BELOW_A_VMAP[how](plain, w, xs))
 
 
+_SEVERAL_VIEWS_AT_ONCE = {
+    "one of unbind's": lambda h: [h.unbind(0)[1]],
+    "all of unbind's": lambda h: list(h.unbind(0)),
+    "one of split's, and its base": lambda h: [h.split(1)[1], h],
+    "one of chunk's, of a transpose": lambda h: [h.t().chunk(2)[1]],
+    "one of unbind's, and a slice": lambda h: [h.unbind(0)[0], h[1]],
+}
+
+
+@pytest.mark.parametrize("policy", [None, policies.dots_saveable, policies.everything_saveable], ids=str)
+@pytest.mark.parametrize("returns", ["h", "h.sin()"])
+@pytest.mark.parametrize("kept", list(_SEVERAL_VIEWS_AT_ONCE))
+def test_a_kept_view_that_an_operator_returned_with_others_keeps_its_gradient(kept, returns, policy):
+    """A view of an intermediate that ``unbind``, ``split`` or ``chunk`` returned with others, kept outside
+    the call (``log.append(h.unbind(0)[1])``): autograd cannot make such a view's graph again from its
+    base's, so it becomes an output of the call of its own (as the other views of its base), and the
+    caller uses it, with create_graph too, as without remat."""
+    take = _SEVERAL_VIEWS_AT_ONCE[kept]
+    log = []
+
+    def fn(w, x):
+        h = x @ w
+        log.extend(take(h))
+        return h if returns == "h" else h.sin()
+
+    def grads(f, create_graph):
+        log.clear()
+        w = randn(4, 4, seed=1).requires_grad_()
+        out = f(w, randn(2, 4, seed=2))
+        loss = out.square().sum() + sum((t * (k + 1)).square().sum() for k, t in enumerate(log))
+        (g,) = torch.autograd.grad(loss, w, create_graph=create_graph)
+        return torch.autograd.grad(g.square().sum(), w)[0] if create_graph else g
+
+    for create_graph in (False, True):
+        assert_close(grads(remat(fn, policy=policy), create_graph), grads(fn, create_graph))
+
+
 def _writes_its_cache_through_a_view(how):
     """A preallocated cache (HF's StaticCache) made inside, written through a slice of it: only the
     slice is written with what carries a derivative, the cache kept is its base."""
