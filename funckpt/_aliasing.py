@@ -123,7 +123,11 @@ def plan(inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor], grad_r
         copied.update(bits)  # as_strided drops the conjugate and negative bits: copies
         members = [i for i in members if i not in bits]
         if key in inputs_on:
-            through = [i for i in members if grad_recorded and _through_a_custom_function(outputs[i])]
+            through = [
+                i
+                for i in members
+                if grad_recorded and (_through_a_custom_function(outputs[i]) or _apart_in_its_graph(outputs[i], inputs, inputs_on[key]))
+            ]
             copied.update(through)
             for i in (i for i in members if i not in through):
                 o = outputs[i]
@@ -190,6 +194,16 @@ def _apart(inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor]) -> b
     except (RuntimeError, NotImplementedError, TypeError, AttributeError):  # (sparse, wrapped, opaque)
         return False
     return True
+
+
+def _apart_in_its_graph(t: torch.Tensor, inputs: Sequence[torch.Tensor], on: Sequence[int]) -> bool:
+    """Is ``t`` differentiable while none of the inputs on its memory is? It is then no view of them
+    for autograd (a view of a tensor that does not require grad does not either, and a write of what
+    does into an input is refused): its memory is theirs by chance. A value an enclosing policy kept,
+    handed back in the enclosing call's recomputation, is the memory of a detached alias of it that the
+    function reaches (logged after the forward pass): rebuilt as a view of that constant, the output
+    would lose its gradient. It is returned as a copy."""
+    return t.requires_grad and not any(inputs[j].requires_grad for j in on)
 
 
 def _through_a_custom_function(t: torch.Tensor) -> bool:

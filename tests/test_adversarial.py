@@ -3322,6 +3322,36 @@ def test_a_kept_view_that_an_operator_returned_with_others_keeps_its_gradient(ke
         assert_close(grads(remat(fn, policy=policy), create_graph), grads(fn, create_graph))
 
 
+_HOW_DIFFERENTIATED = {
+    ".backward()": lambda f, w, x: (lambda w: torch.autograd.grad(f(w, x).sum(), w)[0])(w.clone().requires_grad_()),
+    "grad": lambda f, w, x: tf.grad(lambda w: f(w, x).sum())(w),
+    "vjp": lambda f, w, x: (lambda out, fn: fn(torch.ones_like(out))[0])(*tf.vjp(lambda w: f(w, x), w)),
+    "jacrev": lambda f, w, x: tf.jacrev(lambda w: f(w, x))(w),
+}
+
+
+@pytest.mark.parametrize("how", list(_HOW_DIFFERENTIATED))
+def test_a_nested_calls_output_logged_detached_where_it_reaches_it_keeps_its_gradient(how):
+    """A call nested in one that keeps everything, whose function reaches a log the enclosing function
+    appends the nested call's output to, detached. In the enclosing recomputation the nested call gets
+    its output's kept value back, on the memory of the detached alias it now reaches: the output
+    shares that constant's memory by chance, and is no view of it (its gradient is that of the matmul)."""
+    log = _Log()
+
+    def block(w, h):
+        log  # (reaches the log)
+        return torch.tanh(h @ w)
+
+    def two(w, x, b=block):
+        h = b(w, x)
+        log.entries.append(h.detach())
+        return h.sin()
+
+    nested = remat(functools.partial(two, b=remat(block)), policy=policies.everything_saveable)
+    w, x = randn(4, 4, seed=1), randn(2, 4, seed=2)
+    assert_close(_HOW_DIFFERENTIATED[how](nested, w, x), _HOW_DIFFERENTIATED[how](two, w, x))
+
+
 def _writes_its_cache_through_a_view(how):
     """A preallocated cache (HF's StaticCache) made inside, written through a slice of it: only the
     slice is written with what carries a derivative, the cache kept is its base."""
