@@ -71,6 +71,7 @@ from ._internals import (
     maybe_get_level,
     sequence_nr,
     set_fwd_grad_enabled,
+    storage_of,
     torch_function_modes,
     unpack_dual,
     unwrap_one_level,
@@ -1434,6 +1435,7 @@ class Substitute(OnThreadStack, TorchFunctionMode):
         self.name = name
         self.inside: set[int] = set()  # ids of the tensors made inside this run (alive or not)
         self.known = {id(t) for t in inputs}
+        self.inputs = inputs
         self.first_node = first_node
         self.uninitialized = False  # did the run read memory it allocated uninitialized, before writing it?
         # What the run allocated uninitialized and has not written whole yet, weakly, by id.
@@ -1530,6 +1532,12 @@ class Substitute(OnThreadStack, TorchFunctionMode):
         else:
             node = t.grad_fn
             foreign = (t.requires_grad and (node is None or node._sequence_nr() < self.first_node)) or has_tangent(t)
+        if foreign and not wrapped and t.grad_fn is None and not has_tangent(t) and self._on_an_inputs_memory(t):
+            # A leaf the function made itself on an input's memory, where no mode sees it made
+            # (peft's transpose() for GPT-2's Conv1D: nn.Parameter(weight.T)): a gradient into it
+            # reaches no input, without remat either. The run's own from now on.
+            self.inside.add(id(t))
+            return
         if foreign and not wrapped and id(t) in _placed_by_other_threads():
             raise CheckpointError(
                 f"remat({self.name}): the function read another thread's stand-in for a module's "
@@ -1565,6 +1573,11 @@ class Substitute(OnThreadStack, TorchFunctionMode):
                 "it would silently be zero or missing. Pass the tensor to the remat'd function as "
                 "an argument (or make it a parameter or buffer of the module you remat)."
             )
+
+    def _on_an_inputs_memory(self, t: torch.Tensor) -> bool:
+        """Does ``t`` share its storage with one of the run's inputs (or what stands for a captured tensor)?"""
+        key = storage_of(t)
+        return key is not None and any(storage_of(x) == key for x in (*self.inputs, *self.mapping.values()))
 
     def _layout_draw(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Callable[[], Any] | None:
         """A dropout whose mask depends on its input's layout: noted (a recomputation without this

@@ -937,6 +937,40 @@ def test_a_module_built_inside_the_call_and_initialized_there_is_no_foreign_tens
     assert_close(grads(remat), grads(lambda m: m))
 
 
+class _DoRAOnAConv1D(torch.nn.Module):
+    """peft's DoRA on GPT-2's Conv1D: ``transpose(weight, fan_in_fan_out)`` makes a new Parameter of
+    the transposed weight at every call, then a norm of it that the layer detaches."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(4, 6, dtype=D))
+        self.lora = torch.nn.Parameter(torch.randn(6, 4, dtype=D) / 10)
+        self.magnitude = torch.nn.Parameter(torch.ones(6, dtype=D))
+
+    def forward(self, x):
+        w = torch.nn.Parameter(self.weight.T) + self.lora
+        norm = torch.linalg.norm(w, dim=1).detach()
+        return (x @ w.T) * (self.magnitude / norm)
+
+
+@pytest.mark.parametrize("how", [".backward()", "torch.func.grad"])
+def test_a_parameter_the_function_makes_on_an_inputs_memory_is_its_own(how):
+    """Made by nn.Parameter, where no mode sees it made, on the memory of an input: a gradient into it
+    reaches no input, with remat or without."""
+
+    def grads(wrap):
+        torch.manual_seed(0)
+        layer = _DoRAOnAConv1D()
+        f = wrap(layer)
+        if how == ".backward()":
+            f(X).square().sum().backward()
+            return {n: p.grad for n, p in layer.named_parameters()}
+        params = {n: p.detach() for n, p in layer.named_parameters()}
+        return tf.grad(lambda p: tf.functional_call(f, p, (X,)).square().sum())(params)
+
+    assert_close(grads(remat), grads(lambda m: m))
+
+
 class _FcOut(torch.nn.Module):
     """Two layers whose ``fc`` the tests below replace or wrap between forward and backward."""
 
