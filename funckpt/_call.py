@@ -1327,8 +1327,9 @@ class UserRegion(Region):
         for v in views:
             # Made again now, not at the view's next use: until then the old grad_fn holds the run's
             # graph, and what that graph saved (a view of an input: ``w.unbind(0)[0]``) would look
-            # kept outside the call to settle_escapes. (torch refuses to remake the grad_fn of one
-            # of several views an operator returned together: that one keeps the old graph.)
+            # kept outside the call to settle_escapes. (Views an operator returned together, whose
+            # grad_fn torch refuses to remake, are outputs of their own: see _kept_as_outputs. Any
+            # other view torch refuses keeps the old graph.)
             try:
                 v.grad_fn  # noqa: B018
             except RuntimeError:
