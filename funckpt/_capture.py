@@ -1532,17 +1532,18 @@ class Substitute(OnThreadStack, TorchFunctionMode):
         else:
             node = t.grad_fn
             foreign = (t.requires_grad and (node is None or node._sequence_nr() < self.first_node)) or has_tangent(t)
-        if foreign and not wrapped and t.grad_fn is None and not has_tangent(t) and self._on_an_inputs_memory(t):
-            # A leaf the function made itself on an input's memory, where no mode sees it made
-            # (peft's transpose() for GPT-2's Conv1D: nn.Parameter(weight.T)): a gradient into it
-            # reaches no input, without remat either. The run's own from now on.
-            self.inside.add(id(t))
-            return
         if foreign and not wrapped and id(t) in _placed_by_other_threads():
             raise CheckpointError(
                 f"remat({self.name}): the function read another thread's stand-in for a module's "
                 f"tensor (shape {tuple(t.shape)}): {_SAME_MODULE_IN_TWO_THREADS}"
             )
+        if foreign and type(t) is torch.nn.Parameter and t.grad_fn is None and not has_tangent(t) and self._on_an_inputs_memory(t):
+            # A Parameter the function made itself on an input's memory, where no mode sees it made
+            # (peft's transpose() for GPT-2's Conv1D: nn.Parameter(weight.T)): a gradient into it
+            # reaches no input, without remat either. The run's own from now on. (A stand-in for an
+            # input, also a leaf on its memory, is a plain tensor.)
+            self.inside.add(id(t))
+            return
         if foreign and not wrapped and spent_escape(t):
             raise CheckpointError(
                 f"remat({self.name}): the function used a tensor of shape {tuple(t.shape)} that an earlier "
