@@ -1689,7 +1689,10 @@ class Substitute(OnThreadStack, TorchFunctionMode):
         else:
             out = func(*(args if swapped is None else swapped), **(kwargs or {}))
         if special is _UNINITIALIZED and not compiling and not _active.internal and isinstance(out, torch.Tensor):
-            self.unset[id(out)] = weakref.ref(out)  # (read before it is written whole: see _note_reads)
+            # (read before it is written whole: see _note_reads; with no elements, it holds no garbage,
+            # and followed, it would keep the common case's path off for the rest of the run)
+            if out.numel():
+                self.unset[id(out)] = weakref.ref(out)
         # Every tensor made here is the run's own, whatever it becomes later: a leaf
         # made inside and then set to require grad (as HF T5 does) is not foreign.
         # (One loop for a tensor and a tuple alike: on torch 2.11, Dynamo tracing this handler
@@ -1723,20 +1726,25 @@ class Substitute(OnThreadStack, TorchFunctionMode):
         are set from now on; one it takes otherwise (reads, views, writes in part) may carry garbage
         into what the run computes (:attr:`uninitialized`, and nothing more is followed)."""
         unset = self.unset
-        whole = (args[0] if args else kwargs.get("tensor")) if func in _WRITES_WHOLE else None
-        out = kwargs.get("out")
-        outs = out if isinstance(out, (list, tuple)) else (out,)
-        for value in (*args, *kwargs.values()):
+        if func in _METADATA:
+            return
+        # The places written whole: the first argument (or ``tensor=``) of what writes it so, and
+        # ``out=``. A tensor found in any other place is read, also one written whole there too
+        # (``torch.add(t, 1, out=t)`` reads ``t`` before it writes it).
+        written: list[torch.Tensor] = []
+        for key, value in (*enumerate(args), *kwargs.items()):
+            whole = key == "out" or (func in _WRITES_WHOLE and (key == 0 or (key == "tensor" and not args)))
             for t in value if isinstance(value, (list, tuple)) else (value,):
                 r = unset.get(id(t)) if isinstance(t, torch.Tensor) else None
                 if r is None or r() is not t:
                     continue
-                if t is whole or any(t is o for o in outs):
-                    del unset[id(t)]
-                elif func not in _METADATA:
+                if not whole:
                     self.uninitialized = True
                     unset.clear()
                     return
+                written.append(t)
+        for t in written:
+            unset.pop(id(t), None)
         for key in [k for k, r in unset.items() if r() is None]:  # (dead: never read)
             del unset[key]
 

@@ -362,6 +362,50 @@ def test_memory_allocated_uninitialized_and_written_whole_leaves_the_value_check
         y.sum().backward()
 
 
+def _add_to_itself(x):
+    t = torch.empty_like(x)
+    return torch.add(t, 1, out=t)  # reads t, then writes it whole
+
+
+#: Memory a function allocates uninitialized and reads (maybe in part) before writing it whole.
+_READS_WHAT_IT_ALLOCATES = {
+    "read": lambda x: torch.empty_like(x).sum(),
+    "out= also an input": _add_to_itself,
+    "written in part": lambda x: torch.empty_like(x)[0].fill_(1),
+}
+
+
+@pytest.mark.parametrize("how", list(_READS_WHAT_IT_ALLOCATES))
+def test_memory_read_before_it_is_written_whole_turns_the_value_check_off(how):
+    """A run that may have computed from garbage is not compared by value: what differs may be the
+    garbage (an ``out=`` tensor that is also an input is read before it is written)."""
+    calls = []
+
+    def f(x):
+        calls.append(1)
+        _READS_WHAT_IT_ALLOCATES[how](x)
+        return x.sin() * len(calls)  # another value on each call
+
+    x = X.clone().requires_grad_()
+    remat(f)(x).sum().backward()  # (no 'did not reproduce')
+
+
+def test_an_uninitialized_tensor_without_elements_leaves_the_value_check_on():
+    """``torch.empty(0)`` (a placeholder kept through the run) holds no garbage to read."""
+    calls = []
+
+    def f(x):
+        calls.append(1)
+        placeholder = torch.empty(0, dtype=x.dtype)
+        y = x.sin() * len(calls)  # another value on each call
+        return torch.cat([placeholder, y])
+
+    x = X[0].clone().requires_grad_()
+    y = remat(f)(x)
+    with pytest.raises(CheckpointError, match="output tensor 0 has other values"):
+        y.sum().backward()
+
+
 @pytest.mark.parametrize("numpy", [True, False], ids=["through NumPy", "torch without NumPy"])
 @pytest.mark.parametrize("defer", [False, True], ids=["read at once", "deferred, as on an accelerator"])
 @pytest.mark.parametrize(
