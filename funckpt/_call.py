@@ -688,6 +688,10 @@ class _Running:
                     region.captured, replace, keep_rebound=forward, loop=loop, first_node=run_starts, attributes=attributes
                 )
                 self._enter(places)
+            if region.function_modes:
+                # The caller's modes are under whatever the run enters (a context_fn's own modes):
+                # pushed back where off (a recomputation, a torch.func transform's forward).
+                self._enter(FunctionModesBack(region.function_modes))
             if region.options.context_fn is not None:
                 recording = torch.is_grad_enabled() and not torch.is_inference_mode_enabled()
                 self._enter(region._user_context(forward))
@@ -706,8 +710,6 @@ class _Running:
                 self.exits.append(restore_saved_tensors_hooks)
             if forward:
                 region._capture_state(flat)
-                if region.function_modes:
-                    self._enter(FunctionModesBack(region.function_modes))
             else:
                 for context in region._replays():
                     self._enter(context)
@@ -1911,9 +1913,10 @@ class UserRegion(Region):
     def _replay_state(self, autocast: bool = True) -> contextlib.ExitStack[bool | None]:
         """Put back the state the forward run recorded, for the recomputation.
 
-        ``autocast=False`` leaves autocast and the torch-function modes as they are (a loop's
-        reversal, which runs its steps' vjps as well as their recomputations: it replays them
-        around each recomputation only, see ``LoopRegion.run_step_again``).
+        ``autocast=False`` leaves autocast as it is (a loop's reversal, which runs its steps' vjps
+        as well as their recomputations: it replays autocast and the caller's torch-function modes
+        around each recomputation only, see ``LoopRegion.run_step_again``). The caller's
+        torch-function modes are not among these: a run pushes them back first (see ``_Running``).
         """
         # Built inside a with: a replay that fails to enter (the RNG's) leaves the
         # ones entered before it (autocast's), rather than keeping them on for good.
@@ -1935,8 +1938,6 @@ class UserRegion(Region):
             contexts.append(training_as_at_the_call(self.captured.training))
         if self.rebound_attributes:
             contexts.append(attributes_as_at_the_call(self.rebound_attributes))
-        if self.function_modes and autocast:
-            contexts.append(FunctionModesBack(self.function_modes))
         return contexts
 
     def recompute(self, given: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:

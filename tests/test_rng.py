@@ -303,6 +303,37 @@ def test_every_run_is_under_the_callers_torch_function_modes(how, wrapped):
     assert _DoubledSines.entered == 1
 
 
+class _SinesPlusOne(TorchFunctionMode):
+    """A context_fn's mode that does not commute with :class:`_DoubledSines`: every sine plus one."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        return out + 1 if func in (torch.sin, torch.Tensor.sin) else out
+
+
+@pytest.mark.parametrize("how", list(_UNDER_A_MODE))
+def test_the_callers_torch_function_modes_stay_under_a_context_fns(how):
+    """The caller's modes are outside what ``context_fn`` enters around each run, as around the
+    forward run under plain autograd: pushed back below it, not on top of it (a recomputation
+    under the two in the other order computes another thing: 'did not reproduce', or under
+    torch.func a silently wrong gradient)."""
+
+    def plain(w, x):
+        with _SinesPlusOne():
+            return _sines(w, x)
+
+    def checkpointed(w, x):
+        contexts = lambda: (_SinesPlusOne(), _SinesPlusOne())  # noqa: E731
+        return funckpt.checkpoint(_sines, w, x, use_reentrant=False, context_fn=contexts)
+
+    w = W.clone().requires_grad_()
+    with _DoubledSines():
+        expected = _UNDER_A_MODE[how](plain, w, X)
+    with _DoubledSines():
+        got = _UNDER_A_MODE[how](checkpointed, w, X)
+    assert_close(got, expected)
+
+
 @pytest.mark.parametrize("how", [".backward()", "torch.func.grad", "vmap(grad)"])
 def test_every_run_makes_tensors_on_the_callers_default_device(how):
     """``with torch.device(...)`` is a torch-function mode: factory calls in the forward run and
