@@ -1698,6 +1698,12 @@ class Substitute(OnThreadStack, TorchFunctionMode):
         # (One loop for a tensor and a tuple alike: on torch 2.11, Dynamo tracing this handler
         # guards id(out) taken directly on the output's source, a fresh tensor, and fails.)
         outs = out if isinstance(out, (tuple, list)) else (out,)
+        if func in _CUTS_GRADIENT and not compiling and isinstance(out, torch.Tensor):
+            given = args if swapped is None else swapped
+            if any(out is a for a in (*given, *(kwargs or {}).values())) and id(out) not in inside:
+                # nn.init returns the tensor it wrote, made elsewhere: a foreign one stays foreign
+                # (its use is refused as such, not as a leaf the function made).
+                outs = ()
         made = self.made
         if compiling or _active.internal:  # (inline where Dynamo traces this: torch 2.11 fails on the call)
             for o in outs:

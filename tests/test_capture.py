@@ -130,6 +130,24 @@ def test_unreachable_tensor_raises_under_backward():
         remat(f)(X)
 
 
+def test_unreachable_tensor_written_by_nn_init_is_refused_as_unreachable():
+    """nn.init returns the tensor it wrote: one the function did not make stays unreachable, and its
+    use is refused as such (not as a leaf the function made to require grad itself)."""
+
+    def f(x):
+        with torch.no_grad():
+            torch.nn.init.normal_(Holder.w)
+        return x @ Holder.w
+
+    w_was = Holder.w.detach().clone()
+    try:
+        with pytest.raises(CheckpointError, match="Pass the tensor to the remat'd function as an argument"):
+            remat(f)(X)
+    finally:
+        with torch.no_grad():
+            Holder.w.copy_(w_was)
+
+
 def test_unreachable_tensor_raises_under_torch_func_grad():
     def outer(w):
         Holder.current = w  # reachable only through a class attribute
