@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import threading
 import types
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar, cast
@@ -690,28 +691,59 @@ def module_trackers_off() -> Callable[..., None] | None:
     by ``torch.autograd.grad``, torch refuses them. Off, the modules inside the function are counted
     as part of the remat'd call's module (or its caller's): what ``FlopCounterMode`` counts is the
     same, attributed one level up.
+
+    Off in this thread only, and left in their places: the dictionaries are the process's, and
+    another thread's modules (under its own tracker) still run them. Each is wrapped, while some
+    thread's call runs, in a :class:`_TrackerHookOff` that skips it in the threads running a
+    remat'd call; the last call to end unwraps it, unless its handle removed it meanwhile (the
+    tracker exited): a hook taken out and put back would outlive its tracker.
     """
     dicts = (_module_module._global_forward_pre_hooks, _module_module._global_forward_hooks)
     if not (dicts[0] or dicts[1]):
         return None
-    taken = [
-        (hooks, list(hooks), {k: h for k, h in hooks.items() if type(getattr(h, "__self__", None)).__module__ in _TRACKERS})
-        for hooks in dicts
-    ]
-    if not any(off for _, _, off in taken):
-        return None
-    for hooks, _, off in taken:
-        for key in off:
-            del hooks[key]
+    with _TRACKER_HOOKS_LOCK:
+        wrapped = []
+        for hooks in dicts:
+            for key, hook in list(hooks.items()):
+                if not isinstance(hook, _TrackerHookOff):
+                    if type(getattr(hook, "__self__", None)).__module__ not in _TRACKERS:
+                        continue
+                    hook = hooks[key] = _TrackerHookOff(hook)
+                hook.users += 1
+                wrapped.append((hooks, key, hook))
+        if not wrapped:
+            return None
+    _trackers_off.depth = getattr(_trackers_off, "depth", 0) + 1
 
     def put_back(*_exc: Any) -> None:
-        for hooks, order, off in taken:
-            if off:  # (in their order; hooks registered since stay after them)
-                now = {**hooks, **off}
-                hooks.clear()
-                hooks.update((k, now[k]) for k in [*(k for k in order if k in now), *(k for k in now if k not in order)])
+        _trackers_off.depth -= 1
+        with _TRACKER_HOOKS_LOCK:
+            for hooks, key, hook in wrapped:
+                hook.users -= 1
+                if not hook.users and hooks.get(key) is hook:  # (in its place: the order is kept)
+                    hooks[key] = hook.hook
 
     return put_back
+
+
+#: How many remat'd calls this thread runs now, one inside another (see :func:`module_trackers_off`).
+_trackers_off = threading.local()
+_TRACKER_HOOKS_LOCK = threading.Lock()
+
+
+class _TrackerHookOff:
+    """A module tracker's global hook, skipped in a thread running a remat'd call."""
+
+    __slots__ = ("hook", "users")
+
+    def __init__(self, hook: Callable[..., Any]) -> None:
+        self.hook = hook
+        self.users = 0  # (the calls running now, in any thread, that wrapped it or found it wrapped)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if getattr(_trackers_off, "depth", 0):
+            return None
+        return self.hook(*args, **kwargs)
 
 
 def has_own_hooks(module: Any) -> bool:

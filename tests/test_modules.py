@@ -1336,3 +1336,40 @@ def test_module_tracker_hooks_are_back_after_a_remat_call_and_see_the_wrapper_in
     assert "Linear" in seen  # (a hook of the user's runs inside the call)
     assert inside == [{"Global", "Remat"}]  # (the wrapper's call, by its type's name; not its layers')
     assert_close(x.grad, torch.func.grad(lambda x: _TwoLinears.forward(layer, x).sum())(x.detach()))
+
+
+def test_module_tracker_of_another_thread_keeps_its_hooks_through_a_remat_call():
+    """The global hooks are the process's: a remat'd call in one thread leaves them on for the
+    modules of another, and does not put back the hooks of a tracker that exited meanwhile
+    (they would outlive it, run by every module call of the process)."""
+    import threading
+
+    from torch.utils.module_tracker import ModuleTracker
+
+    import funckpt
+
+    mm = torch.nn.modules.module
+    in_call, tracker_done = threading.Event(), threading.Event()
+
+    def slow(x):
+        in_call.set()
+        assert tracker_done.wait(10)
+        return x.sin()
+
+    def call():
+        funckpt.remat(slow)(torch.randn(3, dtype=torch.float64, requires_grad=True))
+
+    seen = []
+    lin = torch.nn.Linear(3, 3)
+    lin.register_forward_pre_hook(lambda m, a: seen.append(set(tracker.parents)))
+    with ModuleTracker() as tracker:
+        thread = threading.Thread(target=call)
+        thread.start()
+        assert in_call.wait(10)
+        lin(torch.randn(2, 3))  # (this thread's module, while the other runs its call)
+    tracker_done.set()
+    thread.join()
+    assert seen == [{"Global", "Linear"}]
+    hooks = [*mm._global_forward_pre_hooks.values(), *mm._global_forward_hooks.values()]
+    assert not [h for h in hooks if isinstance(getattr(h, "__self__", None), ModuleTracker)]
+    assert not [h for h in hooks if type(h).__name__ == "_TrackerHookOff"]
