@@ -59,6 +59,7 @@ from ._saving import WriteWatch, may_write
 from ._tail import TAIL
 from ._internals import (
     AccumulateGrad,
+    StorageWeakRef,
     TransformType,
     bottom,
     forward_ad_level,
@@ -72,6 +73,7 @@ from ._internals import (
     sequence_nr,
     set_fwd_grad_enabled,
     storage_of,
+    storage_weak_ref,
     torch_function_modes,
     unpack_dual,
     unwrap_one_level,
@@ -1438,8 +1440,10 @@ class Substitute(OnThreadStack, TorchFunctionMode):
         self.inputs = inputs
         self.first_node = first_node
         self.uninitialized = False  # did the run read memory it allocated uninitialized, before writing it?
-        # What the run allocated uninitialized and has not written whole yet, weakly, by id.
-        self.unset: dict[int, weakref.ref[torch.Tensor]] = {}
+        # The storages of what the run allocated uninitialized and has not written whole yet (by
+        # storage, not tensor: an alias torch makes unseen, ``nn.Parameter(torch.empty(n))``, reads
+        # the same memory), weakly, with their sizes in bytes.
+        self.unset: dict[int, tuple[StorageWeakRef, int]] = {}
         self.used: set[int] = set()  # ids of the inputs passed to a torch function during the run
         # The tensors the run made, weakly, at their positions among every tensor its operators
         # returned (the forward run under plain autograd only): any still alive and requiring
@@ -1691,8 +1695,8 @@ class Substitute(OnThreadStack, TorchFunctionMode):
         if special is _UNINITIALIZED and not compiling and not _active.internal and isinstance(out, torch.Tensor):
             # (read before it is written whole: see _note_reads; with no elements, it holds no garbage,
             # and followed, it would keep the common case's path off for the rest of the run)
-            if out.numel():
-                self.unset[id(out)] = weakref.ref(out)
+            if out.numel() and not out.is_meta:
+                self._follow_unset(out)
         # Every tensor made here is the run's own, whatever it becomes later: a leaf
         # made inside and then set to require grad (as HF T5 does) is not foreign.
         # (One loop for a tensor and a tuple alike: on torch 2.11, Dynamo tracing this handler
@@ -1727,32 +1731,50 @@ class Substitute(OnThreadStack, TorchFunctionMode):
                 trail.clear()
         return out
 
+    def _follow_unset(self, t: torch.Tensor) -> None:
+        """Follow the storage of ``t``, allocated uninitialized, until it is written whole (see
+        :meth:`_note_reads`); one that cannot be followed counts as read."""
+        try:
+            storage = bottom(t).untyped_storage()
+        except (RuntimeError, NotImplementedError, TypeError, AttributeError):
+            self.uninitialized = True
+            return
+        self.unset[int(storage._cdata)] = (storage_weak_ref(storage), storage.nbytes())
+
     def _note_reads(self, func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> None:
-        """Of the tensors the run allocated uninitialized (:attr:`unset`), those ``func`` writes whole
+        """Of the storages the run allocated uninitialized (:attr:`unset`), those ``func`` writes whole
         are set from now on; one it takes otherwise (reads, views, writes in part) may carry garbage
         into what the run computes (:attr:`uninitialized`, and nothing more is followed)."""
         unset = self.unset
         if func in _METADATA:
             return
         # The places written whole: the first argument (or ``tensor=``) of what writes it so, and
-        # ``out=``. A tensor found in any other place is read, also one written whole there too
-        # (``torch.add(t, 1, out=t)`` reads ``t`` before it writes it).
-        written: list[torch.Tensor] = []
+        # ``out=``, where the tensor there covers its whole storage. A tensor on such a storage found
+        # in any other place is read, also one written whole there too (``torch.add(t, 1, out=t)``
+        # reads ``t`` before it writes it), and so is one on part of it (a view).
+        written: list[int] = []
         for key, value in (*enumerate(args), *kwargs.items()):
             whole = key == "out" or (func in _WRITES_WHOLE and (key == 0 or (key == "tensor" and not args)))
             for t in value if isinstance(value, (list, tuple)) else (value,):
-                r = unset.get(id(t)) if isinstance(t, torch.Tensor) else None
-                if r is None or r() is not t:
+                if not isinstance(t, torch.Tensor):
                     continue
-                if not whole:
+                b = bottom(t)
+                try:
+                    storage = int(b.untyped_storage()._cdata)
+                except (RuntimeError, NotImplementedError, TypeError, AttributeError):
+                    continue
+                entry = unset.get(storage)
+                if entry is None or entry[0].expired():
+                    continue
+                if not whole or b.storage_offset() or b.numel() * b.element_size() != entry[1]:
                     self.uninitialized = True
                     unset.clear()
                     return
-                written.append(t)
-        for t in written:
-            unset.pop(id(t), None)
-        for key in [k for k, r in unset.items() if r() is None]:  # (dead: never read)
-            del unset[key]
+                written.append(storage)
+        for storage in written:
+            unset.pop(storage, None)
+        for storage in [k for k, (r, _) in unset.items() if r.expired()]:  # (dead: never read)
+            del unset[storage]
 
     def _plain(self, values: Iterable[Any]) -> bool:
         """Are ``values`` (an operator's arguments) the common case's (see :meth:`__torch_function__`):

@@ -372,6 +372,8 @@ _READS_WHAT_IT_ALLOCATES = {
     "read": lambda x: torch.empty_like(x).sum(),
     "out= also an input": _add_to_itself,
     "written in part": lambda x: torch.empty_like(x)[0].fill_(1),
+    # (an alias torch makes where no torch function sees it: the same memory, read)
+    "through a Parameter": lambda x: torch.nn.Parameter(torch.empty_like(x), requires_grad=False).sum(),
 }
 
 
