@@ -1229,6 +1229,10 @@ def route_through_enclosing(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
 # may compute from garbage, so its values are not compared with the recomputation's (see _errors.py).
 _UNINITIALIZED = frozenset(
     {torch.empty, torch.empty_like, torch.empty_strided, torch.Tensor.new_empty, torch.Tensor.new_empty_strided}
+    # (``x.new(n)``, the legacy constructor; ``resize_``, whose new elements are uninitialized: what
+    # they return is followed as a whole, read before it is written whole turns the comparison off)
+    | {torch.Tensor.new, torch.Tensor.resize_, torch.Tensor.resize_as_}
+    | ({torch.empty_permuted} if hasattr(torch, "empty_permuted") else set())
 )
 #: What writes its first argument (or ``tensor=``) whole, reading none of its values: an uninitialized
 #: tensor written so is set (``torch.empty(n).uniform_()``, a module built inside the function,

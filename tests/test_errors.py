@@ -374,6 +374,10 @@ _READS_WHAT_IT_ALLOCATES = {
     "written in part": lambda x: torch.empty_like(x)[0].fill_(1),
     # (an alias torch makes where no torch function sees it: the same memory, read)
     "through a Parameter": lambda x: torch.nn.Parameter(torch.empty_like(x), requires_grad=False).sum(),
+    # (other allocations of uninitialized memory)
+    "x.new(n)": lambda x: x.detach().new(x.numel()).sum(),
+    "resize_": lambda x: torch.zeros(1, dtype=x.dtype).resize_(x.numel()).sum(),
+    "empty_permuted": lambda x: torch.empty_permuted(x.shape, (1, 0), dtype=x.dtype).sum(),
 }
 
 
