@@ -72,6 +72,7 @@ from ._internals import (
     maybe_get_level,
     sequence_nr,
     set_fwd_grad_enabled,
+    storage_expired,
     storage_of,
     storage_weak_ref,
     torch_function_modes,
@@ -1768,7 +1769,7 @@ class Substitute(OnThreadStack, TorchFunctionMode):
                 except (RuntimeError, NotImplementedError, TypeError, AttributeError):
                     continue
                 entry = unset.get(storage)
-                if entry is None or entry[0].expired():
+                if entry is None or storage_expired(entry[0]):
                     continue
                 if not whole or b.storage_offset() or b.numel() * b.element_size() != entry[1]:
                     self.uninitialized = True
@@ -1777,7 +1778,7 @@ class Substitute(OnThreadStack, TorchFunctionMode):
                 written.append(storage)
         for storage in written:
             unset.pop(storage, None)
-        for storage in [k for k, (r, _) in unset.items() if r.expired()]:  # (dead: never read)
+        for storage in [k for k, (r, _) in unset.items() if storage_expired(r)]:  # (dead: never read)
             del unset[storage]
 
     def _plain(self, values: Iterable[Any]) -> bool:

@@ -102,6 +102,7 @@ __all__ = [
     "skip_code",
     "storage_of",
     "storage_weak_ref",
+    "storage_expired",
     "transforms_active",
     "unpack_dual",
     "unwrap_batched",
@@ -816,6 +817,11 @@ def compiler_disable(reason: str) -> Callable[[_F], _F]:
 #: ``StorageWeakRef(storage)``, typed: a weak, hashable handle on a storage (equal for the same storage).
 def storage_weak_ref(storage: torch.UntypedStorage) -> StorageWeakRef:
     return StorageWeakRef(storage)  # type: ignore[no-untyped-call]
+
+
+def storage_expired(ref: StorageWeakRef) -> bool:
+    """Is the storage ``ref`` (:func:`storage_weak_ref`) handles freed?"""
+    return bool(ref.expired())  # type: ignore[no-untyped-call]
 
 
 # ------------------------------------------------------------ operators
