@@ -335,6 +335,18 @@ def test_recomputation_computing_something_else_with_same_shapes_raises():
         y.sum().backward()
 
 
+def _another_value_on_each_call(allocating):
+    """A function that runs ``allocating`` on its input, then returns another value on each call."""
+    calls = []
+
+    def f(x):
+        calls.append(1)
+        allocating(x)
+        return x.sin() * len(calls)
+
+    return f
+
+
 #: Memory a function allocates uninitialized and writes whole before reading any of it.
 _SETS_WHAT_IT_ALLOCATES = {
     "uniform_": lambda x: torch.empty_like(x).uniform_(),
@@ -349,15 +361,8 @@ _SETS_WHAT_IT_ALLOCATES = {
 def test_memory_allocated_uninitialized_and_written_whole_leaves_the_value_check_on(how):
     """Only a read of memory before it is written whole may carry garbage into the values: a function
     that writes what it allocates (a module built inside the call) is still checked."""
-    calls = []
-
-    def f(x):
-        calls.append(1)
-        _SETS_WHAT_IT_ALLOCATES[how](x)
-        return x.sin() * len(calls)  # another value on each call
-
     x = X.clone().requires_grad_()
-    y = remat(f)(x)
+    y = remat(_another_value_on_each_call(_SETS_WHAT_IT_ALLOCATES[how]))(x)
     with pytest.raises(CheckpointError, match="output tensor 0 has other values"):
         y.sum().backward()
 
@@ -385,15 +390,8 @@ _READS_WHAT_IT_ALLOCATES = {
 def test_memory_read_before_it_is_written_whole_turns_the_value_check_off(how):
     """A run that may have computed from garbage is not compared by value: what differs may be the
     garbage (an ``out=`` tensor that is also an input is read before it is written)."""
-    calls = []
-
-    def f(x):
-        calls.append(1)
-        _READS_WHAT_IT_ALLOCATES[how](x)
-        return x.sin() * len(calls)  # another value on each call
-
     x = X.clone().requires_grad_()
-    remat(f)(x).sum().backward()  # (no 'did not reproduce')
+    remat(_another_value_on_each_call(_READS_WHAT_IT_ALLOCATES[how]))(x).sum().backward()  # (no 'did not reproduce')
 
 
 def test_an_uninitialized_tensor_without_elements_leaves_the_value_check_on():
