@@ -776,9 +776,10 @@ def _compare(
         + (f", and {len(differing) - 1} more {'tensor' if frontier else 'output'}(s) differ" if len(differing) > 1 else "")
         + ". The gradient would be that of another computation. The function must compute the same "
         "thing when called again with the same inputs: it may depend on state that changed between the "
-        "forward and the backward pass (a counter, an iterator, a global, a module attribute), read an "
-        "input that was modified in place after the call, or draw random numbers from a generator remat "
-        "cannot see (pass it as an argument)."
+        "forward and the backward pass (a counter, an iterator, a global, a module attribute; a module "
+        "that rebuilds part of itself on its first call, as HF BigBird switches its attention type: call "
+        "it once under torch.no_grad() first), read an input that was modified in place after the call, "
+        "or draw random numbers from a generator remat cannot see (pass it as an argument)."
         + (KEPT_HINT if kept_from is not None and any(j >= kept_from for j in differing) else "")
         + " Pass determinism_check='none' to skip this check."
     )

@@ -335,6 +335,41 @@ def test_recomputation_computing_something_else_with_same_shapes_raises():
         y.sum().backward()
 
 
+class _SwitchesOnItsFirstCall(torch.nn.Module):
+    """HF BigBird's switch of attention type, with dropout: the first call builds a new block (nn.init
+    draws from the generator), so a recomputation, which finds it built, draws other masks."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4, dtype=D)
+        self.block = None
+
+    def forward(self, x):
+        if self.block is None:
+            self.block = torch.nn.Sequential(torch.nn.Linear(4, 4, dtype=D), torch.nn.Tanh())
+            self.block[0] = self.lin
+        return F.dropout(self.block(x), 0.5)
+
+
+def test_a_module_that_rebuilds_part_of_itself_on_its_first_call_raises_saying_what_to_do():
+    torch.manual_seed(0)
+    net = _SwitchesOnItsFirstCall()
+    with pytest.raises(CheckpointError, match=r"rebuilds part of itself on its first call.*torch.no_grad\(\) first"):
+        remat(net)(X).sum().backward()
+    nets = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        nets.append(_SwitchesOnItsFirstCall())
+    net, plain = nets
+    with torch.no_grad():  # (as the error says: once, before training)
+        remat(net)(X), plain(X)
+    torch.manual_seed(1)
+    remat(net)(X).sum().backward()
+    torch.manual_seed(1)
+    plain(X).sum().backward()
+    assert_close(net.lin.weight.grad, plain.lin.weight.grad)
+
+
 def _another_value_on_each_call(allocating):
     """A function that runs ``allocating`` on its input, then returns another value on each call."""
     calls = []
