@@ -1764,9 +1764,8 @@ class Substitute(OnThreadStack, TorchFunctionMode):
                 if not isinstance(t, torch.Tensor):
                     continue
                 b = bottom(t)
-                try:
-                    storage = int(b.untyped_storage()._cdata)
-                except (RuntimeError, NotImplementedError, TypeError, AttributeError):
+                storage = storage_of(b)
+                if storage is None:
                     continue
                 entry = unset.get(storage)
                 if entry is None or storage_expired(entry[0]):
