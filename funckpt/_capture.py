@@ -1226,6 +1226,9 @@ def route_through_enclosing(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     return tensors
 
 
+#: nn.init's initializers: each writes the tensor it is given whole, under no_grad, and returns it.
+_NN_INIT = frozenset(getattr(torch.nn.init, n) for n in dir(torch.nn.init) if n.endswith("_") and not n.startswith("_"))
+
 # Factories of uninitialized memory: a run that reads what one returns before writing it whole
 # may compute from garbage, so its values are not compared with the recomputation's (see _errors.py).
 _UNINITIALIZED = frozenset(
@@ -1247,8 +1250,7 @@ _WRITES_WHOLE = frozenset(
         )
         if hasattr(torch.Tensor, n)
     ]
-    + [getattr(torch.nn.init, n) for n in dir(torch.nn.init) if n.endswith("_") and not n.startswith("_")]
-)  # fmt: skip
+) | _NN_INIT  # fmt: skip
 
 
 _RETAIN_GRAD = torch.Tensor.retain_grad
@@ -1292,7 +1294,7 @@ _CUTS_GRADIENT = frozenset(
         if hasattr(torch.Tensor, n)
     ]
     # nn.init's initializers, which write under no_grad (a module built inside the function):
-    + [getattr(torch.nn.init, n) for n in dir(torch.nn.init) if n.endswith("_") and not n.startswith("_")]
+    + list(_NN_INIT)
 )
 
 _is_compiling = torch.compiler.is_compiling  # (Dynamo reads it as True where it traces)
