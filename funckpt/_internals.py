@@ -34,7 +34,6 @@ __all__ = [
     "torch_pytree_node",
     "torch_function_mode_enabled",
     "callers_function_modes",
-    "function_modes_back",
     "FunctionModesBack",
     "module_trackers_off",
     "torch_function_modes",
@@ -513,44 +512,32 @@ def callers_function_modes() -> tuple[Any, ...]:
     return tuple(m for m in torch_function_modes() if not type(m).__module__.startswith("funckpt."))
 
 
-def function_modes_back(modes: Sequence[Any]) -> Callable[..., None] | None:
-    """Put ``modes`` (:func:`callers_function_modes` at a call) back on the torch-function mode stack
-    where they are off, in order; return what takes them off again (``None`` where none was off).
+class FunctionModesBack:
+    """Puts ``modes`` (:func:`callers_function_modes` at a call) back on the torch-function mode stack
+    where they are off, in order, and takes them off again on leaving.
 
     Pushed as they are, not entered: a mode's ``__enter__`` may do more than push it (a device
     context moves itself to the bottom of the stack; a user's mode may reset its own state), and
     the caller entered each once already.
     """
-    on = {id(m) for m in torch_function_modes()} if torch._C._is_torch_function_mode_enabled() else set()
-    missing = [m for m in modes if id(m) not in on]
-    if not missing:
-        return None
-    for m in missing:
-        torch._C._push_on_torch_function_stack(m)
 
-    def take_off(*_exc: Any) -> None:
-        for _ in missing:
-            torch._C._pop_torch_function_stack()
-
-    return take_off
-
-
-class FunctionModesBack:
-    """:func:`function_modes_back` as a context manager."""
-
-    __slots__ = ("modes", "take_off")
+    __slots__ = ("modes", "pushed")
 
     def __init__(self, modes: Sequence[Any]) -> None:
         self.modes = modes
-        self.take_off: Callable[..., None] | None = None
+        self.pushed = 0
 
     def __enter__(self) -> None:
-        self.take_off = function_modes_back(self.modes)
+        on = {id(m) for m in torch_function_modes()} if torch._C._is_torch_function_mode_enabled() else set()
+        for m in self.modes:
+            if id(m) not in on:
+                torch._C._push_on_torch_function_stack(m)
+                self.pushed += 1
 
     def __exit__(self, *exc: Any) -> None:
-        take_off, self.take_off = self.take_off, None
-        if take_off is not None:
-            take_off()
+        pushed, self.pushed = self.pushed, 0
+        for _ in range(pushed):
+            torch._C._pop_torch_function_stack()
 
 
 def current_graph_task_id() -> int:
