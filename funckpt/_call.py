@@ -145,10 +145,18 @@ def call(
     (``_compile.py`` says which and why). ``wrapped``: ``fn`` is the module a
     ``remat`` wrapper wraps, called with its own hooks only (see :class:`WrappedModuleRegion`).
     """
-    if torch.compiler.is_compiling() and can_lower(options):
-        if wrapped and not has_own_hooks(fn):  # (its forward: the wrapper ran the global hooks)
-            return lowered_call(cast(Any, fn).forward, options, args, kwargs)
-        return lowered_call(fn, options, args, kwargs)
+    if torch.compiler.is_compiling():  # (true while torch.export traces, strict or not)
+        if torch.compiler.is_exporting():
+            # torch.export.export records the function's own operators. With strict=True the
+            # compiler's checkpoint region fails there (torch.utils.checkpoint's too, on a key of
+            # the region's metadata export drops); without, eager remat cannot read the fake
+            # tensors export traces with. Non-strict export's graph of a lowered call holds no
+            # checkpoint either: the exported program is the function, with the same values.
+            return call_with_own_hooks(fn, args, kwargs) if wrapped else fn(*args, **kwargs)
+        if can_lower(options):
+            if wrapped and not has_own_hooks(fn):  # (its forward: the wrapper ran the global hooks)
+                return lowered_call(cast(Any, fn).forward, options, args, kwargs)
+            return lowered_call(fn, options, args, kwargs)
     return _call_eagerly(fn, options, args, kwargs, wrapped)
 
 

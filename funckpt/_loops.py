@@ -309,8 +309,29 @@ def _stacked_leaf(*leaves: Any) -> torch.Tensor:
     return torch.stack(tensors)
 
 
-@eager_under_compile
 def _run(
+    step: Step,
+    name: str,
+    user_fn: Callable[..., Any],
+    init: Any,
+    xs: Any,
+    n: int | None,
+    reverse: bool,
+    checkpoints: int | None,
+    options: RematOptions,
+    go_on: Callable[[int, Any], bool] | None = None,
+    reaches: Any = None,
+    api: str = "scan",
+) -> tuple[Any, Any]:
+    """Run the loop (:func:`_run_eagerly`); while ``torch.export`` traces it, the plain loop of
+    the step, as a remat'd call is the function itself there (see :func:`funckpt._call.call`)."""
+    if torch.compiler.is_compiling() and torch.compiler.is_exporting():
+        return _remat_each_step(step, name, init, xs, n, reverse, options, go_on, False, reaches)
+    return _run_eagerly(step, name, user_fn, init, xs, n, reverse, checkpoints, options, go_on, reaches, api)
+
+
+@eager_under_compile
+def _run_eagerly(
     step: Step,
     name: str,
     user_fn: Callable[..., Any],

@@ -559,3 +559,22 @@ def test_remat_of_a_fullgraph_compiled_function_says_to_compile_the_remat_instea
         remat(torch.compile(f, backend="aot_eager", fullgraph=True))(w, x)
     got = torch.autograd.grad(torch.compile(remat(f), backend="aot_eager", fullgraph=True)(w, x).sum(), w)
     assert_close(got, torch.autograd.grad(f(w, x).sum(), w))
+
+
+@pytest.mark.parametrize("strict", [True, False], ids=["strict", "non-strict"])
+@pytest.mark.parametrize(
+    "wrap",
+    [
+        pytest.param(remat, id="remat(module)"),
+        pytest.param(lambda b: remat(b, policy=policies.dots_saveable), id="dots_saveable"),
+        pytest.param(lambda b: remat(b, policy=policies.save_only_these_names("up")), id="names"),
+    ],
+)
+def test_torch_export_of_a_model_with_remat_blocks_computes_the_plain_model(wrap, strict):
+    """torch.export.export traces a remat'd call as the function itself (strict export fails on
+    the compiler's checkpoint region, torch.utils.checkpoint's included): the exported program
+    gives the plain model's output."""
+    plain, rematted = _nets(wrap, train=False)
+    x = torch.randn(5, D, dtype=torch.double)
+    exported = torch.export.export(rematted, (x,), strict=strict)
+    torch.testing.assert_close(exported.module()(x), plain(x))

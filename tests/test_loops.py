@@ -1070,3 +1070,33 @@ def test_a_kept_tensor_is_told_by_the_loop_that_keeps_it(loop):
 
     with pytest.raises(funckpt.CheckpointError, match=rf"(?s)^{loop}\(.*in a step of a checkpointed loop.*in the carry"):
         tf.grad(loss)(w)
+
+
+class _LoopModel(torch.nn.Module):
+    """A model whose forward runs a checkpointed loop of its own layer (for torch.export)."""
+
+    def __init__(self, loop: str) -> None:
+        super().__init__()
+        self.lin, self.loop = torch.nn.Linear(4, 4).double(), loop
+
+    def step(self, c: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.lin(c))
+
+    def forward(self, x: torch.Tensor, plain: bool = False) -> torch.Tensor:
+        if plain:
+            for _ in range(3):
+                x = self.step(x)
+            return x
+        if self.loop == "scan":
+            return funckpt.scan(lambda c, _: (self.step(c), None), x, length=3, checkpoints=1)[0]
+        return funckpt.fori_loop(0, 3, lambda i, c: self.step(c), x, checkpoints=2)
+
+
+@pytest.mark.parametrize("strict", [True, False], ids=["strict", "non-strict"])
+@pytest.mark.parametrize("loop", ["scan", "fori_loop"])
+def test_torch_export_of_a_checkpointed_loop_computes_the_plain_loop(loop, strict):
+    """torch.export traces a checkpointed loop as the plain Python loop of its step (a remat'd
+    call is its function there): the exported program gives the plain loop's output."""
+    model, x = _LoopModel(loop), torch.randn(2, 4, dtype=torch.float64)
+    exported = torch.export.export(model, (x,), strict=strict)
+    assert_close(exported.module()(x), model(x, plain=True))
