@@ -145,14 +145,9 @@ def call(
     (``_compile.py`` says which and why). ``wrapped``: ``fn`` is the module a
     ``remat`` wrapper wraps, called with its own hooks only (see :class:`WrappedModuleRegion`).
     """
-    if torch.compiler.is_compiling():  # (true while torch.export traces, strict or not)
-        if torch.compiler.is_exporting():
-            # torch.export.export records the function's own operators. With strict=True the
-            # compiler's checkpoint region fails there (torch.utils.checkpoint's too, on a key of
-            # the region's metadata export drops); without, eager remat cannot read the fake
-            # tensors export traces with. Non-strict export's graph of a lowered call holds no
-            # checkpoint either: the exported program is the function, with the same values.
-            return call_with_own_hooks(fn, args, kwargs) if wrapped else fn(*args, **kwargs)
+    if recorded_as_the_function():
+        return call_with_own_hooks(fn, args, kwargs) if wrapped else fn(*args, **kwargs)
+    if torch.compiler.is_compiling():
         if can_lower(options):
             if wrapped and not has_own_hooks(fn):  # (its forward: the wrapper ran the global hooks)
                 return lowered_call(cast(Any, fn).forward, options, args, kwargs)
@@ -161,6 +156,23 @@ def call(
 
 
 skip_as_frame(call)
+
+
+def recorded_as_the_function() -> bool:
+    """Is a tracer recording the program's operators for a graph that runs without remat:
+    ``torch.export.export`` (strict or not), ``torch.jit.trace`` (and the TorchScript-based ONNX
+    export)? There a remat'd call is its function: the graph computes the same values.
+
+    torch's own checkpoint cannot be recorded by some of them: its compiler region fails
+    strict export (on a key of the region's metadata export drops), its reentrant Function
+    ``jit.trace``; eager remat, a Python ``autograd.Function`` reading values, cannot read
+    non-strict export's fake tensors or be traced by ``jit.trace``. The graphs torch records of
+    non-reentrant ``torch.utils.checkpoint`` (non-strict export, ``jit.trace``) hold no
+    checkpoint either.
+    """
+    if torch._C._get_tracing_state() is not None:  # (jit.trace; its None test is one C call)
+        return True
+    return torch.compiler.is_compiling() and torch.compiler.is_exporting()
 
 
 @eager_under_compile

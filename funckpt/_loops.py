@@ -40,7 +40,7 @@ import torch
 
 from . import _autocast, _rng, _schedule
 from ._autograd import Phase, Region, StepVjp, Tensors, apply, eager_under_compile
-from ._call import UserRegion, finish, nothing_to_differentiate, prepare, run_prepared
+from ._call import UserRegion, finish, nothing_to_differentiate, prepare, recorded_as_the_function, run_prepared
 from ._capture import Roots, Substitute, changed_captures, reparametrized
 from ._draws import Drawing, differs_here
 from ._errors import CheckpointError, Digest, check_same_values, digest
@@ -323,9 +323,9 @@ def _run(
     reaches: Any = None,
     api: str = "scan",
 ) -> tuple[Any, Any]:
-    """Run the loop (:func:`_run_eagerly`); while ``torch.export`` traces it, the plain loop of
-    the step, as a remat'd call is the function itself there (see :func:`funckpt._call.call`)."""
-    if torch.compiler.is_compiling() and torch.compiler.is_exporting():
+    """Run the loop (:func:`_run_eagerly`); the plain loop of the step where a tracer records
+    the program for a graph without remat (see :func:`funckpt._call.recorded_as_the_function`)."""
+    if recorded_as_the_function():
         return _remat_each_step(step, name, init, xs, n, reverse, options, go_on, False, reaches)
     return _run_eagerly(step, name, user_fn, init, xs, n, reverse, checkpoints, options, go_on, reaches, api)
 

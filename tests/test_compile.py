@@ -578,3 +578,36 @@ def test_torch_export_of_a_model_with_remat_blocks_computes_the_plain_model(wrap
     x = torch.randn(5, D, dtype=torch.double)
     exported = torch.export.export(rematted, (x,), strict=strict)
     torch.testing.assert_close(exported.module()(x), plain(x))
+
+
+@pytest.mark.parametrize(
+    "wrap",
+    [
+        pytest.param(remat, id="remat(module)"),
+        pytest.param(lambda b: remat(b, policy=policies.save_only_these_names("up")), id="names"),
+        pytest.param(lambda b: _Checkpointed(b, use_reentrant=True), id="checkpoint-reentrant"),
+        pytest.param(lambda b: _Checkpointed(b, use_reentrant=False), id="checkpoint"),
+    ],
+)
+def test_jit_trace_of_a_model_with_remat_blocks_records_the_plain_model(wrap):
+    """torch.jit.trace (and the TorchScript-based ONNX export) records a remat'd call as the
+    function itself: the traced module's output and gradients are the plain model's."""
+    torch.manual_seed(0)
+    plain = Net().double().eval()
+    torch.manual_seed(0)  # (the same weights: built in the same order)
+    rematted = Net(wrap=wrap).double().eval()
+    x = torch.randn(5, D, dtype=torch.double)
+    traced = torch.jit.trace(rematted, x, check_trace=False)
+    torch.testing.assert_close(traced(x), plain(x))
+    torch.testing.assert_close(_grads(traced, x), _grads(plain, x))
+
+
+class _Checkpointed(nn.Module):
+    """A block called through funckpt's drop-in for ``torch.utils.checkpoint``."""
+
+    def __init__(self, block: nn.Module, use_reentrant: bool) -> None:
+        super().__init__()
+        self.block, self.use_reentrant = block, use_reentrant
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return checkpoint(self.block, x, use_reentrant=self.use_reentrant)

@@ -1092,11 +1092,17 @@ class _LoopModel(torch.nn.Module):
         return funckpt.fori_loop(0, 3, lambda i, c: self.step(c), x, checkpoints=2)
 
 
-@pytest.mark.parametrize("strict", [True, False], ids=["strict", "non-strict"])
+_TRACERS = {
+    "export-strict": lambda model, x: torch.export.export(model, (x,), strict=True).module(),
+    "export-non-strict": lambda model, x: torch.export.export(model, (x,), strict=False).module(),
+    "jit.trace": lambda model, x: torch.jit.trace(model, x, check_trace=False),
+}
+
+
+@pytest.mark.parametrize("tracer", list(_TRACERS))
 @pytest.mark.parametrize("loop", ["scan", "fori_loop"])
-def test_torch_export_of_a_checkpointed_loop_computes_the_plain_loop(loop, strict):
-    """torch.export traces a checkpointed loop as the plain Python loop of its step (a remat'd
-    call is its function there): the exported program gives the plain loop's output."""
+def test_a_traced_checkpointed_loop_computes_the_plain_loop(loop, tracer):
+    """torch.export and torch.jit.trace record a checkpointed loop as the plain Python loop of
+    its step (a remat'd call is its function there): the recorded program gives its output."""
     model, x = _LoopModel(loop), torch.randn(2, 4, dtype=torch.float64)
-    exported = torch.export.export(model, (x,), strict=strict)
-    assert_close(exported.module()(x), model(x, plain=True))
+    assert_close(_TRACERS[tracer](model, x)(x), model(x, plain=True))
