@@ -90,6 +90,7 @@ from ._internals import (
     maybe_get_level,
     interpreter_stack,
     peek_interpreter_stack,
+    register_tensor_hook,
     set_fwd_grad_enabled,
     set_fwd_grad_mode,
     set_grad_enabled,
@@ -595,7 +596,7 @@ def vjp(
         # Under torch.func transforms: a fresh vjp level on top of the current stack.
         differentiable: list[bool] = []
         f = _recompute_of(region, primals, wrt, differentiable)
-        outs, vjp_fn = cast("tuple[Tensors, Callable[..., Any]]", torch.func.vjp(f, *(primals[i] for i in wrt)))
+        outs, vjp_fn = _func_vjp(f, [primals[i] for i in wrt])
         if not outs:
             return [None] * len(primals)
         grads = vjp_fn(tuple(c for c, d in zip(cotangents, differentiable) if d), create_graph=create_graph)
@@ -603,6 +604,42 @@ def vjp(
     for i, g in zip(wrt, grads):
         result[i] = g
     return result
+
+
+def _func_vjp(
+    f: Callable[..., Tensors], primals: Sequence[torch.Tensor]
+) -> tuple[Tensors, Callable[..., tuple[torch.Tensor | None, ...]]]:
+    """``torch.func.vjp(f, *primals)``, whose vjp gives ``None`` for a primal no gradient reached.
+
+    ``torch.func.vjp``'s gives a zero tensor there (functorch fills in what
+    ``torch.autograd.grad(..., allow_unused=True)`` left ``None``), which its caller cannot tell
+    from a gradient that is zero. :func:`vjp` promises ``None`` for an input the outputs do not
+    depend on, and that gradient may leave the transforms: a loop's steps differentiated below
+    a ``vmap`` under plain autograd, where a zero would land in a ``.grad`` that the function
+    without remat leaves ``None`` (and an optimizer would then move the weight). A hook on each
+    primal at the vjp's level notes the gradients the engine computes: those ``allow_unused`` returns.
+    """
+    reached: set[int] = set()
+
+    def noting(*xs: torch.Tensor) -> Tensors:
+        for k, x in enumerate(xs):
+            if x.requires_grad:
+                register_tensor_hook(x, functools.partial(_note_reached, reached, k))
+        return f(*xs)
+
+    outs, vjp_fn = cast("tuple[Tensors, Callable[..., Any]]", torch.func.vjp(noting, *primals))
+
+    def vjp_reached(cotangents: Tensors, **kwargs: Any) -> tuple[torch.Tensor | None, ...]:
+        grads = vjp_fn(cotangents, **kwargs)
+        return tuple(g if k in reached else None for k, g in enumerate(grads))
+
+    return outs, vjp_reached
+
+
+def _note_reached(reached: set[int], k: int, grad: torch.Tensor | None) -> None:
+    """A primal's hook (see :func:`_func_vjp`): its gradient was computed, if it is a tensor."""
+    if grad is not None:
+        reached.add(k)
 
 
 def _refused_by_reentrant_checkpoint(e: RuntimeError) -> bool:

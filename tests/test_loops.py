@@ -778,6 +778,104 @@ def test_an_initial_carry_no_step_uses_gets_no_gradient(checkpoints):
     assert torch.autograd.grad(carry.sum(), (w, c0), allow_unused=True)[1] is None
 
 
+def _loop_over(loop, checkpoints, body, c0, xs):
+    """``c = body(k, c, xs[k])`` for each step ``k`` (a Python int) by ``loop``, or by the plain Python loop."""
+    n = xs.shape[0]
+    if loop == "python":
+        for k in range(n):
+            c0 = body(k, c0, xs[k])
+        return c0
+    if loop == "scan":  # (the step's index comes in xs, unbatched)
+        step = lambda c, kx: (body(int(kx[0]), c, kx[1]), None)  # noqa: E731
+        return funckpt.scan(step, c0, (torch.arange(n), xs), checkpoints=checkpoints)[0]
+    if loop == "fori_loop":
+        return funckpt.fori_loop(0, n, lambda k, c: body(k, c, xs[k]), c0, checkpoints=checkpoints)
+    step = lambda s: (s[0] + 1, body(int(s[0]), s[1], xs[int(s[0])]))  # noqa: E731
+    return funckpt.while_loop(lambda s: int(s[0]) < n, step, (torch.tensor(0), c0), checkpoints=checkpoints)[1]
+
+
+def _backward(loss, c0s, xss, inputs):
+    """The first example's loss differentiated by plain autograd."""
+    return torch.autograd.grad(loss(c0s[0], xss[:, 0]), inputs, allow_unused=True)
+
+
+def _vmap_then_backward(loss, c0s, xss, inputs):
+    """The examples' losses under a vmap over (c0, xs), summed and differentiated by plain autograd."""
+    return torch.autograd.grad(tf.vmap(loss, in_dims=(0, 1))(c0s, xss).sum(), inputs, allow_unused=True)
+
+
+def _vmap_of_grad_then_backward(loss, c0s, xss, inputs):
+    """The examples' gradients with respect to (c0, xs) by vmap(grad), differentiated again by plain autograd."""
+    per_example = tf.vmap(tf.grad(loss, argnums=(0, 1)), in_dims=(0, 1))(c0s, xss)
+    return torch.autograd.grad(sum(g.pow(2).sum() for g in per_example), inputs, allow_unused=True)
+
+
+# Gradients of ``loss(c0, xs)`` with respect to ``inputs`` by plain autograd (``None`` for those it
+# does not reach), with the loop below no transform, below a vmap, and below a vmap of a grad.
+_ROUTES_TO_BACKWARD = {
+    "backward": _backward,
+    "vmap, then backward": _vmap_then_backward,
+    "vmap(grad), then backward": _vmap_of_grad_then_backward,
+}
+
+
+def _assert_same_gradients(got, expected):
+    """Equal gradients, and ``None`` exactly where the reference has ``None`` (not a zero tensor)."""
+    for i, (g, e) in enumerate(zip(got, expected, strict=True)):
+        if e is None:
+            assert g is None, f"input {i}: a gradient where the plain loop gives None"
+        else:
+            assert_close(g, e)
+
+
+@pytest.mark.parametrize("route", list(_ROUTES_TO_BACKWARD))
+@pytest.mark.parametrize("checkpoints", [None, 1, 2])
+@pytest.mark.parametrize("loop", ["scan", "fori_loop", "while_loop"])
+def test_a_module_the_step_reaches_but_never_calls_gets_no_gradient(loop, checkpoints, route):
+    """A module in the step's closure that the step never calls: its parameters get ``None``, as in
+    the plain loop, under a vmap too (they got zeros there, and AdamW moves a parameter whose
+    gradient is zero); a weight used in every step and one used in some steps only get the plain
+    loop's gradients, as do the carry and xs."""
+    g = torch.Generator().manual_seed(0)
+    w, u = torch.randn(4, 4, dtype=D, generator=g) / 2, torch.randn(4, dtype=D, generator=g)
+    c0s, xss = torch.randn(2, 4, dtype=D, generator=g), torch.randn(3, 2, 4, dtype=D, generator=g)
+    unused = torch.nn.Linear(4, 4, dtype=D)
+
+    def body(k, c, x):
+        unused  # noqa: B018  # (reached, never called)
+        h = torch.tanh(c @ w + x)
+        return h * u if k % 2 else h  # (u in step 1 only)
+
+    def grads(loop):
+        inputs = [t.requires_grad_() for t in (w, u, c0s, xss)] + list(unused.parameters())
+        loss = lambda c, x: _loop_over(loop, checkpoints, body, c, x).pow(2).sum()  # noqa: E731
+        return _ROUTES_TO_BACKWARD[route](loss, c0s, xss, inputs)
+
+    _assert_same_gradients(grads(loop), grads("python"))
+
+
+@pytest.mark.parametrize("route", list(_ROUTES_TO_BACKWARD))
+@pytest.mark.parametrize("checkpoints", [None, 1, 2])
+@pytest.mark.parametrize("loop", ["scan", "fori_loop", "while_loop"])
+@pytest.mark.parametrize("unread", ["the initial carry", "xs"])
+def test_an_initial_carry_or_xs_no_step_reads_gets_no_gradient(unread, loop, checkpoints, route):
+    """As in the plain loop, under a vmap too: ``None``, not zeros, for the loop's input no step reads."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(4, 4, dtype=D, generator=g) / 2
+    c0s, xss = torch.randn(2, 4, dtype=D, generator=g), torch.randn(3, 2, 4, dtype=D, generator=g)
+    if unread == "the initial carry":
+        body = lambda k, c, x: torch.tanh(x @ w)  # noqa: E731
+    else:
+        body = lambda k, c, x: torch.tanh(c @ w)  # noqa: E731
+
+    def grads(loop):
+        inputs = [t.requires_grad_() for t in (w, c0s, xss)]
+        loss = lambda c, x: _loop_over(loop, checkpoints, body, c, x).pow(2).sum()  # noqa: E731
+        return _ROUTES_TO_BACKWARD[route](loss, c0s, xss, inputs)
+
+    _assert_same_gradients(grads(loop), grads("python"))
+
+
 @pytest.mark.parametrize("checkpoints", [None, 2])
 def test_saved_tensors_hooks_pack_the_loops_inputs_not_its_steps(checkpoints):
     """A user's ``saved_tensors_hooks`` around a loop and its backward pass see what they see
