@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import functools
 import gc
 import types
@@ -54,12 +55,14 @@ from ._capture import (
     nested_run,
     next_sequence_nr,
     refuse_other_threads_stand_ins,
+    refused_around,
     reparametrized,
     route_through_enclosing,
     set_internal,
     substitution_depth,
     tensors_inside,
     training_as_at_the_call,
+    unwatched,
 )
 from ._compile import can_lower, lowered_call, skip_as_frame
 from ._draws import Redraw, differs_here, enter_run, functorch_at_the_call, leave_run
@@ -330,6 +333,9 @@ def prepare(
     ]
     roots = [*(reaches if isinstance(reaches, Roots) else [fn if reaches is None else reaches]), *objects]
     captured = find_captured(Roots(roots) if len(roots) > 1 else roots[0])
+    refused = refused_around(captured)  # (a call nested in another's run: see refused_around)
+    if refused:
+        captured = dataclasses.replace(captured, tensors=[t for t in captured.tensors if id(t) not in refused])
     refuse_other_threads_stand_ins(name, captured.tensors)
     captured_index = [slot(t) for t in captured.tensors]
     _refuse_uninitialized(name, captured, flat)
@@ -346,6 +352,8 @@ def prepare(
         outer=flat,
         objects=objects,
     )
+    if refused:
+        region.refused = refused
     if transforms_active():
         required = [t.requires_grad for t in routed]
         if any(required) and torch.is_grad_enabled():
@@ -663,7 +671,7 @@ class _Running:
     does not keep the others from being left, and a context may suppress an error.
     """
 
-    __slots__ = ("exits", "flat", "forward", "grad", "modes", "region", "under", "watch")
+    __slots__ = ("exits", "flat", "forward", "grad", "modes", "reached", "region", "under", "watch")
 
     def __init__(
         self,
@@ -674,9 +682,10 @@ class _Running:
         modes: Sequence[Any],
         watch: WriteWatch | None,
         under: Any = None,
+        reached: Sequence[torch.Tensor] = (),
     ) -> None:
         self.region, self.flat, self.forward, self.grad, self.modes = region, flat, forward, grad, modes
-        self.watch, self.under = watch, under
+        self.watch, self.under, self.reached = watch, under, reached
         self.exits: list[Callable[[Any, Any, Any], Any]] = []
 
     def _enter(self, context: Any) -> Any:
@@ -741,10 +750,19 @@ class _Running:
             # Its graph is checked after it where it has captured tensors to stand in for, or the
             # forward run could not show its graph ends at its inputs (see UserRegion._left_its_inputs).
             checkable = not forward and (bool(mapping) or region.substitutes_again) and region.graph_checkable(flat)
-            substitutes = forward or region.recomputation_substitutes(
-                mapping, places is not None and places.by_name, checkable
+            # (And where the function reaches tensors it did not at the call: only a use of one is refused.)
+            substitutes = (
+                forward
+                or bool(self.reached)
+                or region.recomputation_substitutes(mapping, places is not None and places.by_name, checkable)
             )
             substitute = Substitute(mapping, flat, forward, region.name, first_node, self.watch) if substitutes else None
+            if substitute is not None and forward and region.refused:
+                substitute.refused = region.refused
+            if substitute is not None and self.reached:
+                substitute.reached_since_the_call(self.reached, region.rebound)
+            if substitute is None:  # (what a call nested in it may take as an input: see refused_around)
+                self._enter(unwatched(first_node, flat))
             unsubstituted = not substitutes and checkable
             # Dropouts draw as at the call (see _draws): the substitution mode redraws them where
             # the kernel differs; without it, a mode of its own does, where the forward run saw
@@ -824,6 +842,9 @@ class UserRegion(Region):
     # records no graph of its own: no closure rebound, for the check before a recomputation
     # (see _refuse_tainted_escapes).
     made_and_kept: Sequence[weakref.ref[torch.Tensor]] = ()
+    # The tensors the call reaches that a run it is nested in would refuse, left to that run's
+    # substitution rather than taken as inputs (set by prepare: see refused_around).
+    refused: dict[int, weakref.ref[Substitute] | None] = {}  # (never written: replaced)
     tainted_escapes: Sequence[weakref.ref[torch.Tensor]] = ()
     # Does a grad or jvp level around the call give the caller its outputs as other tensors (their
     # wrappers), rather than the tensors the forward run returned? (Set by prepare.)
@@ -1046,18 +1067,29 @@ class UserRegion(Region):
             )
         return kind(f"remat({self.name}): {the_recomputation()} raised {type(e).__name__}: {e} where the forward pass did not. {why}")
 
-    def _check_captures_unchanged(self) -> None:
+    def reached_since_the_call(self) -> list[torch.Tensor]:
+        """The differentiable tensors the function reaches now and did not at the call (see
+        :func:`changed_captures`): a recomputation refuses a use of one (:meth:`rebound`)."""
         made = (t for r in self.made_and_kept if (t := r()) is not None)
-        changed = changed_captures(self.fn, self.captured, made)
-        if changed:
-            shapes = ", ".join(str(tuple(t.shape)) for t in changed)
-            raise CheckpointError(
-                f"remat({self.name}): between the forward pass and its recomputation, the function came to "
-                f"reach other differentiable tensors than at the call (shapes {shapes}): a closure variable, "
-                "global or partial argument was rebound. The recomputation would use the new tensors and "
-                "the gradient would be wrong. Pass such tensors to the remat'd function as arguments, or "
-                "do not rebind them before the backward pass."
-            )
+        return changed_captures(self.fn, self.captured, made)
+
+    def rebound(self, t: torch.Tensor) -> CheckpointError:
+        """The error of a recomputation that used ``t``, a differentiable tensor the function did not reach at the call."""
+        return CheckpointError(
+            f"remat({self.name}): between the forward pass and its recomputation, the function came to "
+            f"reach other differentiable tensors than at the call, and used one (shape {tuple(t.shape)}): a "
+            "closure variable, global or partial argument was rebound. The recomputation would use the new "
+            "tensor and the gradient would be wrong. Pass such tensors to the remat'd function as arguments, "
+            "or do not rebind them before the backward pass."
+        )
+
+    def _refuse_reached_returned(self, tensors: list[torch.Tensor], reached: list[torch.Tensor]) -> None:
+        """Raise if a recomputation returned as it is a tensor it reached only since the call (a closure
+        tensor returned untouched, rebound since): no operator received it, for the mode to refuse."""
+        ids = {id(t) for t in reached}
+        used = [t for t in tensors if id(t) in ids]
+        if used:
+            raise self.rebound(used[0])
 
     def unchecked_inputs(self) -> set[int]:
         return self.unchecked
@@ -1445,6 +1477,7 @@ class UserRegion(Region):
         modes: Sequence[Any],
         watch: WriteWatch | None = None,
         under: Any = None,
+        reached: Sequence[torch.Tensor] = (),
     ) -> _Running:
         """The context ``fn`` runs in, both runs: its inputs and reparametrized modules,
         the user's ``context_fn``, grad mode (``grad``: on, for the forward run's local
@@ -1454,12 +1487,14 @@ class UserRegion(Region):
         substitution mode runs it (:meth:`WriteWatch.call`) rather than a dispatch mode.
         ``under``: a torch-function mode entered below the substitution (it sees the tensors
         the substitution passes: a recomputation's :class:`~funckpt._tail.Deferring`).
+        ``reached``: the differentiable tensors a recomputation's function reaches and did not at
+        the call; it runs under the substitution, which refuses a use of one.
 
         The dispatch modes are built by the caller before the torch-function mode is
         entered: building them reads the inputs' storages, which must not count as the
         function's use of them.
         """
-        return _Running(self, flat, forward, grad, modes, watch, under)
+        return _Running(self, flat, forward, grad, modes, watch, under, reached)
 
     def forward_run(self, flat: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
         """The first run, in the forward pass: record what a recomputation must replay and check."""
@@ -1962,7 +1997,7 @@ class UserRegion(Region):
 
     def recompute(self, given: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
         """A later run (backward, jvp, double backward): the forward run again, checked against it."""
-        self._check_captures_unchanged()
+        reached = self.reached_since_the_call()
         flat = given
         if self.snapshots:
             # Recompute from the values the forward run started from, on copies
@@ -1989,7 +2024,7 @@ class UserRegion(Region):
         failed: Exception | None = None
         out: Any = _SUPPRESSED
         try:
-            with self._running(flat, forward=False, grad=False, modes=modes, under=deferring) as run:
+            with self._running(flat, forward=False, grad=False, modes=modes, under=deferring, reached=reached) as run:
                 unsubstituted = run.unsubstituted
                 if any(self._escapes_held()):
                     assert run.substitute is not None
@@ -2027,6 +2062,9 @@ class UserRegion(Region):
                 # call, state that changed), not from a tensor reached another way.
                 raise failed
             return again
+        if reached:
+            self._refuse_reached_returned(tensors, reached)
+        del reached
         tensors = _aliasing.owned_outputs(self.plan, _substituted(tensors, run.substitute))
         if self.escaped_at:
             tensors += self._escaped_again(run.substitute)

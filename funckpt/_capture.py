@@ -30,7 +30,13 @@ So, at every call:
    argument. Recomputations run the guard too when there is something to
    substitute; otherwise :func:`changed_captures` checks, once per
    recomputation instead of once per operator, that ``fn`` still reaches the
-   tensors it reached at the call.
+   tensors it reached at the call. Where it reaches others (a closure variable
+   rebound; a list the caller appended the call's output to), the
+   recomputation runs under the mode, which refuses a use of one: reached is
+   not read.
+5. A remat'd call nested in another's run takes as inputs only the tensors that
+   run can route (:func:`refused_around`): what else it reaches is left where it
+   is, and refused only if used.
 """
 
 from __future__ import annotations
@@ -52,7 +58,7 @@ import torch
 from torch._library.fake_class_registry import FakeScriptObject as _FakeScriptObject
 from torch.overrides import TorchFunctionMode
 
-from ._draws import LAYOUT_DRAWS, layout_draw, redrawn
+from ._draws import LAYOUT_DRAWS, in_a_run, layout_draw, redrawn
 from ._errors import CheckpointError
 from ._naming import OnThreadStack
 from ._saving import WriteWatch, may_write
@@ -501,7 +507,8 @@ def changed_captures(fn: Callable[..., Any], before: Captured, made: Iterable[to
 
     Between the forward pass and a recomputation, a closure cell, global or
     partial argument may have been rebound to another tensor; the recomputation
-    would silently use it. Module tensors are left out (they are
+    would silently use it, so it refuses a use of one (see
+    :meth:`Substitute.reached_since_the_call`). Module tensors are left out (they are
     re-parametrized to the call's), and so are results of computations, which
     ``fn`` itself may have stored in a container it closes over: ``made``, those of
     its forward run still alive that are functorch tensors of a level still alive.
@@ -1140,6 +1147,9 @@ class _Active(threading.local):
         # not its function): the enclosing runs do not count the tensors made there, so the
         # positions of their escaped tensors (Substitute.made) are those of the user's code alone.
         self.internal = False
+        # The recomputations in progress that run without the substitution mode, innermost last:
+        # where each started (its first autograd node) and the ids of its inputs (see unwatched).
+        self.unwatched: list[tuple[int, frozenset[int]]] = []
 
 
 def set_internal(internal: bool) -> bool:
@@ -1224,6 +1234,86 @@ def route_through_enclosing(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
             substitute.hit = True
         tensors = routed
     return tensors
+
+
+class unwatched:
+    """A recomputation running without the substitution mode, for :func:`refused_around` to know
+    where it started (``first_node``) and what its inputs are."""
+
+    __slots__ = ("record",)
+
+    def __init__(self, first_node: int, inputs: Sequence[torch.Tensor]) -> None:
+        self.record = (first_node, frozenset(id(t) for t in inputs))
+
+    def __enter__(self) -> None:
+        _active.unwatched.append(self.record)
+
+    def __exit__(self, *exc: Any) -> None:
+        _active.unwatched.pop()
+
+
+def _recorded_before(t: torch.Tensor, first_node: int) -> bool:
+    """Does ``t``, at one of its levels, require grad as a leaf or through a graph recorded before the
+    autograd node ``first_node``: a differentiable tensor computed before a run started?
+
+    Asked of a functorch tensor too, level by level: its level's number alone does not tell it from
+    the run's own, where the run is a recomputation at a fresh ``torch.func.vjp`` level that took the
+    number of the caller's level, stepped off the stack for its backward pass.
+    """
+    while True:
+        if t.requires_grad:
+            node = t.grad_fn
+            if node is None or node._sequence_nr() < first_node:
+                return True
+        if not is_functorch_wrapped(t):
+            return False
+        t = unwrap_one_level(t)
+
+
+def refused_around(captured: Captured) -> dict[int, weakref.ref[Substitute] | None]:
+    """Of the tensors a nested call reaches beside its arguments, those a run it is nested in would
+    refuse if the function used them (see :meth:`Substitute.refuses`), with that run's substitution
+    (``None`` where that run has none on: a recomputation without it, or a functorch tensor of a
+    level not on the stack here, which nothing routes).
+
+    What a call reaches is not what it reads. A remat'd function nested in another's run (a
+    remat'd module's inner remat'd function) may reach, through its closure, a list the code
+    around the outer call appends to: in the outer's recomputation it finds tensors there that
+    were not there at the call (the outer call's own output, which a forward hook records). Taken
+    as inputs of the nested call, they would be given to it although the enclosing run cannot
+    route them (a tensor of the caller's transform level, which the recomputation runs below; the
+    outer call's own output, whose node is the one being differentiated), and nothing of the
+    nested call reads them. So they are left where they are, and a use of one raises as the run
+    around would, had the nested function been called inline. Module tensors are left out: their
+    places hold the run's own.
+    Looked up through the substitutions that are on, as :func:`route_through_enclosing` routes;
+    where none is, in the innermost recomputation running without one (:class:`unwatched`),
+    whose inputs are all it routes.
+    """
+    if _is_compiling() or not (_active.substitutes or in_a_run()):
+        return {}
+    modes = {id(m) for m in torch_function_modes()} if _active.substitutes else set()
+    on = [s for s in reversed(_active.substitutes) if id(s) in modes]
+    bare = _active.unwatched[-1] if _active.unwatched and not on else None
+    held = {id(t) for _, named in captured.modules for t in named.values()} if captured.modules else set()
+    refused: dict[int, weakref.ref[Substitute] | None] = {}
+    for original in captured.tensors:
+        if id(original) in held:
+            continue
+        t = original
+        for substitute in on:
+            stand_in = substitute.mapping.get(id(t))
+            if stand_in is not None:
+                t = stand_in
+            elif substitute.refuses(t):
+                refused[id(original)] = weakref.ref(substitute)
+                break
+        else:
+            if bare is not None and id(t) not in bare[1] and _recorded_before(t, bare[0]):
+                refused[id(original)] = None
+            elif is_functorch_wrapped(t) and _foreign_level(t):
+                refused[id(original)] = None
+    return refused
 
 
 #: nn.init's initializers: each writes the tensor it is given whole, under no_grad, and returns it.
@@ -1478,6 +1568,13 @@ class Substitute(OnThreadStack, TorchFunctionMode):
         # The contexts of the autograd nodes of the regions applied inside this forward run, weakly,
         # where the run records no graph its caller keeps (see note_nested_node); None where not noted.
         self.nested: list[weakref.ref[Any]] | None = None
+        # A recomputation's: the differentiable tensors the function reaches now and did not at the
+        # call (see changed_captures), and the error a use of one raises (see reached_since_the_call).
+        self.reached_since: frozenset[int] = frozenset()
+        self.rebound: Callable[[torch.Tensor], CheckpointError] | None = None
+        # The tensors the call reaches that a run around it would refuse, left to that run's
+        # substitution (see refused_around), by id.
+        self.refused: dict[int, weakref.ref[Substitute] | None] = {}
 
     def _thread_stack(self) -> list[Any]:
         return _active.substitutes
@@ -1532,28 +1629,64 @@ class Substitute(OnThreadStack, TorchFunctionMode):
                 if isinstance(o, torch.Tensor):
                     inside.add(id(o))
 
+    def reached_since_the_call(
+        self, tensors: Sequence[torch.Tensor], rebound: Callable[[torch.Tensor], CheckpointError]
+    ) -> None:
+        """A recomputation's function reaches ``tensors`` and did not at the call (:func:`changed_captures`):
+        a use of one raises ``rebound(t)`` (a closure variable rebound to another tensor since).
+
+        Reached is not read: what the code around the call appended to a list the function
+        reaches (the call's own output, which a forward hook records) is no rebinding while the
+        function does not use it, and without remat it gets no gradient from the function either.
+        """
+        self.reached_since = frozenset(id(t) for t in tensors)
+        self.rebound = rebound
+
+    def refuses(self, t: torch.Tensor) -> bool:
+        """Would this run refuse ``t`` (:meth:`_check`) if the function used it?"""
+        key = id(t)
+        if key in self.mapping or key in self.known or key in self.inside:
+            return False
+        if key in self.reached_since or key in self.refused:
+            return True
+        return (self._foreign(t) or _recorded_before(t, self.first_node)) and not self._made_on_an_input(t)
+
+    def _foreign(self, t: torch.Tensor) -> bool:
+        """Is ``t`` foreign to this run (see the module docstring)? functorch tensors are judged
+        by their level alone: fn may use torch.func inside. A plain tensor is foreign if it
+        requires grad and was not made inside this run: a leaf, or the result of an autograd
+        node created before the run started (autograd numbers nodes in creation order)."""
+        if is_functorch_wrapped(t):
+            return _foreign_level(t)
+        node = t.grad_fn
+        return (t.requires_grad and (node is None or node._sequence_nr() < self.first_node)) or has_tangent(t)
+
+    def _made_on_an_input(self, t: torch.Tensor) -> bool:
+        """A Parameter the function made itself on an input's memory, where no mode sees it made (peft's
+        transpose() for GPT-2's Conv1D: nn.Parameter(weight.T)): a gradient into it reaches no input,
+        without remat either. (A stand-in for an input, also a leaf on its memory, is a plain tensor.)"""
+        return type(t) is torch.nn.Parameter and t.grad_fn is None and not has_tangent(t) and self._on_an_inputs_memory(t)
+
     def _check(self, t: torch.Tensor) -> None:
-        # functorch tensors are judged by their level alone: fn may use torch.func
-        # inside. A plain tensor is foreign if it requires grad and was not made
-        # inside this run: a leaf, or the result of an autograd node created
-        # before the run started (autograd numbers nodes in creation order).
+        key = id(t)
+        if self.reached_since and key in self.reached_since:
+            assert self.rebound is not None
+            raise self.rebound(t)
+        refused = bool(self.refused) and key in self.refused
+        if refused:
+            ref = self.refused[key]
+            around = ref() if ref is not None else None
+            if around is not None:
+                around._check(t)  # (raises as the run around would, had the nested call not been there)
         wrapped = is_functorch_wrapped(t)
-        if wrapped:
-            foreign = _foreign_level(t)
-        else:
-            node = t.grad_fn
-            foreign = (t.requires_grad and (node is None or node._sequence_nr() < self.first_node)) or has_tangent(t)
+        foreign = refused or self._foreign(t)
         if foreign and not wrapped and id(t) in _placed_by_other_threads():
             raise CheckpointError(
                 f"remat({self.name}): the function read another thread's stand-in for a module's "
                 f"tensor (shape {tuple(t.shape)}): {_SAME_MODULE_IN_TWO_THREADS}"
             )
-        if foreign and type(t) is torch.nn.Parameter and t.grad_fn is None and not has_tangent(t) and self._on_an_inputs_memory(t):
-            # A Parameter the function made itself on an input's memory, where no mode sees it made
-            # (peft's transpose() for GPT-2's Conv1D: nn.Parameter(weight.T)): a gradient into it
-            # reaches no input, without remat either. The run's own from now on. (A stand-in for an
-            # input, also a leaf on its memory, is a plain tensor.)
-            self.inside.add(id(t))
+        if foreign and not refused and self._made_on_an_input(t):
+            self.inside.add(id(t))  # (the run's own from now on)
             return
         if foreign and not wrapped and spent_escape(t):
             raise CheckpointError(

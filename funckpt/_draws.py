@@ -104,6 +104,11 @@ def leave_run(*exc: Any) -> None:
     _runs.stack.pop()
 
 
+def in_a_run() -> bool:
+    """Is a run of a region's function in progress on this thread (what runs now is nested in it)?"""
+    return bool(_runs.stack)
+
+
 class Drawing:
     """A run of a region's function (:func:`enter_run` to :func:`leave_run`) whose dropouts draw as at
     its call (``functorch``: whether the call takes functorch's kernel). ``intercept``: with

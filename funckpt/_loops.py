@@ -523,6 +523,9 @@ class LoopRegion(UserRegion):
         self._run_inputs: Tensors = ()  # the run's inputs (see _distinct)
         self._online: _schedule.Online | EveryStep | None = None
         self._last_rng: _rng.RngState | None = None
+        # During a reversal: the differentiable tensors the step function reaches and did not at the
+        # call (see reached_since_the_call), whose use its steps run again refuse (see substituted).
+        self.reached: list[torch.Tensor] = []
 
     # ---------------------------------------------------------------- the runs
 
@@ -567,15 +570,16 @@ class LoopRegion(UserRegion):
             "the sweep itself runs under no_grad, so that cannot tell it from one with a gradient)."
         )
 
-    def _check_captures_unchanged(self) -> None:
-        changed = changed_captures(self.loop.user_fn, self.captured)
-        if changed:
-            raise CheckpointError(
-                f"{self.loop.api}({self.name}): between the forward pass and the backward pass the step function came "
-                "to reach other differentiable tensors than at the call (a closure variable, global or "
-                "partial argument was rebound); the recomputation would use them and the gradient would "
-                "be wrong. Pass such tensors in the carry or xs, or do not rebind them before the backward."
-            )
+    def reached_since_the_call(self) -> list[torch.Tensor]:
+        return changed_captures(self.loop.user_fn, self.captured)
+
+    def rebound(self, t: torch.Tensor) -> CheckpointError:
+        return CheckpointError(
+            f"{self.loop.api}({self.name}): between the forward pass and the backward pass the step function came "
+            f"to reach other differentiable tensors than at the call, and used one (shape {tuple(t.shape)}): a "
+            "closure variable, global or partial argument was rebound; the recomputation would use it and the "
+            "gradient would be wrong. Pass such tensors in the carry or xs, or do not rebind them before the backward."
+        )
 
     def run_fn(self, init: Any, xs: Any) -> tuple[Any, Any]:
         """The loop's function: the forward sweep in the forward run, the whole loop in a recomputation."""
@@ -751,13 +755,18 @@ class LoopRegion(UserRegion):
 
         Yields the substitution (``id`` of a captured tensor to what stands in for it): a step
         that returns a captured tensor as it is (``lambda c, x: (c * w, w)``) hands back the
-        tensor itself, which no operator received; :func:`_stood_in` puts the stand-in there."""
+        tensor itself, which no operator received; :func:`_stood_in` puts the stand-in there.
+        Where the step function reaches tensors it did not at the call (:attr:`reached`, during
+        a reversal), the substitution runs to refuse a use of one."""
         replace, mapping = self.replacements(captured)
         with contextlib.ExitStack() as stack:
             if self.captured.modules:
                 stack.enter_context(reparametrized(self.captured, replace))
-            if mapping:
-                stack.enter_context(Substitute(mapping, tuple(inputs), False, self.name, 0))
+            if mapping or self.reached:
+                substitute = Substitute(mapping, tuple(inputs), False, self.name, 0)
+                if self.reached:
+                    substitute.reached_since_the_call(self.reached, self.rebound)
+                stack.enter_context(substitute)
             yield mapping
 
     def own_vjp(
@@ -770,7 +779,7 @@ class LoopRegion(UserRegion):
         advancing: Callable[[], contextlib.AbstractContextManager[Any]],
         step_vjp: StepVjp,
     ) -> list[torch.Tensor | None] | None:
-        self._check_captures_unchanged()
+        reached, self.reached = self.reached, self.reached_since_the_call()
         hidden = hide_saved_tensors_hooks()  # (the steps' graphs are the loop's internals, as in its runs)
         try:
             # (the steps run again record the graphs the gradient comes from, also below a
@@ -778,6 +787,7 @@ class LoopRegion(UserRegion):
             with autograd_included():
                 return Reversal(self, primals, cotangents, needs, create_graph, advancing, step_vjp).run()
         finally:
+            self.reached = reached
             if hidden:
                 restore_saved_tensors_hooks()
 

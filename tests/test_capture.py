@@ -2021,3 +2021,209 @@ def test_an_intermediate_a_nested_remat_closes_over_is_refused_where_also_kept_o
     kept: list[torch.Tensor] = []
     with pytest.raises(CheckpointError, match="outlived the call"):
         _grads_of_nested(transform, variant, *policy, lambda f, p: remat(f, policy=p), kept)
+
+
+class _Log:
+    """An object a function reaches through its closure (as a layer reaches its model), holding a
+    list the code around its call appends to."""
+
+    def __init__(self):
+        self.entries = []
+
+
+_W = torch.randn(4, 4, dtype=D, generator=torch.Generator().manual_seed(11))
+_XS = torch.randn(3, 2, 4, dtype=D, generator=torch.Generator().manual_seed(12))
+
+
+def _backward(f):
+    w = _W.clone().requires_grad_()
+    out = f(w, _XS[0])
+    out.sum().backward()
+    return out.detach(), w.grad
+
+
+def _vmap_then_backward(f):
+    w = _W.clone().requires_grad_()
+    out = tf.vmap(f, in_dims=(None, 0))(w, _XS)
+    out.sum().backward()
+    return out.detach(), w.grad
+
+
+def _vjp(f):
+    out, vjp_fn = tf.vjp(lambda w: f(w, _XS[0]), _W)
+    return out, vjp_fn(torch.ones_like(out))
+
+
+def _jacrev(f):
+    twice = lambda y: (y, y)  # noqa: E731 - the output, and the output again as the aux value
+    return tf.jacrev(lambda w: twice(f(w, _XS[0])), has_aux=True)(_W)
+
+
+#: The value of ``f(w, x)`` and its gradient (or jacobian) with respect to ``w``, each way.
+_DIFFERENTIATED = {
+    "backward": _backward,
+    "grad": lambda f: tf.grad_and_value(lambda w: f(w, _XS[0]).sum())(_W),
+    "vjp": _vjp,
+    "vmap(grad)": lambda f: tf.vmap(tf.grad_and_value(lambda w, x: f(w, x).sum()), in_dims=(None, 0))(_W, _XS),
+    "grad(vmap)": lambda f: tf.grad_and_value(lambda w: tf.vmap(f, in_dims=(None, 0))(w, _XS).sum())(_W),
+    "jacrev": _jacrev,
+    "vmap then backward": _vmap_then_backward,
+}
+
+
+class _Layer(torch.nn.Module):
+    """A layer whose forward calls a function (remat'd or not) on its linear's output."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+        self.lin = torch.nn.Linear(4, 4, dtype=D)
+        with torch.no_grad():
+            self.lin.weight.copy_(torch.randn(4, 4, dtype=D, generator=torch.Generator().manual_seed(13)))
+            self.lin.bias.copy_(torch.randn(4, dtype=D, generator=torch.Generator().manual_seed(14)))
+
+    def forward(self, w, x):
+        return self.inner(w, self.lin(x)).sin()
+
+
+def _logged_layer(wrap, logger, policy=None, reads=False):
+    """``f(w, x)``: a layer (remat'd by ``wrap``) whose inner function (remat'd too) reaches a log,
+    which a forward hook on the layer or the caller (``logger``) appends the layer's output to.
+    ``reads``: the inner function reads the last entry of the log, once there is one."""
+    log = _Log()
+
+    def inner(w, h):
+        out = torch.tanh(h @ w)
+        if reads and log.entries:
+            out = out + log.entries[-1]
+        return out
+
+    layer = _Layer(wrap(inner, None))
+    if logger == "a forward hook":
+        layer.register_forward_hook(lambda module, args, output: log.entries.append(output))
+        return wrap(layer, policy)
+    ours = wrap(layer, policy)
+
+    def f(w, x):
+        y = ours(w, x)
+        log.entries.append(y)
+        return y
+
+    return f
+
+
+def _with_remat(f, policy):
+    return remat(f, policy=policy)
+
+
+def _without_remat(f, policy):
+    return f
+
+
+@pytest.mark.parametrize("policy", [None, policies.everything_saveable], ids=["no policy", "everything_saveable"])
+@pytest.mark.parametrize("logger", ["a forward hook", "the caller"])
+@pytest.mark.parametrize("how", list(_DIFFERENTIATED))
+def test_a_nested_call_reaching_the_list_the_layers_output_is_logged_to(how, logger, policy):
+    """A remat'd layer's inner remat'd function reaches, through its closure, the list its layer's
+    output is appended to after the call. In the layer's recomputation the inner call finds that
+    output there: a differentiable tensor it did not reach at the call, and never reads. No
+    rebound closure (it was refused as one), and no input of the inner call (taken as one, it was
+    a tensor of the caller's level, one level above the recomputation: a raw functorch error; or,
+    under plain autograd, the layer's own output, read where a kept value shares its memory)."""
+    differentiate = _DIFFERENTIATED[how]
+    expected = differentiate(_logged_layer(_without_remat, logger, policy))
+    assert_close(differentiate(_logged_layer(_with_remat, logger, policy)), expected)
+
+
+@pytest.mark.parametrize("how", list(_DIFFERENTIATED))
+def test_a_function_reaching_the_list_its_output_is_logged_to(how):
+    """The same without nesting: what the caller logged since the call is reached, not read."""
+
+    def program(wrap):
+        log = _Log()
+
+        def block(w, h):
+            log  # (reaches the log, as a layer reaches its model)
+            return torch.tanh(h @ w)
+
+        g = wrap(block, None)
+
+        def f(w, x):
+            y = g(w, x)
+            log.entries.append(y)
+            return y.sin()
+
+        return f
+
+    differentiate = _DIFFERENTIATED[how]
+    expected = differentiate(program(_without_remat))
+    assert_close(differentiate(program(_with_remat)), expected)
+
+
+@pytest.mark.parametrize("logger", ["a forward hook", "the caller"])
+@pytest.mark.parametrize("how", list(_DIFFERENTIATED))
+def test_a_nested_call_reading_what_was_logged_since_the_call_raises(how, logger):
+    """Read, what was logged since the call changes the recomputation: remat refuses it (a
+    CheckpointError, not a raw functorch error nor a wrong gradient)."""
+    with pytest.raises(CheckpointError):
+        _DIFFERENTIATED[how](_logged_layer(_with_remat, logger, reads=True))
+
+
+def test_a_closure_tensor_rebound_that_the_function_no_longer_reads_is_no_error():
+    """The function reaches a closure cell rebound since the call, but reads it only on a branch it
+    does not take: nothing of the recomputation changes, as without remat."""
+    w = torch.randn(4, 4, dtype=D, requires_grad=True)
+    scale = torch.ones(4, dtype=D, requires_grad=True)
+
+    def f(x, scaled=False):
+        return torch.tanh(x @ w) * (scale if scaled else 1)
+
+    y = remat(f)(X)
+    scale = torch.full((4,), 2.0, dtype=D, requires_grad=True)  # noqa: F841 - rebinds f's cell
+    y.sum().backward()
+    assert_close(w.grad, torch.autograd.grad(f(X).sum(), w)[0])
+
+
+def test_a_closure_tensor_returned_as_it_is_and_rebound_raises():
+    """No operator receives a closure tensor the function returns untouched: the recomputation
+    returning the tensor rebound since the call is refused all the same."""
+    w = torch.randn(4, dtype=D, requires_grad=True)
+
+    def f(x):
+        return x.sin(), w
+
+    y, v = remat(f)(X[0].clone().requires_grad_())
+    w = torch.randn(4, dtype=D, requires_grad=True)  # noqa: F841 - rebinds f's cell
+    with pytest.raises(CheckpointError, match="was rebound"):
+        (y * v).sum().backward()
+
+
+@pytest.mark.parametrize(
+    "policy",
+    [None, policies.everything_saveable, policies.memory_budget(0.5)],
+    ids=["no policy", "everything_saveable", "memory_budget"],
+)
+def test_a_nested_call_reaching_the_inputs_a_norms_hook_records_under_plain_autograd(policy):
+    """A LayerNorm called inside a nested remat'd function and after it, whose forward hook records
+    its inputs in a list the nested function reaches. In the outer recomputation the nested call
+    finds there the outer call's own intermediate, kept outside it (a tensor of the outer's node):
+    taken as an input, it shared its memory with the value the outer policy kept, and the nested
+    call's output was rebuilt as a view of it, which the outer run then refused as foreign."""
+
+    def grads(wrap):
+        log = _Log()
+        norm = torch.nn.LayerNorm(4, dtype=D)
+        norm.register_forward_hook(lambda module, args, output: log.entries.append(args[0]))
+
+        def inner(w, h):
+            log  # (reaches the log, as a layer reaches its model)
+            return torch.tanh(h @ w) + norm(h)
+
+        def chain(w, x):
+            return norm(wrap(inner, None)(w, x)).sin()
+
+        w = _W.clone().requires_grad_()
+        wrap(chain, policy)(w, _XS[0]).sum().backward()
+        return w.grad, norm.weight.grad, norm.bias.grad
+
+    assert_close(grads(_with_remat), grads(_without_remat))

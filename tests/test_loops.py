@@ -1204,3 +1204,69 @@ def test_a_traced_checkpointed_loop_computes_the_plain_loop(loop, tracer):
     its step (a remat'd call is its function there): the recorded program gives its output."""
     model, x = _LoopModel(loop), torch.randn(2, 4, dtype=torch.float64)
     assert_close(_TRACERS[tracer](model, x)(x), model(x, plain=True))
+
+
+
+class _Log:
+    """An object a step reaches through its closure (as a layer reaches its model), holding a list
+    the code around the loop appends to."""
+
+    def __init__(self):
+        self.entries = []
+
+
+def _logged_scan(loop):
+    """``f(w, x)``: two steps of ``tanh(c @ w)`` (a checkpointed scan if ``loop``, else in Python)
+    whose step reaches a log that the loop's output is appended to after the call."""
+    log = _Log()
+
+    def f(w, x):
+        def step(c, _):
+            log  # (reaches the log)
+            return torch.tanh(c @ w), None
+
+        y = funckpt.scan(step, x, length=2, checkpoints=1)[0] if loop else step(step(x, None)[0], None)[0]
+        log.entries.append(y)
+        return y.sin()
+
+    return f
+
+
+def _by_backward(f, w, xs):
+    w = w.clone().requires_grad_()
+    f(w, xs[0]).sum().backward()
+    return w.grad
+
+
+_LOGGED_ROUTES = {
+    "backward": _by_backward,
+    "grad": lambda f, w, xs: tf.grad(lambda w: f(w, xs[0]).sum())(w),
+    "vmap(grad)": lambda f, w, xs: tf.vmap(tf.grad(lambda w, x: f(w, x).sum()), in_dims=(None, 0))(w, xs),
+    "grad(vmap)": lambda f, w, xs: tf.grad(lambda w: tf.vmap(f, in_dims=(None, 0))(w, xs).sum())(w),
+    "jacrev": lambda f, w, xs: tf.jacrev(lambda w: f(w, xs[0]))(w),
+}
+
+
+@pytest.mark.parametrize("route", list(_LOGGED_ROUTES))
+def test_a_step_reaching_the_list_the_loops_output_is_logged_to(route):
+    """In the backward pass the step reaches the loop's own output, logged since the call: a
+    differentiable tensor it did not reach at the call, and never reads. No rebound closure."""
+    w, _, xs, _ = make(n=6)
+    xs = xs.reshape(3, 2, 4)
+    differentiate = _LOGGED_ROUTES[route]
+    assert_close(differentiate(_logged_scan(True), w, xs), differentiate(_logged_scan(False), w, xs))
+
+
+def test_a_steps_closure_tensor_rebound_before_the_backward_raises():
+    """Rebound between the forward and the backward pass and read by the step, the tensor would
+    change the gradient: refused."""
+    w, _, xs, c0 = make(n=3)
+    w = w.clone().requires_grad_()
+
+    def step(c, x):
+        return torch.tanh(c @ w + x), None
+
+    c = funckpt.scan(step, c0, xs, checkpoints=1)[0]
+    w = w.detach().clone().requires_grad_()  # noqa: F841 - rebinds the step's cell
+    with pytest.raises(funckpt.CheckpointError, match="was rebound"):
+        c.sum().backward()
