@@ -54,6 +54,8 @@ from ._capture import (
     local_graph_leaves,
     nested_run,
     next_sequence_nr,
+    enter_unwatched,
+    leave_unwatched,
     refuse_other_threads_stand_ins,
     refused_around,
     reparametrized,
@@ -62,7 +64,6 @@ from ._capture import (
     substitution_depth,
     tensors_inside,
     training_as_at_the_call,
-    unwatched,
 )
 from ._compile import can_lower, lowered_call, skip_as_frame
 from ._draws import Redraw, differs_here, enter_run, functorch_at_the_call, leave_run
@@ -762,7 +763,8 @@ class _Running:
             if substitute is not None and self.reached:
                 substitute.reached_since_the_call(self.reached, region.rebound)
             if substitute is None:  # (what a call nested in it may take as an input: see refused_around)
-                self._enter(unwatched(first_node, flat))
+                enter_unwatched(first_node, flat)
+                self.exits.append(leave_unwatched)
             unsubstituted = not substitutes and checkable
             # Dropouts draw as at the call (see _draws): the substitution mode redraws them where
             # the kernel differs; without it, a mode of its own does, where the forward run saw

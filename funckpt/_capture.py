@@ -1148,8 +1148,8 @@ class _Active(threading.local):
         # positions of their escaped tensors (Substitute.made) are those of the user's code alone.
         self.internal = False
         # The recomputations in progress that run without the substitution mode, innermost last:
-        # where each started (its first autograd node) and the ids of its inputs (see unwatched).
-        self.unwatched: list[tuple[int, frozenset[int]]] = []
+        # where each started (its first autograd node) and its inputs (see enter_unwatched).
+        self.unwatched: list[tuple[int, Sequence[torch.Tensor]]] = []
 
 
 def set_internal(internal: bool) -> bool:
@@ -1236,20 +1236,16 @@ def route_through_enclosing(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     return tensors
 
 
-class unwatched:
-    """A recomputation running without the substitution mode, for :func:`refused_around` to know
-    where it started (``first_node``) and what its inputs are."""
+def enter_unwatched(first_node: int, inputs: Sequence[torch.Tensor]) -> None:
+    """A recomputation starts without the substitution mode: :func:`refused_around` is to know where
+    it started (``first_node``) and what its inputs are, until :func:`leave_unwatched`. (Two plain
+    calls, not a context object: this runs in every recomputation without the mode.)"""
+    _active.unwatched.append((first_node, inputs))
 
-    __slots__ = ("record",)
 
-    def __init__(self, first_node: int, inputs: Sequence[torch.Tensor]) -> None:
-        self.record = (first_node, frozenset(id(t) for t in inputs))
-
-    def __enter__(self) -> None:
-        _active.unwatched.append(self.record)
-
-    def __exit__(self, *exc: Any) -> None:
-        _active.unwatched.pop()
+def leave_unwatched(*exc: Any) -> None:
+    """The recomputation :func:`enter_unwatched` noted has ended (as a context's ``__exit__``)."""
+    _active.unwatched.pop()
 
 
 def _recorded_before(t: torch.Tensor, first_node: int) -> bool:
@@ -1287,7 +1283,7 @@ def refused_around(captured: Captured) -> dict[int, weakref.ref[Substitute] | No
     around would, had the nested function been called inline. Module tensors are left out: their
     places hold the run's own.
     Looked up through the substitutions that are on, as :func:`route_through_enclosing` routes;
-    where none is, in the innermost recomputation running without one (:class:`unwatched`),
+    where none is, in the innermost recomputation running without one (:func:`enter_unwatched`),
     whose inputs are all it routes.
     """
     if _is_compiling() or not (_active.substitutes or in_a_run()):
@@ -1309,7 +1305,7 @@ def refused_around(captured: Captured) -> dict[int, weakref.ref[Substitute] | No
                 refused[id(original)] = weakref.ref(substitute)
                 break
         else:
-            if bare is not None and id(t) not in bare[1] and _recorded_before(t, bare[0]):
+            if bare is not None and all(t is not x for x in bare[1]) and _recorded_before(t, bare[0]):
                 refused[id(original)] = None
             elif is_functorch_wrapped(t) and _foreign_level(t):
                 refused[id(original)] = None
