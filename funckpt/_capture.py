@@ -1229,6 +1229,15 @@ def route_through_enclosing(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         if id(substitute) not in on:
             continue
         mapping = substitute.mapping
+        reached = substitute.reached_since
+        if reached:
+            # A tensor the enclosing recomputation's function reaches only since its call (a closure
+            # variable rebound), passed on as an argument of the nested call: a use of it, which the
+            # mode does not see (Function.apply does not pass through it).
+            for t in tensors:
+                if id(t) in reached:
+                    assert substitute.rebound is not None
+                    raise substitute.rebound(t)
         routed = [mapping.get(id(t), t) for t in tensors]
         if any(r is not t for r, t in zip(routed, tensors)):
             substitute.hit = True
@@ -1381,6 +1390,16 @@ _CUTS_GRADIENT = frozenset(
     ]
     # nn.init's initializers, which write under no_grad (a module built inside the function):
     + list(_NN_INIT)
+)
+
+#: Of those, the reads of a tensor's values as Python numbers or text: a recomputation may make them
+#: of a functorch tensor it reached only since the call (a log line of the previous step's loss,
+#: which the caller appended under grad to a list the function reaches), where it refuses any other
+#: use of one. (A plain tensor reached since is a leaf, a closure variable rebound: refused.)
+_READS_AS_PYTHON = frozenset(
+    getattr(torch.Tensor, n)
+    for n in ("item", "tolist", "__float__", "__int__", "__bool__", "__complex__", "__index__", "__format__", "__repr__")
+    if hasattr(torch.Tensor, n)
 )
 
 _is_compiling = torch.compiler.is_compiling  # (Dynamo reads it as True where it traces)
@@ -1578,9 +1597,10 @@ class Substitute(OnThreadStack, TorchFunctionMode):
     def _stack_item(self) -> Any:
         return self
 
-    def _swap(self, value: Any, used: set[int] | None, check: bool = True) -> Any:
+    def _swap(self, value: Any, used: set[int] | None, check: bool = True, reached: bool = True) -> Any:
         """``value`` with captured tensors replaced; the inputs it passes are added to ``used``.
-        ``check``: are the others checked (:meth:`_check`; not for what :data:`_CUTS_GRADIENT` takes)?"""
+        ``check``: are the others checked (:meth:`_check`; not for what :data:`_CUTS_GRADIENT` takes)?
+        ``reached``: are those reached only since the call checked even so (see :data:`_READS_AS_PYTHON`)?"""
         if isinstance(value, torch.Tensor):
             key = id(value)
             replacement = self.mapping.get(key)
@@ -1592,11 +1612,11 @@ class Substitute(OnThreadStack, TorchFunctionMode):
             if key in self.known:
                 if used is not None:
                     used.add(key)
-            elif check and key not in self.inside:
-                self._check(value)
+            elif key not in self.inside and (check or (reached and key in self.reached_since)):
+                self._check(value)  # (a tensor reached only since the call: refused even detached)
             return value
         if isinstance(value, (list, tuple)) and value and any(isinstance(v, torch.Tensor) for v in value):
-            swapped = [self._swap(v, used, check) for v in value]
+            swapped = [self._swap(v, used, check, reached) for v in value]
             return type(value)(swapped) if isinstance(value, list) else tuple(swapped)
         return value
 
@@ -1791,10 +1811,17 @@ class Substitute(OnThreadStack, TorchFunctionMode):
                 elif key in known:
                     if used is not None:
                         used.add(key)
-                elif key not in inside and func not in _CUTS_GRADIENT:
+                elif key not in inside and (
+                    func not in _CUTS_GRADIENT
+                    or (key in self.reached_since and (func not in _READS_AS_PYTHON or not is_functorch_wrapped(a)))
+                ):
+                    # (A tensor reached only since the call is refused even where it is read detached:
+                    # the recomputation would compute with the new value, which without remat the
+                    # function never saw, where the forward run read the old one: a straight-through
+                    # estimator's gradient, or any gradient where the determinism check is off.)
                     self._check(a)
             elif isinstance(a, (list, tuple)) and a:
-                b = self._swap(a, used, func not in _CUTS_GRADIENT)
+                b = self._swap(a, used, func not in _CUTS_GRADIENT, func not in _READS_AS_PYTHON)
                 if b is not a:
                     if swapped is None:
                         swapped = list(args)
@@ -1803,7 +1830,7 @@ class Substitute(OnThreadStack, TorchFunctionMode):
             for v in kwargs.values():
                 if isinstance(v, (torch.Tensor, list, tuple)):  # else nothing to swap or check
                     check = func not in _CUTS_GRADIENT
-                    kwargs = {k: self._swap(v, used, check) for k, v in kwargs.items()}
+                    kwargs = {k: self._swap(v, used, check, func not in _READS_AS_PYTHON) for k, v in kwargs.items()}
                     break
         if self.unset and not compiling:
             self._note_reads(func, args if swapped is None else swapped, kwargs or {})

@@ -2227,3 +2227,98 @@ def test_a_nested_call_reaching_the_inputs_a_norms_hook_records_under_plain_auto
         return w.grad, norm.weight.grad, norm.bias.grad
 
     assert_close(grads(_with_remat), grads(_without_remat))
+
+
+@pytest.mark.parametrize("read", ["detach", "data", "sign", "tolist"])
+@pytest.mark.parametrize("determinism_check", ["default", "none"])
+def test_a_closure_tensor_rebound_and_read_detached_raises(read, determinism_check):
+    """A recomputation refuses a closure tensor rebound since the call also where it reads it
+    detached or as Python numbers (a straight-through estimator, whose values do not show the
+    rebinding; any such read where the determinism check is off): the gradient would follow the
+    new tensor's values."""
+    w = torch.tensor([2.0, -3.0, 4.0, 5.0], dtype=D, requires_grad=True)
+
+    def f(x):
+        s = {
+            "detach": lambda: w.detach(),
+            "data": lambda: w.data,
+            "sign": lambda: w.sign(),
+            "tolist": lambda: torch.tensor(w.tolist(), dtype=D),
+        }[read]()
+        return x + (x * s - (x * s).detach())
+
+    y = remat(f, determinism_check=determinism_check)(X.clone().requires_grad_())
+    w = torch.tensor([20.0, 30.0, -40.0, 50.0], dtype=D, requires_grad=True)  # noqa: F841 - rebinds f's cell
+    with pytest.raises(CheckpointError, match="was rebound"):
+        y.sum().backward()
+
+
+def test_a_gradient_hook_reading_a_closure_tensor_rebound_since_the_call_reads_it_as_without_remat():
+    """A gradient hook the function registers reads its closure when the backward pass runs it, without
+    remat too: a closure tensor rebound since the call is the new one there, which is no error."""
+
+    def f(x):
+        h = x * 2
+        if h.requires_grad:
+            h.register_hook(lambda g: g * w)
+        return h
+
+    def grad(fn):
+        nonlocal w
+        w = torch.tensor([2.0, 3.0, 4.0, 5.0], dtype=D, requires_grad=True)
+        x = X.clone().requires_grad_()
+        y = fn(x)
+        w = torch.tensor([20.0, 30.0, 40.0, 50.0], dtype=D, requires_grad=True)
+        return torch.autograd.grad(y.sum(), x)[0]
+
+    w = None
+    assert_close(grad(remat(f)), grad(f))
+
+
+@pytest.mark.parametrize("how", ["backward", "vjp"])
+def test_a_closure_tensor_rebound_and_passed_to_a_nested_call_raises(how):
+    """The recomputation passes a closure tensor rebound since the call to a remat'd function as an
+    argument: Function.apply passes by the mode, so the nested call's arguments are asked. Taken,
+    the gradient followed the new tensor and the old one's was missing."""
+    inner = remat(lambda a, b: a + (a * b - (a * b).detach()))
+    w = torch.tensor([2.0, 3.0, 4.0, 5.0], dtype=D, requires_grad=True)
+
+    def f(x):
+        return inner(x, w) * 2
+
+    if how == "backward":
+        y = remat(f)(X.clone().requires_grad_())
+        w = torch.tensor([20.0, 30.0, 40.0, 50.0], dtype=D, requires_grad=True)  # noqa: F841
+        with pytest.raises(CheckpointError, match="was rebound"):
+            y.sum().backward()
+    else:
+        y, vjp_fn = tf.vjp(remat(f), X)
+        w = torch.tensor([20.0, 30.0, 40.0, 50.0], dtype=D, requires_grad=True)  # noqa: F841
+        with pytest.raises(CheckpointError, match="was rebound"):
+            vjp_fn(torch.ones_like(y))
+
+
+def test_a_logged_tensor_read_as_a_number_in_the_recomputation_is_no_error():
+    """The function logs the previous step's loss (``aux[-1].item()``), to which the caller appends each
+    step's: under grad, the recomputation reaches the step's own loss there. A read as a Python number
+    is no use that the recomputation refuses."""
+    aux = []
+    seen = []
+
+    def f(x):
+        if aux:
+            seen.append(aux[-1].item())
+        return (x.sin() * 2).sum()
+
+    def step(fn):
+        def loss(x):
+            out = fn(x)
+            aux.append(out)
+            return out
+
+        return tf.grad(loss)(X[0])
+
+    expected = [step(f) for _ in range(2)][-1]
+    aux.clear()
+    assert_close([step(remat(f)) for _ in range(2)][-1], expected)
+

@@ -1270,3 +1270,20 @@ def test_a_steps_closure_tensor_rebound_before_the_backward_raises():
     w = w.detach().clone().requires_grad_()  # noqa: F841 - rebinds the step's cell
     with pytest.raises(funckpt.CheckpointError, match="was rebound"):
         c.sum().backward()
+
+
+@pytest.mark.parametrize("checkpoints", [1, 2])
+def test_a_step_reading_a_rebound_closure_tensor_detached_raises(checkpoints):
+    """The reversal refuses a closure tensor rebound since the call also where a step reads it
+    detached (a straight-through estimator: the values do not show it): the gradient would follow
+    the new one, where without remat the steps read the old one."""
+    w = torch.tensor([1.1, 0.9, 1.05], dtype=D, requires_grad=True)
+
+    def step(c, x):
+        return c + (c * w.detach() - (c * w.detach()).detach()), None
+
+    c = torch.randn(3, dtype=D, requires_grad=True)
+    out = funckpt.scan(step, c, None, length=4, checkpoints=checkpoints)[0].sum()
+    w = torch.tensor([11.0, 9.0, 10.5], dtype=D, requires_grad=True)  # noqa: F841 - rebinds step's cell
+    with pytest.raises(funckpt.CheckpointError, match="was rebound"):
+        out.backward()
