@@ -1257,18 +1257,19 @@ def leave_unwatched(*exc: Any) -> None:
     _active.unwatched.pop()
 
 
-def _recorded_before(t: torch.Tensor, first_node: int) -> bool:
+def _recorded_before(t: torch.Tensor, first_node: int, leaves: bool = True) -> bool:
     """Does ``t``, at one of its levels, require grad as a leaf or through a graph recorded before the
     autograd node ``first_node``: a differentiable tensor computed before a run started?
 
     Asked of a functorch tensor too, level by level: its level's number alone does not tell it from
     the run's own, where the run is a recomputation at a fresh ``torch.func.vjp`` level that took the
     number of the caller's level, stepped off the stack for its backward pass.
+    ``leaves=False``: a leaf does not count (where nothing tells a leaf made in the run from another).
     """
     while True:
         if t.requires_grad:
             node = t.grad_fn
-            if node is None or node._sequence_nr() < first_node:
+            if (node is None and leaves) or (node is not None and node._sequence_nr() < first_node):
                 return True
         if not is_functorch_wrapped(t):
             return False
@@ -1314,7 +1315,10 @@ def refused_around(captured: Captured) -> dict[int, weakref.ref[Substitute] | No
                 refused[id(original)] = weakref.ref(substitute)
                 break
         else:
-            if bare is not None and all(t is not x for x in bare[1]) and _recorded_before(t, bare[0]):
+            # (Not a leaf: without the mode, a run does not note the tensors it makes, and a leaf the
+            # function made itself, ``t.requires_grad_()`` as HF T5 does, is its own, as in a run with
+            # the mode; a leaf from outside the run the function reaches would have been captured.)
+            if bare is not None and all(t is not x for x in bare[1]) and _recorded_before(t, bare[0], leaves=False):
                 refused[id(original)] = None
             elif is_functorch_wrapped(t) and _foreign_level(t):
                 refused[id(original)] = None

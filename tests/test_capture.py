@@ -2322,3 +2322,17 @@ def test_a_logged_tensor_read_as_a_number_in_the_recomputation_is_no_error():
     aux.clear()
     assert_close([step(remat(f)) for _ in range(2)][-1], expected)
 
+
+def test_a_nested_call_closing_over_a_leaf_the_function_made_is_no_error():
+    """The outer function reaches no tensor (its recomputation runs without the mode) and makes a leaf
+    (``t.requires_grad_()``, as HF T5 does) that a remat'd function it calls closes over: the leaf is
+    the run's own, not a tensor the run around the nested call would refuse."""
+
+    def outer(x, wrap):
+        t = (x * 3).detach()
+        t.requires_grad_()
+        return wrap(lambda y: y * t)(x).sin()
+
+    x = X.clone().requires_grad_()
+    expected = torch.autograd.grad(outer(x, lambda g: g).sum(), x)[0]
+    assert_close(torch.autograd.grad(remat(lambda x: outer(x, remat))(x).sum(), x)[0], expected)
