@@ -309,7 +309,14 @@ def _stacked_leaf(*leaves: Any) -> torch.Tensor:
     return torch.stack(tensors)
 
 
-def _run(
+def _run(*args: Any, **kwargs: Any) -> tuple[Any, Any]:
+    """:func:`_loop` as it is where a tracer records the program for a graph without remat
+    (:func:`funckpt._call.recorded_as_the_function`: the plain loop of the step, which it
+    records), eagerly elsewhere (a graph break under ``torch.compile``)."""
+    return (_loop if recorded_as_the_function() else _run_eagerly)(*args, **kwargs)
+
+
+def _loop(
     step: Step,
     name: str,
     user_fn: Callable[..., Any],
@@ -323,36 +330,16 @@ def _run(
     reaches: Any = None,
     api: str = "scan",
 ) -> tuple[Any, Any]:
-    """Run the loop (:func:`_run_eagerly`); the plain loop of the step where a tracer records
-    the program for a graph without remat (see :func:`funckpt._call.recorded_as_the_function`)."""
-    if recorded_as_the_function():
-        return _remat_each_step(step, name, init, xs, n, reverse, options, go_on, False, reaches)
-    return _run_eagerly(step, name, user_fn, init, xs, n, reverse, checkpoints, options, go_on, reaches, api)
-
-
-@eager_under_compile
-def _run_eagerly(
-    step: Step,
-    name: str,
-    user_fn: Callable[..., Any],
-    init: Any,
-    xs: Any,
-    n: int | None,
-    reverse: bool,
-    checkpoints: int | None,
-    options: RematOptions,
-    go_on: Callable[[int, Any], bool] | None = None,
-    reaches: Any = None,
-    api: str = "scan",
-) -> tuple[Any, Any]:
-    """Run the loop: remat'd step by step (``checkpoints=None``), or as one :class:`LoopRegion`.
+    """Run the loop: remat'd step by step (``checkpoints=None``), or as one :class:`LoopRegion`;
+    the plain loop of the step where a tracer records the program (see :func:`_run`).
 
     ``reaches`` is what the step uses (the user's functions), walked for captured tensors.
     """
     if n == 0:  # nothing to run, nor to stack: the carry as it came in
         return init, None
-    per_step_policy = checkpoints is None and options.policy is not None
-    if per_step_policy or nothing_to_differentiate():
+    recorded = recorded_as_the_function()
+    per_step_policy = checkpoints is None and options.policy is not None and not recorded
+    if per_step_policy or recorded or nothing_to_differentiate():
         return _remat_each_step(step, name, init, xs, n, reverse, options, go_on, per_step_policy, reaches)
     loop = Loop(step, user_fn, n, reverse, checkpoints, go_on, api)
 
@@ -362,6 +349,9 @@ def _run_eagerly(
     region, routed = prepare(_placeholder, options, (init, xs), {}, make_region, name, reaches)
     carry, ys = finish(region, routed, apply(region, routed))
     return carry, ys
+
+
+_run_eagerly = eager_under_compile(_loop)
 
 
 def _placeholder(init: Any, xs: Any) -> Any:  # LoopRegion runs the loop itself
