@@ -76,6 +76,7 @@ from ._errors import (
     check_same_values,
     debug_enabled,
     digest,
+    rebound_error,
     reproduced,
     tensor_meta,
     the_recomputation,
@@ -1077,12 +1078,8 @@ class UserRegion(Region):
 
     def rebound(self, t: torch.Tensor) -> CheckpointError:
         """The error of a recomputation that used ``t``, a differentiable tensor the function did not reach at the call."""
-        return CheckpointError(
-            f"remat({self.name}): between the forward pass and its recomputation, the function came to "
-            f"reach other differentiable tensors than at the call, and used one (shape {tuple(t.shape)}): a "
-            "closure variable, global or partial argument was rebound. The recomputation would use the new "
-            "tensor and the gradient would be wrong. Pass such tensors to the remat'd function as arguments, "
-            "or do not rebind them before the backward pass."
+        return rebound_error(
+            f"remat({self.name})", "the function", t, "Pass such tensors to the remat'd function as arguments"
         )
 
     def _refuse_reached_returned(self, tensors: list[torch.Tensor], reached: list[torch.Tensor]) -> None:

@@ -695,6 +695,18 @@ def the_recomputation() -> str:
     return "the recomputation for forward-mode differentiation"
 
 
+def rebound_error(who: str, function: str, t: torch.Tensor, instead: str) -> CheckpointError:
+    """The error of a recomputation that used ``t``, a differentiable tensor ``function`` (as the
+    message names it) did not reach at the call ``who`` made: a rebound closure variable.
+    ``instead``: how to pass such tensors."""
+    return CheckpointError(
+        f"{who}: between the forward pass and its recomputation, {function} came to reach other "
+        f"differentiable tensors than at the call, and used one (shape {tuple(t.shape)}): a closure "
+        "variable, global or partial argument was rebound. The recomputation would use the new tensor "
+        f"and the gradient would be wrong. {instead}, or do not rebind them before the backward pass."
+    )
+
+
 def check_same_values(
     name: str,
     forward: Sequence[Digest | None],

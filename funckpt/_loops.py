@@ -43,7 +43,7 @@ from ._autograd import Phase, Region, StepVjp, Tensors, apply, eager_under_compi
 from ._call import UserRegion, finish, nothing_to_differentiate, prepare, recorded_as_the_function, run_prepared
 from ._capture import Roots, Substitute, changed_captures, reparametrized
 from ._draws import Drawing, differs_here
-from ._errors import CheckpointError, Digest, check_same_values, digest
+from ._errors import CheckpointError, Digest, check_same_values, digest, rebound_error
 from ._internals import (
     FunctionModesBack,
     autograd_included,
@@ -564,12 +564,7 @@ class LoopRegion(UserRegion):
         return changed_captures(self.loop.user_fn, self.captured)
 
     def rebound(self, t: torch.Tensor) -> CheckpointError:
-        return CheckpointError(
-            f"{self.loop.api}({self.name}): between the forward pass and the backward pass the step function came "
-            f"to reach other differentiable tensors than at the call, and used one (shape {tuple(t.shape)}): a "
-            "closure variable, global or partial argument was rebound; the recomputation would use it and the "
-            "gradient would be wrong. Pass such tensors in the carry or xs, or do not rebind them before the backward."
-        )
+        return rebound_error(f"{self.loop.api}({self.name})", "the step function", t, "Pass such tensors in the carry or xs")
 
     def run_fn(self, init: Any, xs: Any) -> tuple[Any, Any]:
         """The loop's function: the forward sweep in the forward run, the whole loop in a recomputation."""
