@@ -91,6 +91,7 @@ from ._internals import (
     unwrap_one_level,
     autograd_excluded,
     call_with_own_hooks,
+    exporting,
     is_dead_tensor_wrapper,
     has_own_hooks,
     has_gradient_dtype,
@@ -177,7 +178,7 @@ def recorded_as_the_function() -> bool:
     """
     if torch._C._get_tracing_state() is not None:  # (jit.trace; its None test is one C call)
         return True
-    return torch.compiler.is_compiling() and torch.compiler.is_exporting()
+    return torch.compiler.is_compiling() and exporting()
 
 
 @eager_under_compile

@@ -757,6 +757,14 @@ def torch_pytree_node(kind: type) -> tuple[Callable[[Any], tuple[list[Any], Any]
 
 
 # ------------------------------------------------------------ torch.compile
+def exporting() -> bool:
+    """Is ``torch.export`` tracing (strict or not)? Read from torch's own flag where it has one:
+    torch 2.11's Dynamo folds ``torch.compiler.is_exporting()`` to ``True`` in every function it
+    compiles, ``torch.compile``'s included; the flag it reads is set by ``torch.export`` alone."""
+    flag = getattr(torch.compiler, "_is_exporting_flag", None)
+    return torch.compiler.is_exporting() if flag is None else bool(flag)
+
+
 def skip_code(code: Any) -> None:
     """Dynamo never compiles a frame of this code on its own (it may still inline it)."""
     from torch._dynamo.eval_frame import skip_code as _skip
