@@ -152,7 +152,12 @@ def call(
     ``remat`` wrapper wraps, called with its own hooks only (see :class:`WrappedModuleRegion`).
     """
     if recorded_as_the_function():
-        return call_with_own_hooks(fn, args, kwargs) if wrapped else fn(*args, **kwargs)
+        if not wrapped:
+            return fn(*args, **kwargs)
+        if torch.compiler.is_dynamo_compiling():  # (strict export; as the lowered call below takes it)
+            # Dynamo cannot trace call_with_own_hooks' copy of Module._call_impl (its globals).
+            return fn(*args, **kwargs) if has_own_hooks(fn) else cast(Any, fn).forward(*args, **kwargs)
+        return call_with_own_hooks(fn, args, kwargs)
     if torch.compiler.is_compiling():
         if can_lower(options):
             if wrapped and not has_own_hooks(fn):  # (its forward: the wrapper ran the global hooks)

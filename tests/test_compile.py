@@ -570,11 +570,16 @@ def test_remat_of_a_fullgraph_compiled_function_says_to_compile_the_remat_instea
         pytest.param(lambda b: remat(b, policy=policies.save_only_these_names("up")), id="names"),
     ],
 )
-def test_torch_export_of_a_model_with_remat_blocks_computes_the_plain_model(wrap, strict):
+@pytest.mark.parametrize("hooked", [False, True], ids=["", "hooked"])
+def test_torch_export_of_a_model_with_remat_blocks_computes_the_plain_model(wrap, strict, hooked):
     """torch.export.export traces a remat'd call as the function itself (strict export fails on
     the compiler's checkpoint region, torch.utils.checkpoint's included): the exported program
-    gives the plain model's output."""
+    gives the plain model's output. Also for blocks with forward hooks of their own (HF models
+    record hidden states so)."""
     plain, rematted = _nets(wrap, train=False)
+    if hooked:
+        for block in (*plain.blocks, *rematted.blocks):  # (a remat wrapper's hook goes on the module it wraps)
+            getattr(block, "wrapped", block).register_forward_hook(lambda module, args, out: out * 2)
     x = torch.randn(5, D, dtype=torch.double)
     exported = torch.export.export(rematted, (x,), strict=strict)
     torch.testing.assert_close(exported.module()(x), plain(x))
