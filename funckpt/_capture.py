@@ -1734,9 +1734,12 @@ class Substitute(OnThreadStack, TorchFunctionMode):
                 f"{t.dtype} that {'belongs to an enclosing torch.func transform' if wrapped else 'requires grad or carries a forward-mode tangent'}"
                 " but is neither an argument nor reachable through the function's closure, its "
                 "functools.partial arguments, the globals its code names, or the parameters and "
-                "buffers of an nn.Module it is bound to. remat cannot route a gradient to it, and "
-                "it would silently be zero or missing. Pass the tensor to the remat'd function as "
-                "an argument (or make it a parameter or buffer of the module you remat)."
+                "buffers of an nn.Module it is bound to, as they were when the call was made (one "
+                "appended since to a list the function reaches, as a forward hook or the caller "
+                "logging outputs does, is not). remat cannot route a gradient to it, and it would "
+                "silently be zero or missing. Pass the tensor to the remat'd function as an argument "
+                "(or make it a parameter or buffer of the module you remat), or detach it where it "
+                "is logged."
             )
 
     def _on_an_inputs_memory(self, t: torch.Tensor) -> bool:

@@ -2164,8 +2164,9 @@ def test_a_function_reaching_the_list_its_output_is_logged_to(how):
 @pytest.mark.parametrize("how", list(_DIFFERENTIATED))
 def test_a_nested_call_reading_what_was_logged_since_the_call_raises(how, logger):
     """Read, what was logged since the call changes the recomputation: remat refuses it (a
-    CheckpointError, not a raw functorch error nor a wrong gradient)."""
-    with pytest.raises(CheckpointError):
+    CheckpointError, not a raw functorch error nor a wrong gradient), which says the tensor was
+    kept outside the call or reached only since it."""
+    with pytest.raises(CheckpointError, match="kept outside that call|appended since to a list"):
         _DIFFERENTIATED[how](_logged_layer(_with_remat, logger, reads=True))
 
 
