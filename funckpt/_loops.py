@@ -754,6 +754,14 @@ class LoopRegion(UserRegion):
                 stack.enter_context(substitute)
             yield mapping
 
+    def stood_in_again(self, tensors: list[torch.Tensor], mapping: dict[int, torch.Tensor]) -> list[torch.Tensor]:
+        """:func:`_stood_in` for what steps run again in a reversal returned; a tensor among them the
+        step function reaches only since the call (:attr:`reached`: a closure variable rebound since,
+        returned as it is, which no operator received for the mode to refuse) is refused."""
+        if self.reached:
+            self._refuse_reached_returned(tensors, self.reached)
+        return _stood_in(tensors, mapping)
+
     def own_vjp(
         self,
         primals: Tensors,
@@ -813,7 +821,7 @@ class StepRegion(Region):
             new, y = self.region.run_step_again(self.k, carry, x)
         outputs = _step_outputs(new, _tensor_leaves(y))
         self.region.check_step_again(self.k, outputs)
-        tensors = _stood_in(outputs, mapping)
+        tensors = self.region.stood_in_again(outputs, mapping)
         for t, (shape, dtype) in zip(tensors, self.expected):
             if t.shape != shape or (has_gradient_dtype(t) and t.dtype != dtype):
                 raise CheckpointError(
@@ -974,7 +982,7 @@ class Reversal:
                 carry, y = self.region.run_step_again(k, carry, x)
                 self.region.check_step_again(k, _step_outputs(carry, _tensor_leaves(y)))
         tensors, slots = flatten(carry)
-        return _State.of(_stood_in(tensors, mapping), slots, None)
+        return _State.of(self.region.stood_in_again(tensors, mapping), slots, None)
 
     def _reverse(self, state: _State, k: int) -> None:
         """Differentiate step ``k`` from ``state``; the carry's cotangent moves to the step's input."""

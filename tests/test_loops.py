@@ -1272,6 +1272,22 @@ def test_a_steps_closure_tensor_rebound_before_the_backward_raises():
         c.sum().backward()
 
 
+@pytest.mark.parametrize("checkpoints", [None, 1, 2])
+def test_a_step_returning_a_rebound_closure_tensor_as_it_is_raises(checkpoints):
+    """No operator receives a closure tensor a step returns untouched as its y: the reversal
+    refuses the one rebound since the call all the same (with equal values the determinism check
+    cannot see it, and the old tensor's gradient would silently be missing)."""
+    w = torch.randn(3, dtype=D, requires_grad=True)
+
+    def step(c, x):
+        return c * 2, w
+
+    c, ys = funckpt.scan(step, torch.randn(3, dtype=D, requires_grad=True), None, length=2, checkpoints=checkpoints)
+    w = w.detach().clone().requires_grad_()  # noqa: F841 - rebinds step's cell, same values
+    with pytest.raises(funckpt.CheckpointError, match="was rebound"):
+        (c.sum() + ys.sum()).backward()
+
+
 @pytest.mark.parametrize("checkpoints", [1, 2])
 def test_a_step_reading_a_rebound_closure_tensor_detached_raises(checkpoints):
     """The reversal refuses a closure tensor rebound since the call also where a step reads it
