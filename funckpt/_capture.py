@@ -1601,10 +1601,11 @@ class Substitute(OnThreadStack, TorchFunctionMode):
     def _stack_item(self) -> Any:
         return self
 
-    def _swap(self, value: Any, used: set[int] | None, check: bool = True, reached: bool = True) -> Any:
+    def _swap(self, value: Any, used: set[int] | None, check: bool = True) -> Any:
         """``value`` with captured tensors replaced; the inputs it passes are added to ``used``.
         ``check``: are the others checked (:meth:`_check`; not for what :data:`_CUTS_GRADIENT` takes)?
-        ``reached``: are those reached only since the call checked even so (see :data:`_READS_AS_PYTHON`)?"""
+        Those reached only since the call are checked even so: the reads :data:`_READS_AS_PYTHON`
+        leaves to the determinism check take a tensor alone, never in a list or keyword."""
         if isinstance(value, torch.Tensor):
             key = id(value)
             replacement = self.mapping.get(key)
@@ -1616,11 +1617,11 @@ class Substitute(OnThreadStack, TorchFunctionMode):
             if key in self.known:
                 if used is not None:
                     used.add(key)
-            elif key not in self.inside and (check or (reached and key in self.reached_since)):
+            elif key not in self.inside and (check or key in self.reached_since):
                 self._check(value)  # (a tensor reached only since the call: refused even detached)
             return value
         if isinstance(value, (list, tuple)) and value and any(isinstance(v, torch.Tensor) for v in value):
-            swapped = [self._swap(v, used, check, reached) for v in value]
+            swapped = [self._swap(v, used, check) for v in value]
             return type(value)(swapped) if isinstance(value, list) else tuple(swapped)
         return value
 
@@ -1828,7 +1829,7 @@ class Substitute(OnThreadStack, TorchFunctionMode):
                     # estimator's gradient, or any gradient where the determinism check is off.)
                     self._check(a)
             elif isinstance(a, (list, tuple)) and a:
-                b = self._swap(a, used, func not in _CUTS_GRADIENT, func not in _READS_AS_PYTHON)
+                b = self._swap(a, used, func not in _CUTS_GRADIENT)
                 if b is not a:
                     if swapped is None:
                         swapped = list(args)
@@ -1837,7 +1838,7 @@ class Substitute(OnThreadStack, TorchFunctionMode):
             for v in kwargs.values():
                 if isinstance(v, (torch.Tensor, list, tuple)):  # else nothing to swap or check
                     check = func not in _CUTS_GRADIENT
-                    kwargs = {k: self._swap(v, used, check, func not in _READS_AS_PYTHON) for k, v in kwargs.items()}
+                    kwargs = {k: self._swap(v, used, check) for k, v in kwargs.items()}
                     break
         if self.unset and not compiling:
             self._note_reads(func, args if swapped is None else swapped, kwargs or {})
