@@ -70,6 +70,7 @@ from ._internals import (
     bottom,
     forward_ad_level,
     fsdp2_training_state,
+    grad_levels_active,
     has_gradient_dtype,
     interpreter_stack,
     is_batchedtensor,
@@ -229,7 +230,58 @@ def spent_escape(t: torch.Tensor) -> bool:
         return False
     if getattr(t, SPENT, False):  # (a recomputation's copy of one, left where the function put it)
         return True
-    return type(node).__name__ == "_RematFunctionBackward" and getattr(node, "region", 0) is None
+    if type(node).__name__ == "_RematFunctionBackward":
+        return getattr(node, "region", 0) is None
+    # (Below a torch.func grad level, the engine never visits a plain tensor's graph: routed as before.)
+    return not grad_levels_active() and _graph_freed(node)
+
+
+def _graph_freed(node: Any, budget: int = 64) -> bool:
+    """Has a backward pass freed the graph ``node`` ends (some of its saved tensors, within
+    ``budget`` nodes of it)? The value a plain call without remat left in an attribute or a
+    container that the function overwrites (an MoE layer's ``self.aux_loss`` after a step without
+    checkpointing, the old-style ``weight_norm``'s ``weight``): routed as an input, its graph would
+    be visited by the autograd engine in the backward pass, even with no gradient for it, and the
+    engine would raise "Trying to backward through the graph a second time".
+
+    A saved tensor is read only where no saved-tensor hook packed it (reading one may run the
+    hook: ``torch.utils.checkpoint`` would recompute its region); one packed by a hook is told
+    freed by the hook's absence, which the release clears. A custom ``autograd.Function``'s own
+    saved tensors are not read (taken as alive).
+    """
+    seen: set[Any] = set()
+    pending = [node]
+    while pending and budget > 0:
+        node = pending.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        budget -= 1
+        for raw, unpacked in _saved_names(type(node)):
+            try:
+                saved = getattr(node, raw)
+                if any(r.unpack_hook is not None for r in (saved if isinstance(saved, (list, tuple)) else (saved,))):
+                    continue
+                getattr(node, unpacked)
+            except RuntimeError as e:
+                if "freed" in str(e):
+                    return True
+                continue
+        pending.extend(n for n, _ in node.next_functions if n is not None)
+    return False
+
+
+def _saved_names(kind: type) -> tuple[tuple[str, str], ...]:
+    """(raw attribute, unpacking attribute) of each tensor an autograd node of type ``kind`` saves."""
+    names = _SAVED_NAMES.get(kind)
+    if names is None:
+        names = _SAVED_NAMES[kind] = tuple(
+            (raw, raw[len("_raw") :]) for raw in vars(kind) if raw.startswith("_raw_saved_") and raw[len("_raw") :] in vars(kind)
+        )
+    return names
+
+
+_SAVED_NAMES: dict[type, tuple[tuple[str, str], ...]] = {}
 
 
 #: Set on the tensors a recomputation makes where the forward run made escaped ones: the function
@@ -1710,12 +1762,17 @@ class Substitute(OnThreadStack, TorchFunctionMode):
             self.inside.add(id(t))  # (the run's own from now on)
             return
         if foreign and not wrapped and spent_escape(t):
+            earlier = (
+                "an earlier remat'd call computed and kept outside itself"
+                if type(t.grad_fn).__name__ == "_RematFunctionBackward" or getattr(t, SPENT, False)
+                else "an earlier call computed and kept"
+            )
             raise CheckpointError(
-                f"remat({self.name}): the function used a tensor of shape {tuple(t.shape)} that an earlier "
-                "remat'd call computed and kept outside itself (a module attribute, a list, a global) and whose "
-                "backward pass has run since: its graph is freed, and without remat a backward through it "
-                "would raise 'Trying to backward through the graph a second time'. Detach it where it is kept "
-                "if it is state, or compute it again before reading it."
+                f"remat({self.name}): the function used a tensor of shape {tuple(t.shape)} that {earlier} "
+                "(a module attribute, a list, a global) and whose backward pass has run since: its graph is "
+                "freed, and without remat a backward through it would raise 'Trying to backward through the "
+                "graph a second time'. Detach it where it is kept if it is state, or compute it again before "
+                "reading it."
             )
         if foreign and not wrapped and type(t.grad_fn).__name__ == "_RematFunctionBackward":
             raise CheckpointError(

@@ -1254,6 +1254,135 @@ def test_old_style_weight_norm_whose_pre_hook_rebinds_the_weight_with_a_graph():
     assert_close(grads(remat(net)), grads(reference))
 
 
+class _KeepsItsAuxLoss(torch.nn.Module):
+    """An MoE layer's pattern: each call stores a loss term it computed on the module."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4, dtype=D)
+        self.aux_loss = None
+
+    def forward(self, x):
+        y = self.lin(x)
+        self.aux_loss = y.square().mean()
+        return y
+
+
+def test_an_attribute_left_by_a_step_without_remat_is_overwritten_as_without_remat():
+    """Checkpointing turned on after a step without it: the attribute holds that step's value,
+    whose graph its backward pass freed. Routed as an input, the autograd engine visited that
+    graph (even with no gradient for it) and raised torch's "backward through the graph a
+    second time"; it is left where it is, as without remat."""
+    import copy
+
+    torch.manual_seed(0)
+    reference = _KeepsItsAuxLoss()
+    net = copy.deepcopy(reference)
+    checkpointed = remat(net)
+    for step in range(3):
+        grads = []
+        for module, call in ((reference, reference), (net, checkpointed if step else net)):
+            module.zero_grad()
+            (call(X).sum() + module.aux_loss).backward()
+            grads.append([p.grad for p in module.parameters()])
+        assert_close(grads[1], grads[0])
+
+
+@pytest.mark.parametrize("hooks", [None, "save_on_cpu"])
+def test_a_container_entry_left_by_a_call_without_remat_is_overwritten_as_without_remat(hooks):
+    """The function keeps an intermediate in a dict it closes over (keep["h"] = h); called once
+    without remat and differentiated, then remat'd. (A graph saved through saved-tensor hooks is
+    told freed without running them.)"""
+    keep = {}
+    w = GLOBAL_W.detach().clone().requires_grad_()
+
+    def f(x):
+        h = x @ w
+        keep["h"] = h
+        return h.sin().sum()
+
+    def first_call():
+        if hooks is None:
+            f(X).backward()
+        else:
+            with torch.autograd.graph.save_on_cpu():
+                f(X).backward()
+
+    first_call()
+    w.grad = None
+    f(X).backward()
+    expected = w.grad.clone()
+    first_call()
+    w.grad = None
+    remat(f)(X).backward()
+    assert_close(w.grad, expected)
+    assert keep["h"].grad_fn is not None  # (the forward run's, kept as without remat)
+
+
+def test_reading_a_value_whose_graph_a_backward_freed_raises_a_checkpoint_error():
+    """Without remat the backward through it raises torch's RuntimeError; remat says so, in the forward pass."""
+    keep = {}
+    w = GLOBAL_W.detach().clone().requires_grad_()
+
+    def f(x):
+        h = x @ w
+        old = keep.get("h")
+        keep["h"] = h
+        return (h if old is None else h + old).sum()
+
+    f(X).backward()
+    with pytest.raises(RuntimeError, match="second time"):
+        f(X).backward()  # (the un-remat'd program fails too)
+    keep.clear()
+    f(X).backward()
+    with pytest.raises(CheckpointError, match="an earlier call computed and kept .* its graph is freed"):
+        remat(f)(X)
+
+
+@pytest.mark.parametrize("transform", ["grad", "vmap_grad"])
+def test_under_torch_func_a_value_whose_graph_a_backward_freed_is_read_as_without_remat(transform):
+    """A torch.func grad level never differentiates through a plain tensor's graph: reading one whose
+    graph is freed is no error there, with or without remat."""
+    keep = {}
+    w = GLOBAL_W.detach().clone().requires_grad_()
+
+    def produce(x):
+        keep["h"] = x @ w
+        return keep["h"].sum()
+
+    def consume(v):
+        return (X @ v * keep["h"]).sum()
+
+    produce(X).backward()
+    v = GLOBAL_W.detach().clone()
+    if transform == "grad":
+        assert_close(tf.grad(remat(consume))(v), tf.grad(consume)(v))
+    else:
+        vs = torch.stack([v, 2 * v])
+        assert_close(tf.vmap(tf.grad(remat(consume)))(vs), tf.vmap(tf.grad(consume))(vs))
+
+
+def test_a_value_whose_graph_was_retained_is_still_routed():
+    """A graph kept by retain_graph=True is alive: the value is an input, and its gradient flows on."""
+    keep = {}
+    w = GLOBAL_W.detach().clone().requires_grad_()
+
+    def produce(x):
+        keep["h"] = x @ w
+        return keep["h"].sum()
+
+    def consume(x):
+        return (x @ w * keep["h"]).sum()
+
+    def run(call):
+        w.grad = None
+        produce(X).backward(retain_graph=True)
+        call(X).backward()
+        return w.grad
+
+    assert_close(run(remat(consume)), run(consume))
+
+
 class _DynamicRope(torch.nn.Module):
     """HF's ``dynamic_rope_update``: on an input longer than the cached length, or back to the
     original length, rebind the ``inv_freq`` buffer and record the new length (a tensor, as HF's
