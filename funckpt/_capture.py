@@ -635,7 +635,7 @@ def _module_state(module: torch.nn.Module) -> _ModuleState:
                 where[name] = (m, k, p)
         if m._buffers:
             for k, b in m._buffers.items():
-                if b is not None:
+                if b is not None and (b.grad_fn is None or not spent_escape(b)):
                     buffers.append((dot + k, m, k, b))
         first = id(m) not in visited
         if first:

@@ -1288,6 +1288,32 @@ def test_an_attribute_left_by_a_step_without_remat_is_overwritten_as_without_rem
         assert_close(grads[1], grads[0])
 
 
+class _KeepsItsLastOutputInABuffer(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4, dtype=D)
+        self.register_buffer("last", torch.zeros(4, dtype=D))
+
+    def forward(self, x):
+        y = self.lin(x)
+        self.last = y.mean(0)  # (with its graph; overwritten, never read)
+        return y
+
+
+def test_a_buffer_left_by_a_step_without_remat_is_overwritten_as_without_remat():
+    import copy
+
+    torch.manual_seed(0)
+    reference = _KeepsItsLastOutputInABuffer()
+    net = copy.deepcopy(reference)
+    for module in (reference, net):
+        module(X).sum().backward()
+    for module, call in ((reference, reference), (net, remat(net))):
+        module.zero_grad()
+        call(X).sum().backward()
+    assert_close([p.grad for p in net.parameters()], [p.grad for p in reference.parameters()])
+
+
 @pytest.mark.parametrize("hooks", [None, "save_on_cpu"])
 def test_a_container_entry_left_by_a_call_without_remat_is_overwritten_as_without_remat(hooks):
     """The function keeps an intermediate in a dict it closes over (keep["h"] = h); called once
