@@ -237,36 +237,41 @@ def spent_escape(t: torch.Tensor) -> bool:
 
 
 def _graph_freed(node: Any, budget: int = 64) -> bool:
-    """Has a backward pass freed the graph ``node`` ends (some of its saved tensors, within
-    ``budget`` nodes of it)? The value a plain call without remat left in an attribute or a
-    container that the function overwrites (an MoE layer's ``self.aux_loss`` after a step without
-    checkpointing, the old-style ``weight_norm``'s ``weight``): routed as an input, its graph would
-    be visited by the autograd engine in the backward pass, even with no gradient for it, and the
-    engine would raise "Trying to backward through the graph a second time".
+    """Has a backward pass freed the graph ``node`` ends? The value a plain call without remat
+    left in an attribute or a container that the function overwrites (an MoE layer's
+    ``self.aux_loss`` after a step without checkpointing, the old-style ``weight_norm``'s
+    ``weight``): routed as an input, its graph would be visited by the autograd engine in the
+    backward pass, even with no gradient for it, and the engine would raise "Trying to backward
+    through the graph a second time".
 
-    A saved tensor is read only where no saved-tensor hook packed it (reading one may run the
-    hook: ``torch.utils.checkpoint`` would recompute its region); one packed by a hook is told
-    freed by the hook's absence, which the release clears. A custom ``autograd.Function``'s own
-    saved tensors are not read (taken as alive).
+    Told by the first node that saved tensors, breadth first from ``node`` (within ``budget``
+    nodes): a backward pass frees every node it runs, so a freed graph's first such node is freed
+    (a graph built since on top of a freed one is taken as alive, as before). A saved tensor is
+    read only where no saved-tensor hook packed it (reading one may run the hook:
+    ``torch.utils.checkpoint`` would recompute its region); one packed by a hook is told freed by
+    the hook's absence, which the release clears. A custom ``autograd.Function``'s own saved
+    tensors are not read.
     """
     seen: set[Any] = set()
-    pending = [node]
+    pending = collections.deque([node])
     while pending and budget > 0:
-        node = pending.pop()
+        node = pending.popleft()
         if node in seen:
             continue
         seen.add(node)
         budget -= 1
-        for raw, unpacked in _saved_names(type(node)):
+        names = _saved_names(type(node))
+        for raw, unpacked in names:
             try:
                 saved = getattr(node, raw)
                 if any(r.unpack_hook is not None for r in (saved if isinstance(saved, (list, tuple)) else (saved,))):
-                    continue
+                    return False  # (alive, its hooks in place)
                 getattr(node, unpacked)
             except RuntimeError as e:
                 if "freed" in str(e):
                     return True
-                continue
+        if names:
+            return False
         pending.extend(n for n, _ in node.next_functions if n is not None)
     return False
 
