@@ -1303,3 +1303,27 @@ def test_a_step_reading_a_rebound_closure_tensor_detached_raises(checkpoints):
     w = torch.tensor([11.0, 9.0, 10.5], dtype=D, requires_grad=True)  # noqa: F841 - rebinds step's cell
     with pytest.raises(funckpt.CheckpointError, match="was rebound"):
         out.backward()
+
+
+@pytest.mark.parametrize("checkpoints", [None, 1, 2])
+def test_a_step_reaching_a_value_whose_graph_a_backward_freed_is_as_the_plain_loop(checkpoints):
+    """A step that reaches, and does not use, what an earlier differentiated call left in a container
+    (its graph freed): not an input of the loop, whose backward pass would visit that graph and raise
+    torch's "backward through the graph a second time"."""
+    w, b, xs, c0 = make()
+    w = w.requires_grad_()
+    held = {"old": torch.sin(c0 @ w)}
+    held["old"].sum().backward()
+
+    def step(c, x):
+        assert "old" in held  # (reaches it)
+        return cell(w, b, c, x)
+
+    def grad_of(loop):
+        w.grad = None
+        c, ys = loop(step, c0, xs)
+        (c.sum() + ys.sum()).backward()
+        return w.grad
+
+    plain = grad_of(python_scan)
+    assert_close(grad_of(lambda f, c, xs: funckpt.scan(f, c, xs, checkpoints=checkpoints)), plain)
