@@ -45,6 +45,7 @@ from ._capture import (
     stored_attributes,
     Substitute,
     Taint,
+    Reached,
     changed_captures,
     differentiable_input,
     enter_unwatched,
@@ -340,7 +341,7 @@ def prepare(
         if leaf is not None and not isinstance(leaf, (str, bytes, int, float, complex))
     ]
     roots = [*(reaches if isinstance(reaches, Roots) else [fn if reaches is None else reaches]), *objects]
-    captured = find_captured(Roots(roots) if len(roots) > 1 else roots[0])
+    captured = find_captured(Roots(roots) if len(roots) > 1 else roots[0], record_places=True)
     refused = refused_around(captured)  # (a call nested in another's run: see refused_around)
     if refused:
         captured = dataclasses.replace(captured, tensors=[t for t in captured.tensors if id(t) not in refused])
@@ -851,6 +852,7 @@ class UserRegion(Region):
     # records no graph of its own: no closure rebound, for the check before a recomputation
     # (see _refuse_tainted_escapes).
     made_and_kept: Sequence[weakref.ref[torch.Tensor]] = ()
+    _reached: Reached | None = None  # (the last recomputation's, for its error to say where: see rebound)
     # The tensors the call reaches that a run it is nested in would refuse, left to that run's
     # substitution rather than taken as inputs (set by prepare: see refused_around).
     refused: dict[int, weakref.ref[Substitute] | None] = {}  # (never written: replaced)
@@ -1080,12 +1082,15 @@ class UserRegion(Region):
         """The differentiable tensors the function reaches now and did not at the call (see
         :func:`changed_captures`): a recomputation refuses a use of one (:meth:`rebound`)."""
         made = (t for r in self.made_and_kept if (t := r()) is not None)
-        return changed_captures(self.fn, self.captured, made)
+        reached = changed_captures(self.fn, self.captured, made)
+        self._reached = reached
+        return reached
 
     def rebound(self, t: torch.Tensor) -> CheckpointError:
-        """The error of a recomputation that used ``t``, a differentiable tensor the function did not reach at the call."""
+        """The error of a recomputation that used ``t``, a tensor the function reaches now and did not at
+        the call, or not there (see :func:`changed_captures`)."""
         return rebound_error(
-            f"remat({self.name})", "the function", t, "Pass such tensors to the remat'd function as arguments"
+            f"remat({self.name})", "the function", t, "Pass such tensors to the remat'd function as arguments", self._reached
         )
 
     def _refuse_reached_returned(self, tensors: list[torch.Tensor], reached: list[torch.Tensor]) -> None:

@@ -173,6 +173,11 @@ class Captured:
     # (module, child's name, child) for every submodule of those modules at the call: where one was
     # replaced since, ``reparametrized`` finds the places by name again, as functional_call would.
     edges: list[tuple[torch.nn.Module, str, Any]] = field(default_factory=list)
+    # Where the walk found each tensor it reached other than as a module's (its path from ``walked``,
+    # see :func:`_tensor_places`), for a recomputation to tell a container reordered or a closure
+    # rebound since (see :func:`changed_captures`). ``None`` where the call reaches none such.
+    at_places: dict[tuple[Any, ...], dict[Any, torch.Tensor]] | None = None
+    walked: Any = None
 
 
 def _walk(
@@ -298,7 +303,7 @@ class Roots(tuple):  # type: ignore[type-arg]
     """Several objects a call reaches, walked each from depth 0 (see :func:`find_captured`)."""
 
 
-def find_captured(fn: Callable[..., Any] | Roots, modules_too: bool = True) -> Captured:
+def find_captured(fn: Callable[..., Any] | Roots, modules_too: bool = True, record_places: bool = False) -> Captured:
     """Tensors reachable from ``fn`` other than through its call arguments.
 
     Walks modules (parameters, buffers and plain tensor attributes), bound
@@ -308,7 +313,8 @@ def find_captured(fn: Callable[..., Any] | Roots, modules_too: bool = True) -> C
     each tensor once, in discovery order, each ``torch.Generator`` found, and
     each module with its named tensors. ``modules_too=False`` leaves out what
     modules hold (their forward's code is still walked): the tensors reached
-    directly only.
+    directly only. ``record_places``: where it finds tensors other than a module's, record where each
+    sits (:attr:`Captured.at_places`), for :func:`changed_captures`.
     """
     if type(fn) is types.FunctionType and _reaches_nothing(fn):
         return _NOTHING  # what the walk below finds for such a function, without its set-up
@@ -335,11 +341,14 @@ def find_captured(fn: Callable[..., Any] | Roots, modules_too: bool = True) -> C
     training: list[tuple[torch.nn.Module, bool]] = []
     places: list[list[tuple[torch.nn.Module, str, torch.Tensor]]] = []
     edges: list[tuple[torch.nn.Module, str, Any]] = []
+    direct: list[torch.Tensor] = []  # (one tensor reached other than as a module's is enough)
 
     def leaf(obj: Any) -> bool:
         if isinstance(obj, torch.Tensor):
             if not spent_escape(obj):
                 found.setdefault(id(obj), obj)
+                if not direct:
+                    direct.append(obj)
             return True
         if is_generator(obj):
             generators.setdefault(id(obj), obj)
@@ -403,10 +412,145 @@ def find_captured(fn: Callable[..., Any] | Roots, modules_too: bool = True) -> C
         return parts
 
     _walk(fn, leaf, expand, budget=_MAX_ITEMS, max_depth=_MAX_DEPTH, depth_first=True)
-    return Captured(list(found.values()), list(generators.values()), modules, training, places, edges)
+    captured = Captured(list(found.values()), list(generators.values()), modules, training, places, edges)
+    if record_places and direct:  # (a closure, partial or global holding tensors: not the common case)
+        captured.at_places, captured.walked = _tensor_places(fn), fn
+    return captured
 
 
 _NOTHING = Captured()  # shared: nothing changes a Captured once found
+
+
+def _tensor_places(root: Any) -> dict[tuple[Any, ...], dict[Any, torch.Tensor]]:
+    """The tensors :func:`find_captured` reaches from ``root`` other than as a module's, by where they
+    sit: for each object holding some (a function, a container, a partial, an object), its path from
+    ``root`` to the tensors it holds by key (a closure variable's or global's name, an index, a dict
+    key, an attribute), as the walk first reaches it, to the same depth and size bounds.
+
+    A path names a place, not an object: a list rebuilt in another order, or reordered in place,
+    holds other tensors at the same paths; a dict rebuilt with the same keys, in whatever order,
+    the same ones. (A set's elements sit nowhere in particular: not recorded.)
+    """
+    found: dict[tuple[Any, ...], dict[Any, torch.Tensor]] = {}
+    pending: list[tuple[tuple[Any, ...], Any, int]]
+    if type(root) is Roots:
+        pending = [((k,), r, 0) for k, r in reversed(list(enumerate(root)))]
+    else:
+        pending = [((0,), root, 0)]
+    seen: dict[int, Any] = {}  # (what the walk visited, alive while it runs: an id is not reused)
+    budget = _MAX_ITEMS
+    while pending:
+        budget -= 1
+        if budget < 0:
+            break
+        path, item, depth = pending.pop()
+        if id(item) in seen or depth > _MAX_DEPTH:
+            continue
+        seen[id(item)] = item
+        parts = _keyed_parts(item)
+        tensors = None
+        for key, part in reversed(parts.items()):
+            if isinstance(part, torch.Tensor):
+                if not spent_escape(part):
+                    if tensors is None:
+                        tensors = found[path] = {}
+                    tensors[key] = part
+            elif not (part is None or isinstance(part, _NOT_ENTERED) or type(part) in weakref.ProxyTypes or is_generator(part)):
+                pending.append((path + (key,), part, depth + 1))
+    return found
+
+
+#: What the walk of :func:`_tensor_places` records or stops at rather than entering.
+_NOT_ENTERED = (str, bytes, int, float)
+
+
+def _keyed_parts(obj: Any) -> dict[Any, Any]:
+    """What ``find_captured``'s walk (``modules_too=False``) enters from ``obj``, by key."""
+    if isinstance(obj, (list, tuple)):
+        return {} if len(obj) > _MAX_CONTAINER else dict(enumerate(obj))
+    if isinstance(obj, dict):
+        if len(obj) > _MAX_CONTAINER:
+            return {}
+        # (A key that is not plain data stands for itself: a tensor key hashes by identity, and a
+        # dict compares equal hashes by identity first.)
+        return dict(obj)
+    if isinstance(obj, torch.nn.Module):
+        return {_FORWARD: type(obj).forward}
+    if isinstance(obj, types.FunctionType):
+        if _is_library(obj):
+            return {}
+        parts: dict[Any, Any] = {}
+        for name, cell in zip(obj.__code__.co_freevars, obj.__closure__ or ()):
+            try:
+                parts[("variable", name)] = cell.cell_contents
+            except ValueError:  # empty cell
+                pass
+        for k, v in enumerate(obj.__defaults__ or ()):
+            parts[("default", k)] = v
+        for name, v in (obj.__kwdefaults__ or {}).items():
+            parts[("default", name)] = v
+        namespace = obj.__globals__
+        for name in _global_names(obj.__code__):
+            value = namespace.get(name, _MISSING)
+            if value is not _MISSING and not isinstance(value, (types.ModuleType, type)):
+                parts[("global", name)] = value
+        return parts
+    if isinstance(obj, functools.partial):
+        parts = {("argument", k): a for k, a in enumerate(obj.args)}
+        parts.update({("keyword", k): v for k, v in obj.keywords.items()})
+        parts[_FUNCTION] = obj.func
+        return parts
+    if isinstance(obj, types.MethodType):
+        return {_SELF: obj.__self__, _FUNCTION: obj.__func__}
+    if isinstance(obj, (set, frozenset, type, types.ModuleType, types.BuiltinFunctionType)):
+        return {}
+    if callable(obj) and not hasattr(obj, "__dict__"):
+        return {}
+    if _stdlib_service(getattr(type(obj), "__module__", None) or ""):
+        return {}
+    parts = {}
+    attrs = getattr(obj, "__dict__", None)
+    if isinstance(attrs, dict) and len(attrs) <= _MAX_CONTAINER:
+        parts.update((("attribute", k), v) for k, v in attrs.items())
+    for klass in type(obj).__mro__:
+        slots = getattr(klass, "__slots__", ())
+        for slot in (slots,) if isinstance(slots, str) else slots:
+            if slot not in ("__dict__", "__weakref__") and hasattr(obj, slot):
+                parts[("attribute", slot)] = getattr(obj, slot)
+    if callable(obj) and not isinstance(obj, type):
+        parts[_FUNCTION] = getattr(type(obj), "__call__", None)
+    return parts
+
+
+# The keys of what :func:`_keyed_parts` gives that no place is named by (a list's are its indices, a
+# dict's its keys: these are tuples, as the keys of a function's variables and of attributes).
+_FORWARD, _FUNCTION, _SELF = ("forward",), ("function",), ("self",)
+
+
+def _place_name(path: tuple[Any, ...], key: Any) -> str:
+    """How an error names a place :func:`_tensor_places` found: ``layers[0]``, ``cfg.w``, ``partial argument 1``."""
+    name = ""
+    for step in (*path[1:], key):
+        kind = step[0] if type(step) is tuple and step and isinstance(step[0], str) else None
+        if type(step) is tuple and step in (_FORWARD, _FUNCTION):
+            continue  # (a module's forward, a method's function, an object's __call__: the same place)
+        if type(step) is tuple and step == _SELF:
+            name = name or "self"
+        elif kind in ("variable", "global") and len(step) == 2:
+            name = str(step[1])
+        elif kind == "default" and len(step) == 2:
+            name = f"the default {step[1]!r}"
+        elif kind == "argument" and len(step) == 2:
+            name = f"partial argument {step[1]}"
+        elif kind == "keyword" and len(step) == 2:
+            name = f"partial keyword {step[1]!r}"
+        elif kind == "attribute" and len(step) == 2:
+            name += f".{step[1]}"
+        elif isinstance(step, (str, int, bytes, float, tuple)) or step is None:
+            name += f"[{step!r}]"
+        else:
+            name += "[<object>]"
+    return name or "a place"
 
 
 def _reaches_nothing(fn: types.FunctionType) -> bool:
@@ -559,20 +703,41 @@ def _parts(item: Any) -> list[Any]:
     return parts
 
 
-def changed_captures(fn: Callable[..., Any], before: Captured, made: Iterable[torch.Tensor] = ()) -> list[torch.Tensor]:
-    """Differentiable leaves (or live functorch tensors) ``fn`` reaches now but did not at the call.
+class Reached(list):  # type: ignore[type-arg]
+    """What :func:`changed_captures` found: the tensors, and for those found at a place that held
+    another tensor at the call, the place's name (``where``) and whether the tensor there now was
+    reached at the call too, elsewhere (``moved``), by id."""
+
+    where: dict[int, str] = {}  # (shared, never written: replaced where there is something to say)
+    moved: frozenset[int] | set[int] = frozenset()
+
+
+def changed_captures(fn: Callable[..., Any], before: Captured, made: Iterable[torch.Tensor] = ()) -> Reached:
+    """Tensors ``fn`` reaches now that a recomputation must not use in place of the call's.
 
     Between the forward pass and a recomputation, a closure cell, global or
     partial argument may have been rebound to another tensor; the recomputation
     would silently use it, so it refuses a use of one (see
-    :meth:`Substitute.reached_since_the_call`). Module tensors are left out (they are
+    :meth:`Substitute.reached_since_the_call`): differentiable leaves (or live functorch tensors)
+    reached now and not at the call. Module tensors are left out (they are
     re-parametrized to the call's), and so are results of computations, which
     ``fn`` itself may have stored in a container it closes over: ``made``, those of
     its forward run still alive that are functorch tensors of a level still alive.
+
+    Where the call recorded where it found its tensors (:attr:`Captured.at_places`), also any
+    tensor now at a place that held another tensor at the call, where either carries a derivative:
+    one the call reached too (a list reordered, an element moved: the recomputation would use it
+    where the forward run used the other, each standing in for the other, and with equal values no
+    check could tell), or a new one (rebound to a constant, or to a tensor of a transform's level
+    that has ended since: the tensor there at the call would silently get no gradient).
     """
     now = find_captured(fn, modules_too=False)
-    seen = {id(t) for t in before.tensors} | {id(t) for t in made}
-    changed = [
+    if not now.tensors and before.at_places is None:
+        return Reached()  # (the common case: a function reaching nothing but modules, told at once)
+    made_ids = {id(t) for t in made}
+    at_the_call = {id(t) for t in before.tensors}
+    seen = at_the_call | made_ids
+    changed = Reached(
         t
         for t in now.tensors
         if id(t) not in seen
@@ -580,11 +745,41 @@ def changed_captures(fn: Callable[..., Any], before: Captured, made: Iterable[to
             (is_functorch_wrapped(t) and not is_dead_tensor_wrapper(t) and _may_carry_a_derivative(t))
             or (t.requires_grad and t.grad_fn is None)
         )
-    ]
+    )
+    if before.at_places is not None:
+        changed.where, changed.moved = {}, set()
+        listed = {id(t) for t in changed}
+        for path, held_now in _tensor_places(before.walked).items():
+            held_then = before.at_places.get(path)
+            if held_then is None:
+                continue
+            for key, t in held_now.items():
+                then = held_then.get(key)
+                if then is None or then is t or id(t) in made_ids or id(t) in changed.where:
+                    continue
+                if id(t) in listed and id(t) not in at_the_call:
+                    continue  # (a differentiable leaf rebound: told as such)
+                if not (_carries_a_derivative(then) or _carries_a_derivative(t)):
+                    continue  # (a constant changed for another: the determinism check sees other values)
+                if id(t) in at_the_call:
+                    changed.moved.add(id(t))
+                changed.where[id(t)] = _place_name(path, key)
+                if id(t) not in listed:
+                    listed.add(id(t))
+                    changed.append(t)
     if not changed:  # the common case, told without walking the modules
         return changed
     held = {id(t) for _, named in find_captured(fn).modules for t in named.values()}
-    return [t for t in changed if id(t) not in held]
+    kept = Reached(t for t in changed if id(t) not in held or id(t) in changed.where)
+    if changed.where:
+        kept.where, kept.moved = changed.where, changed.moved
+    return kept
+
+
+def _carries_a_derivative(t: torch.Tensor) -> bool:
+    """Could a derivative flow into ``t`` (see :func:`_may_carry_a_derivative`; a dead functorch
+    wrapper counts as it reads: its level's flag)?"""
+    return t.requires_grad or has_tangent(t) or (is_functorch_wrapped(t) and _may_carry_a_derivative(t))
 
 
 def _may_carry_a_derivative(t: torch.Tensor) -> bool:
@@ -1667,6 +1862,8 @@ class Substitute(OnThreadStack, TorchFunctionMode):
             key = id(value)
             replacement = self.mapping.get(key)
             if replacement is not None:
+                if self.reached_since and key in self.reached_since:
+                    self._check(value)  # (reached at the call, now where another one was: see changed_captures)
                 self.hit = True
                 if used is not None:
                     used.add(id(replacement))
@@ -1872,6 +2069,12 @@ class Substitute(OnThreadStack, TorchFunctionMode):
                 key = id(a)
                 replacement = mapping.get(key) if mapping else None
                 if replacement is not None:
+                    if (
+                        self.reached_since
+                        and key in self.reached_since
+                        and (func not in _READS_AS_PYTHON or not is_functorch_wrapped(a))
+                    ):
+                        self._check(a)  # (reached at the call, now where another one was: see changed_captures)
                     self.hit = True
                     if used is not None:
                         used.add(id(replacement))

@@ -695,15 +695,37 @@ def the_recomputation() -> str:
     return "the recomputation for forward-mode differentiation"
 
 
-def rebound_error(who: str, function: str, t: torch.Tensor, instead: str) -> CheckpointError:
-    """The error of a recomputation that used ``t``, a differentiable tensor ``function`` (as the
-    message names it) did not reach at the call ``who`` made: a rebound closure variable.
-    ``instead``: how to pass such tensors."""
+def rebound_error(who: str, function: str, t: torch.Tensor, instead: str, reached: Any = None) -> CheckpointError:
+    """The error of a recomputation that used ``t``, a tensor ``function`` (as the message names it)
+    did not reach at the call ``who`` made, or not where it reaches it now: a rebound closure
+    variable, a reordered container. ``instead``: how to pass such tensors. ``reached``: what
+    :func:`~funckpt._capture.changed_captures` found (its ``where`` and ``moved``), if known."""
+    where = getattr(reached, "where", {}).get(id(t))
+    if where is None:
+        return CheckpointError(
+            f"{who}: between the forward pass and its recomputation, {function} came to reach other "
+            f"differentiable tensors than at the call, and used one (shape {tuple(t.shape)}): a closure "
+            "variable, global or partial argument was rebound. The recomputation would use the new tensor "
+            f"and the gradient would be wrong. {instead}, or do not rebind them before the backward pass."
+        )
+    if id(t) in getattr(reached, "moved", ()):
+        return CheckpointError(
+            f"{who}: between the forward pass and its recomputation, the tensor at {where!r}, which "
+            f"{function} reaches, was replaced by another tensor it reached at the call elsewhere (a list or "
+            "tuple reordered, reversed or sorted, an element inserted or removed before it, a dict value or "
+            "attribute swapped, or a closure variable, global or partial argument rebound), and the "
+            f"recomputation used it (shape {tuple(t.shape)}). It would compute with it where the forward pass "
+            "used the other, and their gradients would go to the wrong tensors. "
+            f"{instead}, or do not reorder or rebind them before the backward pass."
+        )
     return CheckpointError(
-        f"{who}: between the forward pass and its recomputation, {function} came to reach other "
-        f"differentiable tensors than at the call, and used one (shape {tuple(t.shape)}): a closure "
-        "variable, global or partial argument was rebound. The recomputation would use the new tensor "
-        f"and the gradient would be wrong. {instead}, or do not rebind them before the backward pass."
+        f"{who}: between the forward pass and its recomputation, the tensor at {where!r}, which {function} "
+        "reaches, was rebound to a tensor it did not reach at the call (a closure variable, global or "
+        "partial argument rebound, an element of a list, tuple or dict replaced: to a constant, or to a "
+        "tensor made inside a torch.func transform that has ended since), and the recomputation used it (shape "
+        f"{tuple(t.shape)}). It would compute with it where the forward pass used the tensor there at the "
+        f"call, whose gradient would be wrong or silently missing. {instead}, or do not rebind them before "
+        "the backward pass."
     )
 
 

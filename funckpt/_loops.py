@@ -561,10 +561,13 @@ class LoopRegion(UserRegion):
         )
 
     def reached_since_the_call(self) -> list[torch.Tensor]:
-        return changed_captures(self.loop.user_fn, self.captured)
+        self._reached = changed_captures(self.loop.user_fn, self.captured)
+        return self._reached
 
     def rebound(self, t: torch.Tensor) -> CheckpointError:
-        return rebound_error(f"{self.loop.api}({self.name})", "the step function", t, "Pass such tensors in the carry or xs")
+        return rebound_error(
+            f"{self.loop.api}({self.name})", "the step function", t, "Pass such tensors in the carry or xs", self._reached
+        )
 
     def run_fn(self, init: Any, xs: Any) -> tuple[Any, Any]:
         """The loop's function: the forward sweep in the forward run, the whole loop in a recomputation."""

@@ -2492,3 +2492,267 @@ def test_a_nested_call_closing_over_a_leaf_the_function_made_is_no_error():
     x = X.clone().requires_grad_()
     expected = torch.autograd.grad(outer(x, lambda g: g).sum(), x)[0]
     assert_close(torch.autograd.grad(remat(lambda x: outer(x, remat))(x).sum(), x)[0], expected)
+
+
+# --- A tensor the function reached at the call, found later where another one sat -------------------
+# The recomputation swaps each captured tensor for its stand-in by identity: a list reordered between
+# the forward and the backward pass has it compute with one tensor where the forward pass used
+# another, and with equal values neither the determinism check nor the gradients' shapes show it.
+
+
+def _twins():
+    a = torch.randn(3, dtype=D, generator=torch.Generator().manual_seed(11)).requires_grad_()
+    return a, a.detach().clone().requires_grad_()
+
+
+def _reordered_list():
+    a, b = _twins()
+    lst = [a, b]
+    return (lambda x: (lst[0] * x).sum()), lst.reverse
+
+
+def _tuple_cell_rebuilt():
+    a, b = _twins()
+    pair = (a, b)
+
+    def f(x):
+        return (pair[1] * x).sum()
+
+    def reorder():
+        nonlocal pair
+        pair = (b, a)
+
+    return f, reorder
+
+
+def _dict_values_swapped():
+    a, b = _twins()
+    d = {"p": a, "q": b}
+
+    def reorder():
+        d["p"], d["q"] = d["q"], d["p"]
+
+    return (lambda x: (d["p"] * x).sum()), reorder
+
+
+def _attributes_swapped():
+    a, b = _twins()
+    o = types.SimpleNamespace(u=a, v=b)
+
+    def reorder():
+        o.u, o.v = o.v, o.u
+
+    return (lambda x: (o.u * x).sum()), reorder
+
+
+REORDERED_GLOBAL = []
+
+
+def _global_list_reversed():
+    REORDERED_GLOBAL[:] = _twins()
+
+    def f(x):
+        return (REORDERED_GLOBAL[0] * x).sum()
+
+    return f, REORDERED_GLOBAL.reverse
+
+
+def _partial_argument_reversed():
+    a, b = _twins()
+    lst = [a, b]
+    p = functools.partial(lambda ws, x: (ws[0] * x).sum(), lst)
+    return (lambda x: p(x)), lst.reverse
+
+
+def _inserted_before():
+    a, b = _twins()
+    lst = [a, b]
+    return (lambda x: (lst[1] * x).sum()), lambda: lst.insert(0, torch.zeros(3, dtype=D))
+
+
+def _returned_as_it_is():
+    a, b = _twins()
+    lst = [a, b]
+    return (lambda x: ((x * 2).sum(), lst[0])), lst.reverse
+
+
+_REORDERED = {
+    "list reversed": _reordered_list,
+    "tuple cell rebuilt": _tuple_cell_rebuilt,
+    "dict values swapped": _dict_values_swapped,
+    "attributes swapped": _attributes_swapped,
+    "global list reversed": _global_list_reversed,
+    "partial argument reversed": _partial_argument_reversed,
+    "inserted before": _inserted_before,
+    "returned as it is": _returned_as_it_is,
+}
+
+
+def _total(out):
+    return out if isinstance(out, torch.Tensor) else out[0] + out[1].sum()
+
+
+def _reorder_then_differentiate(route, make, use_remat):
+    """Call (the remat'd) function, reorder what it reads, then differentiate: the gradients."""
+    fn, reorder = make()
+    f = remat(fn) if use_remat else fn
+    x = torch.randn(3, dtype=D, generator=torch.Generator().manual_seed(12))
+    if route == "backward":
+        x.requires_grad_()
+        out = _total(f(x))
+        reorder()
+        out.backward()
+        return x.grad
+
+    def called_then_reordered(x):
+        out = _total(f(x))
+        reorder()
+        return out
+
+    if route == "grad":
+        return tf.grad(called_then_reordered)(x)
+    if route == "vjp":
+        out, pullback = tf.vjp(lambda x: _total(f(x)), x)
+        reorder()
+        return pullback(torch.ones((), dtype=D))[0]
+    assert route == "vmap(grad)"
+    return tf.vmap(tf.grad(called_then_reordered))(torch.stack([x, 2 * x]))
+
+
+@pytest.mark.parametrize("route", ["backward", "grad", "vjp", "vmap(grad)"])
+@pytest.mark.parametrize("case", list(_REORDERED))
+def test_a_closure_tensor_moved_where_another_one_sat_raises(case, route):
+    """Reordered (equal values), the recomputation would read b where the forward pass read a: a's
+    gradient would go to b. A use of the moved tensor is refused, naming the place."""
+    make = _REORDERED[case]
+    with pytest.raises(CheckpointError, match="was replaced by another tensor it reached at the call elsewhere"):
+        _reorder_then_differentiate(route, make, True)
+
+
+def test_a_reordered_closure_list_names_the_place_and_what_to_do():
+    fn, reorder = _reordered_list()
+    y = remat(fn)(X[0, :3].clone().requires_grad_())
+    reorder()
+    with pytest.raises(CheckpointError, match=r"at 'lst\[0\]'.*Pass such tensors to the remat'd function as arguments, or do not reorder"):
+        y.backward()
+
+
+def _dict_rebuilt_in_another_order():
+    a, b = _twins()
+    d = {"p": a, "q": b}
+
+    def f(x):
+        return (d["p"] * x + d["q"] * x.sum()).sum()
+
+    def rebuild():
+        nonlocal d
+        d = {"q": d["q"], "p": d["p"]}
+
+    return f, rebuild
+
+
+def _inserted_before_the_one_read():
+    a, b = _twins()
+    lst = [a, b]
+    return (lambda x: (lst[-1] * x).sum()), lambda: lst.insert(0, torch.ones(3, dtype=D, requires_grad=True))
+
+
+def _appended():
+    a, b = _twins()
+    lst = [a, b]
+    return (lambda x: (lst[0] * x + lst[1]).sum()), lambda: lst.append(torch.ones(3, dtype=D, requires_grad=True))
+
+
+def _moved_but_not_read():
+    a, b = _twins()
+    lst = [a, b]
+    c = torch.randn(3, dtype=D, generator=torch.Generator().manual_seed(14)).requires_grad_()
+    return (lambda x: (c * x).sum() + len(lst)), lst.reverse
+
+
+def _equal_constants_swapped():
+    a = torch.randn(3, dtype=D, generator=torch.Generator().manual_seed(15))
+    lst = [a, a.clone()]
+    return (lambda x: (lst[0] * x).sum()), lst.reverse
+
+
+_NOT_REORDERED = {
+    "dict rebuilt in another order": _dict_rebuilt_in_another_order,
+    "inserted before the one read": _inserted_before_the_one_read,
+    "appended": _appended,
+    "moved but not read": _moved_but_not_read,
+    "equal constants swapped": _equal_constants_swapped,
+}
+
+
+@pytest.mark.parametrize("route", ["backward", "grad", "vjp", "vmap(grad)"])
+@pytest.mark.parametrize("case", list(_NOT_REORDERED))
+def test_a_closure_container_changed_where_the_function_reads_the_same_tensors(case, route):
+    """No false alarm: the function reads at the backward the tensors it read at the call."""
+    make = _NOT_REORDERED[case]
+    assert_close(_reorder_then_differentiate(route, make, True), _reorder_then_differentiate(route, make, False))
+
+
+def test_a_closure_container_changed_keeps_the_closure_tensors_gradients():
+    """The tensors the function read at the call get the gradients they get without remat."""
+    for make in (_dict_rebuilt_in_another_order, _inserted_before_the_one_read, _appended):
+        grads = []
+        for use_remat in (False, True):
+            fn, change = make()
+            held = fn.__closure__[0].cell_contents
+            held = list(held.values()) if isinstance(held, dict) else list(held)
+            x = torch.randn(3, dtype=D, generator=torch.Generator().manual_seed(13)).requires_grad_()
+            out = (remat(fn) if use_remat else fn)(x)
+            change()
+            out.backward()
+            grads.append([x.grad] + [t.grad for t in held])
+        assert_close(grads[1], grads[0])
+
+
+def test_a_closure_tensor_replaced_by_an_equal_constant_raises():
+    """Replaced by a constant with the same values, the tensor there at the call would silently
+    get no gradient (the determinism check sees the same values)."""
+    a = torch.randn(3, dtype=D, requires_grad=True)
+    box = [a]
+    y = remat(lambda x: (box[0] * x).sum())(torch.randn(3, dtype=D, requires_grad=True))
+    box[0] = a.detach().clone()
+    with pytest.raises(CheckpointError, match=r"at 'box\[0\]'.*was rebound to a tensor it did not reach"):
+        y.backward()
+
+
+_JACREV_REBOUND = {}
+
+
+def _reads_jacrev_rebound(x):
+    return (_JACREV_REBOUND["w"] * x).sum()
+
+
+def _rebinds_at_its_level(y):
+    # A tensor of jacrev's level, with the values of the one there at the call: dead once jacrev returns.
+    _JACREV_REBOUND["w"] = _JACREV_REBOUND["w"].detach() + 0 * y
+    return y * 1.0
+
+
+@pytest.mark.parametrize("route", ["backward", "grad"])
+def test_a_closure_rebound_inside_jacrev_to_a_tensor_of_its_level_dead_by_the_backward_raises(route):
+    """The recomputation would read the dead wrapper (its values, no gradient) where the forward
+    pass read the tensor there at the call, whose gradient would silently be missing."""
+    w = torch.randn(3, dtype=D, requires_grad=True)
+    x = torch.randn(3, dtype=D, requires_grad=True)
+    f = remat(_reads_jacrev_rebound)
+    if route == "backward":
+        _JACREV_REBOUND["w"] = w
+        y = f(x)
+        tf.jacrev(_rebinds_at_its_level)(torch.randn(3, dtype=D))
+        with pytest.raises(CheckpointError, match=r"at \"_JACREV_REBOUND\['w'\]\".*was rebound"):
+            y.backward()
+        return
+
+    def loss(x, w):
+        _JACREV_REBOUND["w"] = w
+        y = f(x)
+        tf.jacrev(_rebinds_at_its_level)(torch.randn(3, dtype=D))
+        return y
+
+    with pytest.raises(CheckpointError, match="was rebound"):
+        tf.grad(loss, argnums=(0, 1))(x.detach(), w.detach())
