@@ -1327,3 +1327,64 @@ def test_a_step_reaching_a_value_whose_graph_a_backward_freed_is_as_the_plain_lo
 
     plain = grad_of(python_scan)
     assert_close(grad_of(lambda f, c, xs: funckpt.scan(f, c, xs, checkpoints=checkpoints)), plain)
+
+
+def _reordered_twins():
+    a = torch.tensor([1.1, 0.9, 1.05], dtype=D, requires_grad=True)
+    return [a, a.detach().clone().requires_grad_()]
+
+
+_REORDERED_LOOPS = {
+    "scan": lambda step, c: funckpt.scan(step, c, None, length=3)[0],
+    "scan checkpoints=1": lambda step, c: funckpt.scan(step, c, None, length=3, checkpoints=1)[0],
+    "fori_loop": lambda step, c: funckpt.fori_loop(0, 3, lambda i, c: step(c, None)[0], c),
+    "while_loop": lambda step, c: funckpt.while_loop(lambda c: c.abs().sum() < 1e9, lambda c: step(c, None)[0], c, max_steps=3),
+}
+
+
+@pytest.mark.parametrize("loop", list(_REORDERED_LOOPS))
+def test_a_steps_closure_list_reordered_before_the_backward_raises(loop):
+    """Reordered between the forward and the backward pass (equal values), the list would have the
+    steps run again read the second tensor where the forward sweep read the first: the first's
+    gradient would go to the second. Refused where a step uses it."""
+    lst = _reordered_twins()
+
+    def step(c, x):
+        return c * lst[0] + 0.1, None
+
+    c = torch.randn(3, dtype=D, requires_grad=True)
+    out = _REORDERED_LOOPS[loop](step, c).sum()
+    lst.reverse()
+    with pytest.raises(funckpt.CheckpointError, match=r"at 'lst\[0\]'.*reached at the call elsewhere.*in the carry or xs"):
+        out.backward()
+
+
+@pytest.mark.parametrize("route", ["backward", "grad"])
+def test_a_steps_closure_list_appended_to_before_the_backward(route):
+    """No false alarm: the steps read at the backward what they read at the call."""
+
+    def run(use_loop):
+        lst = _reordered_twins()
+
+        def step(c, x):
+            return c * lst[0] + lst[1], None
+
+        def loss(c):
+            if use_loop:
+                out = funckpt.scan(step, c, None, length=3, checkpoints=1)[0]
+            else:
+                out = c
+                for _ in range(3):
+                    out = step(out, None)[0]
+            lst.append(torch.ones(3, dtype=D, requires_grad=True))
+            lst.insert(2, torch.zeros(3, dtype=D))
+            return out.sum()
+
+        c = torch.randn(3, dtype=D, generator=torch.Generator().manual_seed(5))
+        if route == "grad":
+            return [tf.grad(loss)(c)]
+        c.requires_grad_()
+        loss(c).backward()
+        return [c.grad, lst[0].grad, lst[1].grad]
+
+    assert_close(run(True), run(False))
