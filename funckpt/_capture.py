@@ -31,9 +31,11 @@ So, at every call:
    substitute; otherwise :func:`changed_captures` checks, once per
    recomputation instead of once per operator, that ``fn`` still reaches the
    tensors it reached at the call. Where it reaches others (a closure variable
-   rebound; a list the caller appended the call's output to), the
-   recomputation runs under the mode, which refuses a use of one: reached is
-   not read.
+   rebound; a list the caller appended the call's output to), or reaches a
+   tensor or module where another one sat at the call (a list reordered: where
+   the call found tensors other than modules' or modules in a container, it
+   records where each sat), the recomputation runs under the mode, which
+   refuses a use of one: reached is not read.
 5. A remat'd call nested in another's run takes as inputs only the tensors that
    run can route (:func:`refused_around`): what else it reaches is left where it
    is, and refused only if used.
@@ -176,7 +178,7 @@ class Captured:
     # Where the walk found each tensor it reached other than as a module's (its path from ``walked``,
     # see :func:`_tensor_places`), for a recomputation to tell a container reordered or a closure
     # rebound since (see :func:`changed_captures`). ``None`` where the call reaches none such.
-    at_places: dict[tuple[Any, ...], dict[Any, torch.Tensor]] | None = None
+    at_places: dict[tuple[Any, ...], dict[Any, torch.Tensor | torch.nn.Module]] | None = None
     walked: Any = None
 
 
@@ -341,7 +343,7 @@ def find_captured(fn: Callable[..., Any] | Roots, modules_too: bool = True, reco
     training: list[tuple[torch.nn.Module, bool]] = []
     places: list[list[tuple[torch.nn.Module, str, torch.Tensor]]] = []
     edges: list[tuple[torch.nn.Module, str, Any]] = []
-    direct: list[torch.Tensor] = []  # (one tensor reached other than as a module's is enough)
+    direct: list[Any] = []  # (one tensor reached other than as a module's, or one module in a container, is enough)
 
     def leaf(obj: Any) -> bool:
         if isinstance(obj, torch.Tensor):
@@ -395,7 +397,10 @@ def find_captured(fn: Callable[..., Any] | Roots, modules_too: bool = True, reco
         if isinstance(obj, (list, tuple, set, frozenset, dict)):
             if len(obj) > _MAX_CONTAINER:
                 return []
-            return list(obj.values() if isinstance(obj, dict) else obj)
+            held = list(obj.values() if isinstance(obj, dict) else obj)
+            if record_places and not direct and any(isinstance(v, torch.nn.Module) for v in held):
+                direct.append(obj)  # (modules in a container: where each sits is recorded too)
+            return held
         if isinstance(obj, (type, types.ModuleType, types.BuiltinFunctionType)):
             return []
         if callable(obj) and not hasattr(obj, "__dict__"):
@@ -407,21 +412,24 @@ def find_captured(fn: Callable[..., Any] | Roots, modules_too: bool = True, reco
         if isinstance(attrs, dict) and len(attrs) <= _MAX_CONTAINER:
             parts += list(attrs.values())
         parts += _slot_values(obj)
+        if record_places and not direct and any(isinstance(v, torch.nn.Module) for v in parts):
+            direct.append(obj)  # (modules held by a plain object: as in a container)
         if callable(obj) and not isinstance(obj, type):
             parts.append(getattr(type(obj), "__call__", None))
         return parts
 
     _walk(fn, leaf, expand, budget=_MAX_ITEMS, max_depth=_MAX_DEPTH, depth_first=True)
     captured = Captured(list(found.values()), list(generators.values()), modules, training, places, edges)
-    if record_places and direct:  # (a closure, partial or global holding tensors: not the common case)
+    if record_places and direct:  # (a closure, partial or global holding tensors, a list of modules: not the common case)
         captured.at_places, captured.walked = _tensor_places(fn), fn
     return captured
 
 
 _NOTHING = Captured()  # shared: nothing changes a Captured once found
+_NONE_REACHED: dict[int, torch.Tensor] = {}  # (shared, never written: see Substitute.reached_since_the_call)
 
 
-def _tensor_places(root: Any) -> dict[tuple[Any, ...], dict[Any, torch.Tensor]]:
+def _tensor_places(root: Any) -> dict[tuple[Any, ...], dict[Any, torch.Tensor | torch.nn.Module]]:
     """The tensors :func:`find_captured` reaches from ``root`` other than as a module's, by where they
     sit: for each object holding some (a function, a container, a partial, an object), its path from
     ``root`` to the tensors it holds by key (a closure variable's or global's name, an index, a dict
@@ -429,9 +437,10 @@ def _tensor_places(root: Any) -> dict[tuple[Any, ...], dict[Any, torch.Tensor]]:
 
     A path names a place, not an object: a list rebuilt in another order, or reordered in place,
     holds other tensors at the same paths; a dict rebuilt with the same keys, in whatever order,
-    the same ones. (A set's elements sit nowhere in particular: not recorded.)
+    the same ones. (A set's elements sit nowhere in particular: not recorded.) The modules it holds
+    are recorded as the tensors (whose own places their reparametrization keeps).
     """
-    found: dict[tuple[Any, ...], dict[Any, torch.Tensor]] = {}
+    found: dict[tuple[Any, ...], dict[Any, torch.Tensor | torch.nn.Module]] = {}
     pending: list[tuple[tuple[Any, ...], Any, int]]
     if type(root) is Roots:
         pending = [((k,), r, 0) for k, r in reversed(list(enumerate(root)))]
@@ -448,14 +457,19 @@ def _tensor_places(root: Any) -> dict[tuple[Any, ...], dict[Any, torch.Tensor]]:
             continue
         seen[id(item)] = item
         parts = _keyed_parts(item)
-        tensors = None
+        held: dict[Any, torch.Tensor | torch.nn.Module] | None = None
         for key, part in reversed(parts.items()):
             if isinstance(part, torch.Tensor):
                 if not spent_escape(part):
-                    if tensors is None:
-                        tensors = found[path] = {}
-                    tensors[key] = part
-            elif not (part is None or isinstance(part, _NOT_ENTERED) or type(part) in weakref.ProxyTypes or is_generator(part)):
+                    if held is None:
+                        held = found[path] = {}
+                    held[key] = part
+                continue
+            if isinstance(part, torch.nn.Module):
+                if held is None:
+                    held = found[path] = {}
+                held[key] = part
+            if not (part is None or isinstance(part, _NOT_ENTERED) or type(part) in weakref.ProxyTypes or is_generator(part)):
                 pending.append((path + (key,), part, depth + 1))
     return found
 
@@ -710,6 +724,9 @@ class Reached(list):  # type: ignore[type-arg]
 
     where: dict[int, str] = {}  # (shared, never written: replaced where there is something to say)
     moved: frozenset[int] | set[int] = frozenset()
+    # The tensors of a module now where another module sat at the call: the recomputation reads
+    # them through the module, where its reparametrization put their stand-ins (refused too).
+    of_modules: frozenset[int] | set[int] = frozenset()
 
 
 def changed_captures(fn: Callable[..., Any], before: Captured, made: Iterable[torch.Tensor] = ()) -> Reached:
@@ -747,15 +764,22 @@ def changed_captures(fn: Callable[..., Any], before: Captured, made: Iterable[to
         )
     )
     if before.at_places is not None:
-        changed.where, changed.moved = {}, set()
+        changed.where, changed.moved, changed.of_modules = {}, set(), set()
         listed = {id(t) for t in changed}
+        of_modules: list[torch.Tensor] = []
         for path, held_now in _tensor_places(before.walked).items():
             held_then = before.at_places.get(path)
             if held_then is None:
                 continue
             for key, t in held_now.items():
                 then = held_then.get(key)
-                if then is None or then is t or id(t) in made_ids or id(t) in changed.where:
+                if then is None or then is t:
+                    continue
+                if not isinstance(t, torch.Tensor):
+                    if isinstance(then, torch.nn.Module):
+                        of_modules += _moved_module(changed, before, t, _place_name(path, key))
+                    continue
+                if not isinstance(then, torch.Tensor) or id(t) in made_ids or id(t) in changed.where:
                     continue
                 if id(t) in listed and id(t) not in at_the_call:
                     continue  # (a differentiable leaf rebound: told as such)
@@ -767,13 +791,33 @@ def changed_captures(fn: Callable[..., Any], before: Captured, made: Iterable[to
                 if id(t) not in listed:
                     listed.add(id(t))
                     changed.append(t)
+        changed.extend(t for t in of_modules if id(t) not in listed)
     if not changed:  # the common case, told without walking the modules
         return changed
     held = {id(t) for _, named in find_captured(fn).modules for t in named.values()}
     kept = Reached(t for t in changed if id(t) not in held or id(t) in changed.where)
     if changed.where:
-        kept.where, kept.moved = changed.where, changed.moved
+        kept.where, kept.moved, kept.of_modules = changed.where, changed.moved, changed.of_modules
     return kept
+
+
+def _moved_module(changed: Reached, before: Captured, module: Any, place: str) -> list[torch.Tensor]:
+    """``module``, reached at the call, is now at ``place``, where another module sat: its tensors, where
+    one carries a derivative, are refused (a list of modules reordered: the recomputation would run it
+    where the forward run ran the other, and their gradients would go to the wrong parameters)."""
+    named = next((named for m, named in before.modules if m is module), None)
+    if not named or not any(_carries_a_derivative(t) for t in named.values()):
+        return []  # (a module the call did not reach: its tensors are foreign, refused as such)
+    moved, of_modules = changed.moved, changed.of_modules
+    assert isinstance(moved, set) and isinstance(of_modules, set)  # (set by changed_captures)
+    tensors = []
+    for t in named.values():
+        if id(t) not in changed.where:
+            changed.where[id(t)] = place
+            moved.add(id(t))
+            of_modules.add(id(t))
+            tensors.append(t)
+    return tensors
 
 
 def _carries_a_derivative(t: torch.Tensor) -> bool:
@@ -1841,7 +1885,8 @@ class Substitute(OnThreadStack, TorchFunctionMode):
         self.nested: list[weakref.ref[Any]] | None = None
         # A recomputation's: the differentiable tensors the function reaches now and did not at the
         # call (see changed_captures), and the error a use of one raises (see reached_since_the_call).
-        self.reached_since: frozenset[int] = frozenset()
+        # (By id, the tensor to name: a module's tensor where its stand-in is used, see reached_since_the_call.)
+        self.reached_since: dict[int, torch.Tensor] = _NONE_REACHED
         self.rebound: Callable[[torch.Tensor], CheckpointError] | None = None
         # The tensors the call reaches that a run around it would refuse, left to that run's
         # substitution (see refused_around), by id.
@@ -1869,6 +1914,8 @@ class Substitute(OnThreadStack, TorchFunctionMode):
                     used.add(id(replacement))
                 return replacement
             if key in self.known:
+                if self.reached_since and key in self.reached_since:
+                    self._check(value)  # (a moved module's tensor, through its place)
                 if used is not None:
                     used.add(key)
             elif key not in self.inside and (check or key in self.reached_since):
@@ -1914,7 +1961,14 @@ class Substitute(OnThreadStack, TorchFunctionMode):
         reaches (the call's own output, which a forward hook records) is no rebinding while the
         function does not use it, and without remat it gets no gradient from the function either.
         """
-        self.reached_since = frozenset(id(t) for t in tensors)
+        reached = {id(t): t for t in tensors}
+        for key in getattr(tensors, "of_modules", ()):
+            # A module moved where another one sat: the function reads its tensors through its places,
+            # where the reparametrization put their stand-ins.
+            stand_in = self.mapping.get(key)
+            if stand_in is not None:
+                reached[id(stand_in)] = reached[key]
+        self.reached_since = reached
         self.rebound = rebound
 
     def refuses(self, t: torch.Tensor) -> bool:
@@ -1946,7 +2000,7 @@ class Substitute(OnThreadStack, TorchFunctionMode):
         key = id(t)
         if self.reached_since and key in self.reached_since:
             assert self.rebound is not None
-            raise self.rebound(t)
+            raise self.rebound(self.reached_since[key])
         refused = bool(self.refused) and key in self.refused
         if refused:
             ref = self.refused[key]
@@ -2082,6 +2136,8 @@ class Substitute(OnThreadStack, TorchFunctionMode):
                         swapped = list(args)
                     swapped[i] = replacement
                 elif key in known:
+                    if self.reached_since and key in self.reached_since:
+                        self._check(a)  # (a moved module's tensor, through its place: see reached_since_the_call)
                     if used is not None:
                         used.add(key)
                 elif key not in inside and (

@@ -708,6 +708,16 @@ def rebound_error(who: str, function: str, t: torch.Tensor, instead: str, reache
             "variable, global or partial argument was rebound. The recomputation would use the new tensor "
             f"and the gradient would be wrong. {instead}, or do not rebind them before the backward pass."
         )
+    if id(t) in getattr(reached, "of_modules", ()):
+        return CheckpointError(
+            f"{who}: between the forward pass and its recomputation, the module at {where!r}, which "
+            f"{function} reaches, was replaced by another module it reached at the call elsewhere (a list, "
+            "tuple or dict of modules reordered, or a plain object's modules swapped), and the recomputation "
+            f"used one of its tensors (shape {tuple(t.shape)}). It would run it where the forward pass ran "
+            "the other, and their gradients would go to the wrong parameters. Hold such modules in an "
+            "nn.ModuleList or nn.ModuleDict (looked up by name again, as functional_call does), or do not "
+            "reorder them before the backward pass."
+        )
     if id(t) in getattr(reached, "moved", ()):
         return CheckpointError(
             f"{who}: between the forward pass and its recomputation, the tensor at {where!r}, which "

@@ -2756,3 +2756,71 @@ def test_a_closure_rebound_inside_jacrev_to_a_tensor_of_its_level_dead_by_the_ba
 
     with pytest.raises(CheckpointError, match="was rebound"):
         tf.grad(loss, argnums=(0, 1))(x.detach(), w.detach())
+
+
+# --- A module the function reached at the call, found later where another one sat ------------------
+
+
+def _twin_layers(container):
+    layer = torch.nn.Linear(3, 3, dtype=D)
+    generator = torch.Generator().manual_seed(17)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.copy_(torch.randn(p.shape, dtype=D, generator=generator))
+    layers = [layer, type(layer)(3, 3, dtype=D)]
+    layers[1].load_state_dict(layer.state_dict())  # (equal values: no check can tell them apart)
+    return torch.nn.ModuleList(layers) if container == "ModuleList" else layers
+
+
+def _reverse_modules(layers):
+    if isinstance(layers, torch.nn.ModuleList):
+        layers._modules["0"], layers._modules["1"] = layers._modules["1"], layers._modules["0"]
+    else:
+        layers.reverse()
+
+
+@pytest.mark.parametrize("route", ["backward", "grad"])
+def test_a_closure_list_of_modules_reordered_raises(route):
+    """A plain list's modules keep their own stand-ins (reparametrized by owner): reordered, the
+    recomputation would run the second where the forward pass ran the first, and the first's
+    gradients would go to the second."""
+    layers = _twin_layers("list")
+    f = remat(lambda x: layers[0](x).square().sum())
+    x = torch.randn(2, 3, dtype=D)
+    with pytest.raises(CheckpointError, match=r"module at 'layers\[0\]'.*reached at the call elsewhere.*nn.ModuleList"):
+        if route == "backward":
+            y = f(x)
+            _reverse_modules(layers)
+            y.backward()
+        else:
+            tf.grad(lambda x: (f(x), _reverse_modules(layers))[0])(x)
+
+
+def test_a_closure_dict_of_modules_swapped_raises():
+    a, b = _twin_layers("list")
+    d = {"p": a, "q": b}
+    y = remat(lambda x: d["p"](x).square().sum())(torch.randn(2, 3, dtype=D))
+    d["p"], d["q"] = d["q"], d["p"]
+    with pytest.raises(CheckpointError, match=r"module at \"d\['p'\]\".*reached at the call elsewhere"):
+        y.backward()
+
+
+@pytest.mark.parametrize("change", ["ModuleList reordered", "list appended to"])
+def test_a_closure_container_of_modules_changed_keeps_the_gradients(change):
+    """A ModuleList reordered is looked up by name again (as functional_call would): the module now
+    at index 0 runs with the parameters of the one there at the call, which get its gradients, as
+    without remat. Appending to a plain list moves nothing."""
+    grads = []
+    for use_remat in (False, True):
+        layers = _twin_layers("ModuleList" if change == "ModuleList reordered" else "list")
+        params = [p for m in layers for p in m.parameters()]
+        fn = lambda x: layers[0](x).square().sum()  # noqa: E731
+        x = torch.randn(2, 3, dtype=D, generator=torch.Generator().manual_seed(16)).requires_grad_()
+        y = (remat(fn) if use_remat else fn)(x)
+        if change == "ModuleList reordered":
+            _reverse_modules(layers)
+        else:
+            layers.append(torch.nn.Linear(3, 3, dtype=D))
+        y.backward()
+        grads.append([x.grad] + [p.grad for p in params])
+    assert_close(grads[1], grads[0])

@@ -1388,3 +1388,18 @@ def test_a_steps_closure_list_appended_to_before_the_backward(route):
         return [c.grad, lst[0].grad, lst[1].grad]
 
     assert_close(run(True), run(False))
+
+
+@pytest.mark.parametrize("checkpoints", [None, 1])
+def test_a_steps_closure_list_of_modules_reordered_before_the_backward_raises(checkpoints):
+    """A plain list of equal modules reordered: the steps run again would run the second with its own
+    parameters where the forward sweep ran the first. Refused."""
+    layer = torch.nn.Linear(3, 3, dtype=D)
+    twin = torch.nn.Linear(3, 3, dtype=D)
+    twin.load_state_dict(layer.state_dict())
+    layers = [layer, twin]
+    c0 = torch.randn(3, dtype=D, requires_grad=True)
+    c = funckpt.scan(lambda c, _: (torch.tanh(layers[0](c)), None), c0, None, length=3, checkpoints=checkpoints)[0]
+    layers.reverse()
+    with pytest.raises(funckpt.CheckpointError, match=r"module at 'layers\[0\]'.*reached at the call elsewhere.*nn.ModuleList"):
+        c.sum().backward()
