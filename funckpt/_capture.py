@@ -781,8 +781,11 @@ def changed_captures(fn: Callable[..., Any], before: Captured, made: Iterable[to
                     continue
                 if not isinstance(then, torch.Tensor) or id(t) in made_ids or id(t) in changed.where:
                     continue
-                if id(t) in listed and id(t) not in at_the_call:
-                    continue  # (a differentiable leaf rebound: told as such)
+                if id(t) not in at_the_call and (
+                    id(t) in listed  # (a differentiable leaf rebound: told as such)
+                    or (t.grad_fn is not None and t.requires_grad and not is_functorch_wrapped(t))
+                ):
+                    continue  # (one with a graph of its own is foreign to the recomputation: refused as such)
                 if not (_carries_a_derivative(then) or _carries_a_derivative(t)):
                     continue  # (a constant changed for another: the determinism check sees other values)
                 if id(t) in at_the_call:

@@ -2824,3 +2824,34 @@ def test_a_closure_container_of_modules_changed_keeps_the_gradients(change):
         y.backward()
         grads.append([x.grad] + [p.grad for p in params])
     assert_close(grads[1], grads[0])
+
+
+def test_a_closure_list_reordered_under_a_nested_remat_raises():
+    """The inner call's recomputation (in the outer's backward) would read the moved tensor."""
+    a, b = _twins()
+    lst = [a, b]
+    inner = remat(lambda x: (lst[0] * x).sin())
+    y = remat(lambda x: inner(x * 2).sum())(torch.randn(3, dtype=D, requires_grad=True))
+    lst.reverse()
+    with pytest.raises(CheckpointError, match=r"at 'lst\[0\]'.*reached at the call elsewhere"):
+        y.backward()
+
+
+def test_a_closure_place_the_function_overwrites_with_what_it_made():
+    """The function writes into a place it reaches (a tensor was there at the call): its own
+    recomputation writes there again and never reads the forward run's, so nothing is refused."""
+    grads = []
+    for use_remat in (False, True):
+        g = torch.Generator().manual_seed(18)
+        w = torch.randn(3, dtype=D, generator=g).requires_grad_()
+        state = [torch.randn(3, dtype=D, generator=g).requires_grad_()]
+
+        def f(x):
+            y = x * w
+            state[0] = y.detach()
+            return y.sum()
+
+        x = torch.randn(3, dtype=D, generator=g).requires_grad_()
+        (remat(f) if use_remat else f)(x).backward()
+        grads.append([x.grad, w.grad])
+    assert_close(grads[1], grads[0])
