@@ -48,6 +48,7 @@ from ._capture import (
     Reached,
     changed_captures,
     differentiable_input,
+    freed_value,
     enter_unwatched,
     find_captured,
     has_tangent,
@@ -349,6 +350,8 @@ def prepare(
     captured_index = [slot(t) for t in captured.tensors]
     _refuse_uninitialized(name, captured, flat)
     routed = route_through_enclosing(flat)
+    if any(t.grad_fn is not None for t in captured.tensors):  # (a closure over a computed tensor: rare)
+        routed = _stand_in_for_freed(name, routed, flat, captured_index, arg_index)
     region = (make_region or UserRegion)(
         fn,
         name,
@@ -372,6 +375,48 @@ def prepare(
     region.function_modes = callers_function_modes()
     notify(region, tuple(routed))
     return region, routed
+
+
+def _stand_in_for_freed(
+    name: str, routed: list[torch.Tensor], flat: list[torch.Tensor], captured_index: list[int], arg_index: list[int]
+) -> list[torch.Tensor]:
+    """Route each captured value whose graph a backward pass has freed (:func:`freed_value`) as a
+    detached stand-in: a leaf that refuses, in the backward pass, a gradient reaching it.
+
+    Routed itself, the value's graph would be visited by the autograd engine in every backward pass
+    through the call, even where no gradient reaches it (the function overwrites the attribute that
+    holds it, as an MoE layer's ``self.aux_loss`` after a step without checkpointing, or reads it
+    only as a constant), and the engine would raise "Trying to backward through the graph a second
+    time" on a program that runs without remat. Left out of the call, the function could not use
+    it (forward-only, under ``jvp`` or ``vmap``, or differentiated elsewhere). A gradient that does
+    reach it would go through the freed graph without remat, and fail there: the stand-in's hook
+    says so. (An argument is the caller's to pass; a forward-mode dual keeps its tangent itself.)
+    """
+    args = set(arg_index)
+    routed = list(routed)  # (route_through_enclosing may return ``flat`` itself)
+    for i in captured_index:
+        t = flat[i]
+        if t.grad_fn is None or i in args or routed[i] is not t or not freed_value(t) or has_tangent(t):
+            continue
+        with DisableFuncTorch():  # (a leaf of plain autograd, as ``t`` is, also under a transform)
+            stand_in = t.detach()
+            stand_in.requires_grad = True  # (requires_grad_() is refused under a transform)
+        shape = tuple(t.shape)
+
+        def refuse(grad: torch.Tensor | None, shape: tuple[int, ...] = shape) -> None:
+            if grad is None:  # (the engine visits the leaf, and no gradient reached it)
+                return
+            raise CheckpointError(
+                f"remat({name}): the backward pass reached a tensor of shape {shape} that the function "
+                "used and that an earlier call computed and kept (a module attribute, a list, a global), "
+                "whose graph a backward pass has freed since: without remat this backward pass would "
+                "raise 'Trying to backward through the graph a second time'. Detach it where it is kept "
+                "if it is state, or compute it again before reading it."
+            )
+
+        stand_in.register_hook(refuse)  # type: ignore[no-untyped-call]
+        routed[i] = stand_in
+    return routed
 
 
 def finish(region: UserRegion, routed: list[torch.Tensor], outs: tuple[torch.Tensor, ...]) -> Any:

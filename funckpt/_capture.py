@@ -72,7 +72,6 @@ from ._internals import (
     bottom,
     forward_ad_level,
     fsdp2_training_state,
-    grad_levels_active,
     has_gradient_dtype,
     interpreter_stack,
     is_batchedtensor,
@@ -237,27 +236,39 @@ def spent_escape(t: torch.Tensor) -> bool:
         return False
     if getattr(t, SPENT, False):  # (a recomputation's copy of one, left where the function put it)
         return True
-    if type(node).__name__ == "_RematFunctionBackward":
-        return getattr(node, "region", 0) is None
-    # (Below a torch.func grad level, the engine never visits a plain tensor's graph: routed as before.)
-    return not grad_levels_active() and _graph_freed(node)
+    return type(node).__name__ == "_RematFunctionBackward" and getattr(node, "region", 0) is None
+
+
+def freed_value(t: torch.Tensor) -> bool:
+    """Is ``t`` a plain tensor whose graph a backward pass has freed: the value a call without remat
+    left in an attribute or a container (an MoE layer's ``self.aux_loss`` after a step without
+    checkpointing, ``keep["h"] = h``, the old-style ``weight_norm``'s ``weight``)? Routed as an input
+    itself, its graph would be visited by the autograd engine in every backward pass through the
+    call, even with no gradient for it, and the engine would raise "Trying to backward through the
+    graph a second time" where without remat nothing goes through it (see ``_call.prepare``).
+    (remat's own kept outputs are told by :func:`spent_escape`.)"""
+    node = t.grad_fn
+    if node is None or is_functorch_wrapped(t) or type(node).__name__ == "_RematFunctionBackward":
+        return False
+    return _graph_freed(node)
+
+
+#: Custom ``autograd.Function`` nodes whose saved tensors tell their release (``_raw_saved_tensors``
+#: raises once freed; read without unpacking): torch's reentrant checkpoint, a compiled graph. (Not
+#: any Function: one that saved nothing raises there too after its backward, and runs again.)
+_FUNCTIONS_THAT_SAVE = frozenset({"CheckpointFunctionBackward", "CompiledFunctionBackward"})
 
 
 def _graph_freed(node: Any, budget: int = 64) -> bool:
-    """Has a backward pass freed the graph ``node`` ends? The value a plain call without remat
-    left in an attribute or a container that the function overwrites (an MoE layer's
-    ``self.aux_loss`` after a step without checkpointing, the old-style ``weight_norm``'s
-    ``weight``): routed as an input, its graph would be visited by the autograd engine in the
-    backward pass, even with no gradient for it, and the engine would raise "Trying to backward
-    through the graph a second time".
+    """Has a backward pass freed the graph ``node`` ends (see :func:`freed_value`)?
 
     Told by the first node that saved tensors, breadth first from ``node`` (within ``budget``
     nodes): a backward pass frees every node it runs, so a freed graph's first such node is freed
-    (a graph built since on top of a freed one is taken as alive, as before). A saved tensor is
-    read only where no saved-tensor hook packed it (reading one may run the hook:
-    ``torch.utils.checkpoint`` would recompute its region); one packed by a hook is told freed by
-    the hook's absence, which the release clears. A custom ``autograd.Function``'s own saved
-    tensors are not read.
+    (a graph built since on top of a freed one, or a side value the backward did not reach on top
+    of a freed layer, is taken as alive). A saved tensor is read only where no saved-tensor hook
+    packed it (reading one may run the hook: ``torch.utils.checkpoint`` would recompute its
+    region); one packed by a hook is told freed by the hook's absence, which the release clears.
+    Custom ``autograd.Function`` nodes tell it only where listed in :data:`_FUNCTIONS_THAT_SAVE`.
     """
     seen: set[Any] = set()
     pending = collections.deque([node])
@@ -267,6 +278,12 @@ def _graph_freed(node: Any, budget: int = 64) -> bool:
             continue
         seen.add(node)
         budget -= 1
+        if type(node).__name__ in _FUNCTIONS_THAT_SAVE:
+            try:
+                node._raw_saved_tensors
+            except RuntimeError as e:
+                return "freed" in str(e)
+            return False
         names = _saved_names(type(node))
         for raw, unpacked in names:
             try:
@@ -882,7 +899,7 @@ def _module_state(module: torch.nn.Module) -> _ModuleState:
                 where[name] = (m, k, p)
         if m._buffers:
             for k, b in m._buffers.items():
-                if b is not None and (b.grad_fn is None or not spent_escape(b)):
+                if b is not None:
                     buffers.append((dot + k, m, k, b))
         first = id(m) not in visited
         if first:
@@ -2021,17 +2038,12 @@ class Substitute(OnThreadStack, TorchFunctionMode):
             self.inside.add(id(t))  # (the run's own from now on)
             return
         if foreign and not wrapped and spent_escape(t):
-            earlier = (
-                "an earlier remat'd call computed and kept outside itself"
-                if type(t.grad_fn).__name__ == "_RematFunctionBackward" or getattr(t, SPENT, False)
-                else "an earlier call computed and kept"
-            )
             raise CheckpointError(
-                f"remat({self.name}): the function used a tensor of shape {tuple(t.shape)} that {earlier} "
-                "(a module attribute, a list, a global) and whose backward pass has run since: its graph is "
-                "freed, and without remat a backward through it would raise 'Trying to backward through the "
-                "graph a second time'. Detach it where it is kept if it is state, or compute it again before "
-                "reading it."
+                f"remat({self.name}): the function used a tensor of shape {tuple(t.shape)} that an earlier "
+                "remat'd call computed and kept outside itself (a module attribute, a list, a global) and whose "
+                "backward pass has run since: its graph is freed, and without remat a backward through it "
+                "would raise 'Trying to backward through the graph a second time'. Detach it where it is kept "
+                "if it is state, or compute it again before reading it."
             )
         if foreign and not wrapped and type(t.grad_fn).__name__ == "_RematFunctionBackward":
             raise CheckpointError(

@@ -1345,24 +1345,133 @@ def test_a_container_entry_left_by_a_call_without_remat_is_overwritten_as_withou
     assert keep["h"].grad_fn is not None  # (the forward run's, kept as without remat)
 
 
-def test_reading_a_value_whose_graph_a_backward_freed_raises_a_checkpoint_error():
-    """Without remat the backward through it raises torch's RuntimeError; remat says so, in the forward pass."""
-    keep = {}
+def _freed_value():
+    """A value whose graph a backward pass freed, as a differentiated call without remat leaves it."""
     w = GLOBAL_W.detach().clone().requires_grad_()
+    value = (X @ w).sin()
+    value.sum().backward()
+    return value
+
+
+def test_a_gradient_reaching_a_value_whose_graph_a_backward_freed_raises_a_checkpoint_error():
+    """Without remat the backward through it raises torch's RuntimeError; remat's stand-in says so."""
+    keep = {"h": _freed_value()}
+    v = GLOBAL_W.detach().clone().requires_grad_()
 
     def f(x):
-        h = x @ w
-        old = keep.get("h")
-        keep["h"] = h
-        return (h if old is None else h + old).sum()
+        return (x @ v * keep["h"]).sum()
 
-    f(X).backward()
     with pytest.raises(RuntimeError, match="second time"):
         f(X).backward()  # (the un-remat'd program fails too)
-    keep.clear()
-    f(X).backward()
-    with pytest.raises(CheckpointError, match="an earlier call computed and kept .* its graph is freed"):
-        remat(f)(X)
+    with pytest.raises(CheckpointError, match="reached a tensor .* whose graph a backward pass has freed"):
+        remat(f)(X).backward()
+
+
+@pytest.mark.parametrize(
+    "route", ["forward_only", "grad_of_another_input", "backward_inputs", "jvp", "vmap", "item", "no_grad_scale"]
+)
+def test_a_value_whose_graph_a_backward_freed_is_used_as_without_remat_where_no_gradient_reaches_it(route):
+    """Read as a constant, or where no backward goes through it: as without remat (no false alarm)."""
+    keep = {"h": _freed_value()}
+    v = GLOBAL_W.detach().clone().requires_grad_()
+
+    def f(x):
+        if route == "item":
+            return (x @ v).sum() * keep["h"].abs().max().item()
+        if route == "no_grad_scale":
+            with torch.no_grad():
+                scale = keep["h"].square().mean()
+            return (x @ v).sum() * scale
+        return (x @ v * keep["h"]).sum()
+
+    def run(call):
+        if route == "forward_only":
+            return call(X)
+        if route == "grad_of_another_input":
+            return torch.autograd.grad(call(X), v)
+        if route == "backward_inputs":
+            v.grad = None
+            call(X).backward(inputs=[v])
+            return v.grad
+        if route == "jvp":
+            return tf.jvp(call, (X,), (torch.ones_like(X),))
+        if route == "vmap":
+            return tf.vmap(lambda r: call(r.expand(3, 4)))(X)
+        v.grad = None
+        call(X).backward()
+        return v.grad
+
+    assert_close(run(remat(f)), run(f))
+
+
+class _LazyRunningMean(torch.nn.Module):
+    """Sets a running mean on its first call without detaching it, then updates it under no_grad."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4, dtype=D)
+        self.stat = None
+
+    def forward(self, x):
+        y = self.lin(x)
+        if self.stat is None:
+            self.stat = y.mean(0)
+        else:
+            with torch.no_grad():
+                self.stat.mul_(0.9).add_(0.1 * y.mean(0))
+        return y
+
+
+def test_a_value_whose_graph_a_backward_freed_updated_in_place_under_no_grad_as_without_remat():
+    import copy
+
+    torch.manual_seed(0)
+    reference = _LazyRunningMean()
+    net = copy.deepcopy(reference)
+    for module in (reference, net):
+        module(X).sum().backward()
+    for module, call in ((reference, reference), (net, remat(net))):
+        module.zero_grad()
+        call(X).sum().backward()
+    assert_close([p.grad for p in net.parameters()], [p.grad for p in reference.parameters()])
+    assert_close(net.stat.detach(), reference.stat.detach())
+
+
+def test_a_value_left_by_a_reentrant_checkpoint_whose_backward_ran_is_told_freed():
+    """Its graph ends in torch's reentrant checkpoint Function, whose saved tensors tell their release."""
+    from torch.utils.checkpoint import checkpoint as torch_checkpoint
+
+    w = GLOBAL_W.detach().clone().requires_grad_()
+    keep = {"h": torch_checkpoint(lambda x: (x @ w).sin(), X.clone().requires_grad_(), use_reentrant=True)}
+    keep["h"].sum().backward()
+
+    def f(x):
+        assert "h" in keep  # (reaches it, does not use it)
+        return (x @ w).cos().sum()
+
+    def run(call):
+        w.grad = None
+        call(X).backward()
+        return w.grad
+
+    assert_close(run(remat(f)), run(f))
+
+
+def test_plain_autograd_around_torch_func_grad_with_a_freed_value_reached_as_without_remat():
+    """MAML's pattern: torch.func.grad inside, .backward() around it; the call reaches a freed value it does not use."""
+    keep = {"h": _freed_value()}
+    p = GLOBAL_W.detach().clone().requires_grad_()
+
+    def loss(q):
+        assert "h" in keep
+        return (X @ q).tanh().sum()
+
+    def run(call):
+        p.grad = None
+        tf.grad(call)(p).sum().backward()
+        return p.grad
+
+    assert_close(run(remat(loss)), run(loss))
 
 
 @pytest.mark.parametrize("transform", ["grad", "vmap_grad"])
