@@ -148,10 +148,17 @@ def _decorate(fn: Callable[..., Any], *, options: RematOptions) -> Any:
             f"modules instead, for example [remat(m) for m in modules]"
         )
     # (By type: a remat'd module is an instance of its module's class, and remat of a wrapper wraps it whole.)
-    sequential = issubclass(type(fn), torch.nn.Sequential)
+    # A subclass with a forward of its own (a residual stage, timm's dense stages, torchvision's
+    # ASPPPooling) is checkpointed whole, as any module: its forward is what the module computes.
+    sequential = (
+        issubclass(type(fn), torch.nn.Sequential)
+        and cast(Any, type(fn)).forward is torch.nn.Sequential.forward
+        and "forward" not in vars(fn)
+    )
     if options.segments is not None and not sequential:
         raise ValueError(
-            f"remat: segments applies to an nn.Sequential only, got segments={options.segments} "
+            f"remat: segments applies to an nn.Sequential only, whose forward runs its layers in order "
+            f"(a subclass with a forward of its own is checkpointed whole), got segments={options.segments} "
             f"for {type(fn).__name__}"
         )
     if sequential:

@@ -1373,3 +1373,47 @@ def test_module_tracker_of_another_thread_keeps_its_hooks_through_a_remat_call()
     hooks = [*mm._global_forward_pre_hooks.values(), *mm._global_forward_hooks.values()]
     assert not [h for h in hooks if isinstance(getattr(h, "__self__", None), ModuleTracker)]
     assert not [h for h in hooks if type(h).__name__ == "_TrackerHookOff"]
+
+
+class _ResidualStage(nn.Sequential):
+    """An nn.Sequential subclass with a forward of its own (timm's dense stages, torchvision's
+    ASPPPooling, residual stages): that forward is what the module computes."""
+
+    def forward(self, x, scale=1.0):
+        return x + scale * super().forward(x)
+
+
+class _DenseStage(nn.Sequential):
+    def forward(self, x):
+        features = [x]
+        for layer in self:
+            features.append(layer(torch.cat(features, -1)))
+        return torch.cat(features, -1)
+
+
+@pytest.mark.parametrize("kind", ["residual", "residual_with_argument", "dense"])
+@pytest.mark.parametrize("route", ["backward", "grad"])
+def test_a_sequential_subclass_with_its_own_forward_is_checkpointed_whole(kind, route):
+    """Segments would run its layers in order and skip its forward: a silently other value."""
+    torch.manual_seed(0)
+    if kind == "dense":
+        net = _DenseStage(nn.Linear(4, 2, dtype=D), nn.Linear(6, 2, dtype=D))
+    else:
+        net = _ResidualStage(nn.Linear(4, 8, dtype=D), nn.Tanh(), nn.Linear(8, 4, dtype=D))
+    args = (2.0,) if kind == "residual_with_argument" else ()
+    x = torch.randn(3, 4, dtype=D)
+
+    def run(model):
+        if route == "backward":
+            model.zero_grad()
+            model(x, *args).square().sum().backward()
+            return [p.grad for p in net.parameters()]
+        params = {k: v.detach() for k, v in net.named_parameters()}
+        return tf.grad(lambda p: tf.functional_call(model, p, (x, *args)).square().sum())(params)
+
+    assert_close(run(remat(net)), run(net))
+
+
+def test_segments_of_a_sequential_subclass_with_its_own_forward_are_refused():
+    with pytest.raises(ValueError, match="a subclass with a forward of its own is checkpointed whole"):
+        remat(_ResidualStage(nn.Linear(4, 4, dtype=D)), segments=2)
