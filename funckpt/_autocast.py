@@ -96,7 +96,9 @@ def cache_off(states: Sequence[AutocastState]) -> bool:
     their casts (of every block's input and weights) would stay alive to the end of the
     forward pass, more than the call keeps, and one fn makes itself would look to the checks
     like a tensor that outlived the call. Without the cache a weight used twice in one run is
-    cast twice: the same values.
+    cast twice: the same values in the forward pass, but its gradient sums the two uses in
+    float32 where the cached cast's node sums them in the 16-bit type first (a gradient one unit
+    in the last place of that type apart: see the README's limits).
     """
     if states is OFF or not torch.is_autocast_cache_enabled():
         return False
