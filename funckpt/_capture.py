@@ -543,11 +543,7 @@ def _keyed_parts(obj: Any) -> dict[Any, Any]:
     attrs = getattr(obj, "__dict__", None)
     if isinstance(attrs, dict) and len(attrs) <= _MAX_CONTAINER:
         parts.update((("attribute", k), v) for k, v in attrs.items())
-    for klass in type(obj).__mro__:
-        slots = getattr(klass, "__slots__", ())
-        for slot in (slots,) if isinstance(slots, str) else slots:
-            if slot not in ("__dict__", "__weakref__") and hasattr(obj, slot):
-                parts[("attribute", slot)] = getattr(obj, slot)
+    parts.update((("attribute", slot), value) for slot, value in _slot_items(obj))
     if callable(obj) and not isinstance(obj, type):
         parts[_FUNCTION] = getattr(type(obj), "__call__", None)
     return parts
@@ -693,15 +689,20 @@ def tensors_inside(obj: Any, budget: int | None = None, into_modules: bool = Tru
     return list(found.values())
 
 
-def _slot_values(obj: Any) -> list[Any]:
-    """The values of ``obj``'s ``__slots__`` attributes, along its class hierarchy."""
-    values = []
+def _slot_items(obj: Any) -> list[tuple[str, Any]]:
+    """``obj``'s ``__slots__`` attributes that are set, by name, along its class hierarchy."""
+    items = []
     for klass in type(obj).__mro__:
         slots = getattr(klass, "__slots__", ())
         for slot in (slots,) if isinstance(slots, str) else slots:  # __slots__ = "w" is one slot
             if slot not in ("__dict__", "__weakref__") and hasattr(obj, slot):
-                values.append(getattr(obj, slot))
-    return values
+                items.append((slot, getattr(obj, slot)))
+    return items
+
+
+def _slot_values(obj: Any) -> list[Any]:
+    """The values of ``obj``'s ``__slots__`` attributes, along its class hierarchy."""
+    return [value for _, value in _slot_items(obj)]
 
 
 def _parts(item: Any) -> list[Any]:
