@@ -4,7 +4,8 @@
 including the ones it does not receive as arguments: the parameters of an
 ``nn.Module`` (``fn`` a module or a bound method of one), the arguments bound by
 ``functools.partial``, the cells of a closure, default argument values, and the
-module-level globals its code names. Left alone, those tensors would be
+module-level globals its code names (and what it reads off the user's own Python
+modules: ``params.W``). Left alone, those tensors would be
 constants to the checkpointed region, and their gradients would silently be
 zero (under ``torch.func``) or missing (under ``.backward()``).
 
@@ -327,8 +328,9 @@ def find_captured(fn: Callable[..., Any] | Roots, modules_too: bool = True, reco
 
     Walks modules (parameters, buffers and plain tensor attributes), bound
     methods, ``functools.partial`` objects, closure cells, defaults, the globals
-    named by the function's code (recursively into the user's own functions),
-    containers, and plain objects' ``__dict__``, to a bounded depth. Returns
+    named by the function's code (recursively into the user's own functions), what
+    the code reads off the user's Python modules (:func:`module_reads`), containers,
+    and plain objects' ``__dict__``, to a bounded depth. Returns
     each tensor once, in discovery order, each ``torch.Generator`` found, and
     each module with its named tensors. ``modules_too=False`` leaves out what
     modules hold (their forward's code is still walked): the tensors reached
@@ -410,6 +412,7 @@ def find_captured(fn: Callable[..., Any] | Roots, modules_too: bool = True, reco
                     value = obj.__globals__[name]
                     if not isinstance(value, (types.ModuleType, type)):
                         parts.append(value)
+            parts += [value for _, _, value in module_reads(obj)]
             return parts
         if isinstance(obj, (list, tuple, set, frozenset, dict)):
             if len(obj) > _MAX_CONTAINER:
@@ -525,6 +528,8 @@ def _keyed_parts(obj: Any) -> dict[Any, Any]:
             value = namespace.get(name, _MISSING)
             if value is not _MISSING and not isinstance(value, (types.ModuleType, type)):
                 parts[("global", name)] = value
+        for kind, dotted, value in module_reads(obj):
+            parts[(kind, dotted)] = value
         return parts
     if isinstance(obj, functools.partial):
         parts = {("argument", k): a for k, a in enumerate(obj.args)}
@@ -598,10 +603,13 @@ def _reaches_nothing(fn: types.FunctionType) -> bool:
         # The common case (a block's function: globals that are modules and classes), told
         # without the set-up below.
         namespace = fn.__globals__
+        chained = _chained_names(fn.__code__)
         for name in _global_names(fn.__code__):
             value = namespace.get(name, _MISSING)
             if value is not _MISSING and not isinstance(value, (types.ModuleType, type, str, bytes, int, float)):
                 break
+            if name in chained and isinstance(value, types.ModuleType) and _users_module(value.__name__):
+                break  # (``params.W``: what the code reads off the user's module decides)
         else:
             return True
     pending, seen = [fn], {id(fn)}
@@ -623,6 +631,7 @@ def _reaches_nothing(fn: types.FunctionType) -> bool:
             value = namespace.get(name, _MISSING)
             if value is not _MISSING and not isinstance(value, (types.ModuleType, type)):
                 held.append(value)
+        held += [value for _, _, value in module_reads(fn)]
         for value in held:
             kind = type(value)
             if kind in _INERT_TYPES:
@@ -1454,6 +1463,100 @@ def _global_names(code: types.CodeType) -> tuple[str, ...]:
     return tuple(sorted(names))
 
 
+#: The instructions that load a variable a chain of attribute reads may start from, by the kind of
+#: place :func:`_keyed_parts` names it with.
+_VARIABLE_LOADS = {
+    "LOAD_GLOBAL": "global",
+    "LOAD_NAME": "global",
+    "LOAD_DEREF": "variable",
+    "LOAD_CLASSDEREF": "variable",
+}
+
+
+@functools.lru_cache(maxsize=4096)
+def _attribute_chains(code: types.CodeType) -> tuple[tuple[str, str, tuple[tuple[str, ...], ...]], ...]:
+    """The attribute reads the code (and the code nested in it) makes right after loading a global
+    or closure variable, by variable: ``params.tables.shift`` and ``params.W`` give
+    ``("global", "params", (("tables", "shift"), ("W",)))``.
+
+    What :func:`module_reads` follows into the user's Python modules, which the walk does not
+    enter whole (one reaches every module it imports); a read chain names exactly what the code
+    takes from it.
+    """
+    chains: dict[tuple[str, str], dict[tuple[str, ...], None]] = {}
+    start: tuple[str, str] | None = None
+    attributes: list[str] = []
+    for instruction in [*dis.get_instructions(code), None]:
+        if instruction is not None and start is not None and instruction.opname in ("LOAD_ATTR", "LOAD_METHOD"):
+            attributes.append(instruction.argval)
+            continue
+        if start is not None and attributes:
+            chains.setdefault(start, {})[tuple(attributes)] = None
+        start, attributes = None, []
+        if instruction is not None and instruction.opname in _VARIABLE_LOADS and isinstance(instruction.argval, str):
+            start = (_VARIABLE_LOADS[instruction.opname], instruction.argval)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):  # (its globals are the function's; its free variables its own)
+            for kind, name, reads in _attribute_chains(const):
+                if kind == "global":
+                    chains.setdefault((kind, name), {}).update(dict.fromkeys(reads))
+    return tuple((kind, name, tuple(reads)) for (kind, name), reads in chains.items())
+
+
+@functools.lru_cache(maxsize=4096)
+def _chained_names(code: types.CodeType) -> frozenset[str]:
+    """The globals whose attributes the code reads (see :func:`_attribute_chains`)."""
+    return frozenset(name for kind, name, _ in _attribute_chains(code) if kind == "global")
+
+
+@functools.lru_cache(maxsize=1024)
+def _users_module(name: str) -> bool:
+    """Is the Python module called ``name`` the user's, not library code (torch's, funckpt's) nor
+    the standard library's, whose attributes hold no tensor of the user's?"""
+    root = name.split(".")[0]
+    return not _library_module(root) and root not in getattr(sys, "stdlib_module_names", ())
+
+
+def module_reads(fn: types.FunctionType) -> list[tuple[str, str, Any]]:
+    """What ``fn``'s code reads off the user's Python modules it names as globals or closure
+    variables (``import params`` and ``params.W``, ``params.tables.shift``, ``params.helper``):
+    ``(kind, dotted name, value)`` for each chain, the value the first one along it that is not a
+    module itself (``params.tables.shift`` follows the submodule ``tables``).
+
+    The walk does not enter a Python module (one reaches everything it imports), so without these
+    a tensor the function reads off one would be unreachable: refused as foreign, where the
+    function without remat gives it its gradient. Attributes are read from the module's
+    ``__dict__``, not with ``getattr``, so that a module's lazy ``__getattr__`` imports nothing.
+    """
+    chains = _attribute_chains(fn.__code__)
+    if not chains:
+        return []
+    cells: dict[str, Any] | None = None
+    reads: list[tuple[str, str, Any]] = []
+    for kind, name, chains_of_name in chains:
+        if kind == "global":
+            value = fn.__globals__.get(name, _MISSING)
+        else:
+            if cells is None:
+                cells = dict(zip(fn.__code__.co_freevars, fn.__closure__ or ()))
+            try:
+                value = cells[name].cell_contents if name in cells else _MISSING
+            except ValueError:  # an empty cell
+                value = _MISSING
+        if not isinstance(value, types.ModuleType) or not _users_module(getattr(value, "__name__", "") or ""):
+            continue
+        for attributes in chains_of_name:
+            held, dotted = value, name
+            for attribute in attributes:
+                held = vars(held).get(attribute, _MISSING)
+                dotted += f".{attribute}"
+                if not isinstance(held, types.ModuleType):
+                    break
+            if held is not _MISSING and not isinstance(held, types.ModuleType):
+                reads.append((kind, dotted, held))
+    return reads
+
+
 # ------------------------------------------------------------------ substitution
 
 
@@ -2063,7 +2166,8 @@ class Substitute(OnThreadStack, TorchFunctionMode):
                 f"remat({self.name}): the function used a tensor of shape {tuple(t.shape)} and dtype "
                 f"{t.dtype} that {'belongs to an enclosing torch.func transform' if wrapped else 'requires grad or carries a forward-mode tangent'}"
                 " but is neither an argument nor reachable through the function's closure, its "
-                "functools.partial arguments, the globals its code names, or the parameters and "
+                "functools.partial arguments, the globals its code names (and their attributes, of "
+                "a Python module of yours), or the parameters and "
                 "buffers of an nn.Module it is bound to, as they were when the call was made (one "
                 "appended since to a list the function reaches, as a forward hook or the caller "
                 "logging outputs does, is not). remat cannot route a gradient to it, and it would "

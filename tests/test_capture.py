@@ -2,6 +2,8 @@
 
 import functools
 import logging
+import math
+import operator
 import types
 
 import pytest
@@ -199,6 +201,60 @@ def test_global_number_of_a_modules_forward_is_no_capture():
     y = remat(net)(X)
     expected = torch.autograd.grad(net(X).sum(), MODULE_GLOBAL_W)
     assert_close(torch.autograd.grad(y.sum(), MODULE_GLOBAL_W), expected)
+
+
+# A module of the user's own (``import params``; ``params.W`` in the function), made here rather than
+# imported: what the function reads off it is routed as a global is.
+user_params = types.ModuleType("user_params")
+user_params.W = torch.randn(4, 4, dtype=D, generator=torch.Generator().manual_seed(11)).requires_grad_()
+user_params.tables = types.ModuleType("user_params.tables")
+user_params.tables.shift = torch.randn(4, dtype=D, generator=torch.Generator().manual_seed(12)).requires_grad_()
+user_params.holder = types.SimpleNamespace(scale=torch.tensor(1.5, dtype=D, requires_grad=True))
+
+
+def _helper_of_user_params(h):
+    return h * user_params.holder.scale
+
+
+user_params.helper = _helper_of_user_params  # (a function of the user's, reached through the module too)
+
+
+def _reads_a_user_module(x):
+    return user_params.helper(torch.tanh(x @ user_params.W) + user_params.tables.shift)
+
+
+def _reads_a_user_module_through_its_closure():
+    params = user_params  # (``import params`` inside the enclosing function: a closure variable)
+
+    def f(x):
+        return params.helper(torch.tanh(x @ params.W) + params.tables.shift)
+
+    return f
+
+
+_USER_PARAMS = [user_params.W, user_params.tables.shift, user_params.holder.scale]
+
+
+@pytest.mark.parametrize("route", ["global", "closure"])
+def test_tensors_read_off_a_python_module_of_the_users_get_their_gradients(route):
+    """``import params; params.W`` in the function: the tensors the code reads off a Python module
+    (a global or closure variable, through a submodule, an object or a function of that module) get
+    their gradients, as without remat, instead of a CheckpointError saying they are unreachable."""
+    f = _reads_a_user_module if route == "global" else _reads_a_user_module_through_its_closure()
+    expected = _backward_grads(lambda: f(X), _USER_PARAMS)
+    assert_close(_backward_grads(lambda: remat(f)(X), _USER_PARAMS), expected)
+    assert_close(tf.grad(lambda x: remat(f)(x).sum())(X), tf.grad(lambda x: f(x).sum())(X))
+
+
+def test_a_tensor_of_a_users_python_module_rebound_between_forward_and_backward_raises():
+    before = user_params.W
+    y = remat(_reads_a_user_module)(X)
+    user_params.W = torch.randn(4, 4, dtype=D, requires_grad=True)
+    try:
+        with pytest.raises(CheckpointError, match="was rebound"):
+            y.sum().backward()
+    finally:
+        user_params.W = before
 
 
 def test_constant_captured_tensors_and_integer_inputs_get_no_gradient():
@@ -1871,6 +1927,10 @@ def _calls_the_helper(x):
     return _helper_reading_a_global(x).tanh()
 
 
+def _reads_math(x):
+    return x * math.pi + functools.reduce(operator.add, [x, x])
+
+
 def _recursive(x, n=2):
     return x if n == 0 else _recursive(x.sin(), n - 1)
 
@@ -1892,6 +1952,8 @@ def _closures():
         "a helper reading a global tensor": _calls_the_helper,
         "a wrapped helper reading a global tensor": _wrapped(_calls_the_helper),
         "a recursive function": _recursive,
+        "a function reading a Python module of the user's": _reads_a_user_module,
+        "a function reading math.pi": _reads_math,
         "a keyword default": _wrapped(_keyword_default),
         "forty wrappers": _chain(_plain_block, 40),
         "forty wrappers, the innermost holding a tensor": _chain(_plain_block, 40, w),
