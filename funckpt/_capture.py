@@ -326,7 +326,8 @@ class Roots(tuple):  # type: ignore[type-arg]
 def find_captured(fn: Callable[..., Any] | Roots, modules_too: bool = True, record_places: bool = False) -> Captured:
     """Tensors reachable from ``fn`` other than through its call arguments.
 
-    Walks modules (parameters, buffers and plain tensor attributes), bound
+    Walks modules (parameters, buffers, plain tensor attributes, and what they keep outside
+    their registries: :func:`_kept_outside_the_registries`), bound
     methods, ``functools.partial`` objects, closure cells, defaults, the globals
     named by the function's code (recursively into the user's own functions), what
     the code reads off the user's Python modules (:func:`module_reads`), containers,
@@ -345,9 +346,8 @@ def find_captured(fn: Callable[..., Any] | Roots, modules_too: bool = True, reco
             return _NOTHING  # the walk would look at the forward's code only, and find nothing
     if modules_too and isinstance(fn, torch.nn.Module):
         forward = type(fn).forward
-        if type(forward) is types.FunctionType and _reaches_nothing(forward):
+        if type(forward) is types.FunctionType and _reaches_nothing(forward) and not (state := _module_state(fn)).outside:
             # The walk would read the module's state and stop (a GPT block, a decoder layer).
-            state = _module_state(fn)
             return Captured(
                 list({id(t): t for t in state.named.values()}.values()),
                 list({id(g): g for g in state.generators}.values()),
@@ -389,10 +389,13 @@ def find_captured(fn: Callable[..., Any] | Roots, modules_too: bool = True, reco
             training.extend(state.training)
             for g in state.generators:  # generators held as attributes (self.gen) are replayed too
                 generators.setdefault(id(g), g)
+            outside = [value for _, value in state.outside]
+            if record_places and outside and not direct:
+                direct.append(obj)  # (where each sits is recorded, as for a container's)
             forward = type(obj).forward
             if type(forward) is types.FunctionType and _reaches_nothing(forward):
-                return []  # (what walking it would find, told without the walk: see _reaches_nothing)
-            return [forward]
+                return outside  # (what walking it would find, told without the walk: see _reaches_nothing)
+            return [forward, *outside]
         if isinstance(obj, functools.partial):
             return [obj.func, *obj.args, *obj.keywords.values()]
         if isinstance(obj, types.MethodType):
@@ -499,7 +502,8 @@ _NOT_ENTERED = (str, bytes, int, float)
 
 
 def _keyed_parts(obj: Any) -> dict[Any, Any]:
-    """What ``find_captured``'s walk (``modules_too=False``) enters from ``obj``, by key."""
+    """What ``find_captured``'s walk (``modules_too=False``) enters from ``obj``, by key; of a module,
+    also what it keeps outside its registries (:func:`_kept_outside_the_registries`)."""
     if isinstance(obj, (list, tuple)):
         return {} if len(obj) > _MAX_CONTAINER else dict(enumerate(obj))
     if isinstance(obj, dict):
@@ -509,7 +513,8 @@ def _keyed_parts(obj: Any) -> dict[Any, Any]:
         # dict compares equal hashes by identity first.)
         return dict(obj)
     if isinstance(obj, torch.nn.Module):
-        return {_FORWARD: type(obj).forward}
+        # (and what it keeps outside its registries, which the walk enters too: where each sits)
+        return {_FORWARD: type(obj).forward, **{("attribute", name): value for name, value in _module_state(obj).outside}}
     if isinstance(obj, types.FunctionType):
         if _is_library(obj):
             return {}
@@ -880,6 +885,8 @@ class _ModuleState:
     training: list[tuple[torch.nn.Module, bool]]  # every submodule once, with its flag
     generators: list[torch.Generator]  # generators held as attributes
     edges: list[tuple[torch.nn.Module, str, Any]]  # (module, child's name, child), each module once
+    # (dotted name, value) of what the walk enters besides: see :func:`_kept_outside_the_registries`
+    outside: list[tuple[str, Any]] = field(default_factory=list)
 
 
 def _module_state(module: torch.nn.Module) -> _ModuleState:
@@ -896,6 +903,7 @@ def _module_state(module: torch.nn.Module) -> _ModuleState:
     training: list[tuple[torch.nn.Module, bool]] = []
     generators: list[torch.Generator] = []
     edges: list[tuple[torch.nn.Module, str, Any]] = []
+    outside: list[tuple[str, Any]] = []
     visited: set[int] = set()
     sharded = _sharded_types()
     for prefix, m in module.named_modules(remove_duplicate=False):
@@ -918,10 +926,17 @@ def _module_state(module: torch.nn.Module) -> _ModuleState:
             for k, c in m._modules.items():
                 edges.append((m, k, c))
         attributes = vars(m)
-        if _PLAIN_TYPES.issuperset(map(type, attributes.values())):  # most modules: nothing but plain values
-            continue
+        kinds = list(map(type, attributes.values()))
+        if _SCALARS_AND_DICTS.issuperset(kinds) and kinds.count(dict) <= _OWN_DICTS:
+            continue  # most modules: nothing but plain values, and no list, tuple or dict of their own
         for key, value in attributes.items():
             kind = type(value)
+            if kind in _SCALARS:
+                continue
+            if kind in _OUTSIDE_CONTAINERS or issubclass(kind, torch.nn.Module):
+                if first and key not in _MODULE_OWN and _kept_outside_the_registries(m, value):
+                    outside.append((dot + key, value))
+                continue
             if kind in _PLAIN_TYPES:
                 continue
             # (By its class, not isinstance: that reads __class__ too, which an HF config, the
@@ -934,7 +949,50 @@ def _module_state(module: torch.nn.Module) -> _ModuleState:
     for name, owner, key, t in (*buffers, *attrs):
         named[name] = t
         where[name] = (owner, key, t)
-    return _ModuleState(named, list(where.values()), training, generators, edges)
+    return _ModuleState(named, list(where.values()), training, generators, edges, outside)
+
+
+#: nn.Module's own attributes (its registries, hook dicts and flag), which hold no container of the user's.
+_MODULE_OWN = frozenset(vars(torch.nn.Module()))
+#: How many of them are plain dicts: a module with more has a dict of its own (told without a loop).
+_OWN_DICTS = list(map(type, vars(torch.nn.Module()).values())).count(dict)
+#: The plain types of :data:`_PLAIN_TYPES` that hold nothing.
+_SCALARS = frozenset({bool, int, float, str, type(None), set, collections.OrderedDict})
+_SCALARS_AND_DICTS = _SCALARS | {dict}
+#: Containers a module may keep parameters or modules in outside its registries.
+_OUTSIDE_CONTAINERS = (list, tuple, dict)
+#: Past this many items a container is not looked into (an attribute of a module is read at every call).
+_MAX_OUTSIDE = 64
+
+
+def _kept_outside_the_registries(owner: torch.nn.Module, value: Any) -> bool:
+    """Is ``value``, an attribute of ``owner`` outside ``nn.Module``'s registries, what the walk
+    must enter for tensors ``owner``'s code may differentiate: a module kept out of the registries
+    (``object.__setattr__(self, "shared", embedding)``, so that it is neither saved nor counted
+    twice), or a list, tuple or dict of such modules or of leaf tensors that require grad
+    (``self.ws = [nn.Parameter(...)]``, unregistered)?
+
+    Without remat their gradients flow as any tensor's; a walk of the registries alone left them
+    unreachable, and remat refused them (a false ``CheckpointError``). Not entered: a container
+    that also holds a tensor with a graph (activations a hook or the module itself keeps: a
+    tensor kept outside the call is no input of the next one), or a larger one; and the module a
+    remat wrapper wraps, whose registries are the wrapper's own.
+    """
+    kind = type(value)  # (by its class, not isinstance: see _module_state)
+    if kind in _OUTSIDE_CONTAINERS:
+        if not value or len(value) > _MAX_OUTSIDE:
+            return False
+        items = value.values() if kind is dict else value
+        found = False
+        for item in items:
+            if isinstance(item, torch.Tensor):
+                if item.grad_fn is not None:
+                    return False
+                found = found or item.requires_grad
+            elif isinstance(item, torch.nn.Module):
+                found = True
+        return found
+    return issubclass(kind, torch.nn.Module) and value._parameters is not owner._parameters  # (a remat wrapper's module: its own state)
 
 
 def _places_by_name(captured: Captured) -> list[list[tuple[torch.nn.Module, str, torch.Tensor]]]:

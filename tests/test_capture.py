@@ -257,6 +257,88 @@ def test_a_tensor_of_a_users_python_module_rebound_between_forward_and_backward_
         user_params.W = before
 
 
+class _KeepsParametersOutsideItsRegistries(torch.nn.Module):
+    """Tensors and modules its forward differentiates, kept where nn.Module does not register them:
+    an unregistered list or dict of parameters, a shared layer set with ``object.__setattr__`` (so
+    that it is neither saved twice nor counted twice), or in a list."""
+
+    def __init__(self, kept):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4, dtype=D)
+        self.kept = kept
+        if kept == "hidden module":
+            object.__setattr__(self, "shared", torch.nn.Linear(4, 4, dtype=D))
+        elif kept == "module in a list":
+            self.shared = [torch.nn.Linear(4, 4, dtype=D)]
+        elif kept == "list of parameters":
+            self.ws = [torch.nn.Parameter(torch.randn(4, 4, dtype=D)), torch.nn.Parameter(torch.randn(4, dtype=D))]
+        else:
+            self.ws = {"w": torch.nn.Parameter(torch.randn(4, 4, dtype=D)), "b": torch.nn.Parameter(torch.randn(4, dtype=D))}
+        self.outputs = []  # (activations kept by the module itself: not entered, not routed)
+
+    def outside(self):
+        if self.kept == "hidden module":
+            return list(self.shared.parameters())
+        if self.kept == "module in a list":
+            return list(self.shared[0].parameters())
+        return list(self.ws.values() if isinstance(self.ws, dict) else self.ws)
+
+    def forward(self, x):
+        h = torch.tanh(self.lin(x))
+        if self.kept == "hidden module":
+            y = self.shared(h)
+        elif self.kept == "module in a list":
+            y = self.shared[0](h)
+        elif self.kept == "list of parameters":
+            y = h @ self.ws[0] + self.ws[1]
+        else:
+            y = h @ self.ws["w"] + self.ws["b"]
+        self.outputs.append(y.detach())
+        return y.sin()
+
+
+_KEPT_OUTSIDE = ["hidden module", "module in a list", "list of parameters", "dict of parameters"]
+
+
+@pytest.mark.parametrize("kept", _KEPT_OUTSIDE)
+def test_tensors_a_module_keeps_outside_its_registries_get_their_gradients(kept):
+    """A layer's parameters kept outside nn.Module's registries (unregistered lists and dicts, a shared
+    layer hidden with ``object.__setattr__``) get their gradients through ``remat(module)``, as
+    without remat, instead of a CheckpointError saying they are unreachable; under ``torch.func``
+    the registered ones, passed to ``functional_call``, get theirs."""
+    torch.manual_seed(0)
+    net = _KeepsParametersOutsideItsRegistries(kept)
+    params = [*net.parameters(), *net.outside()]
+    expected = _backward_grads(lambda: net(X), params)
+    for _ in range(2):  # (the second step finds the first's kept activations, and leaves them)
+        assert_close(_backward_grads(lambda: remat(net)(X), params), expected)
+    named = {k: v.detach() for k, v in net.named_parameters()}
+    loss = lambda p, x, f: tf.functional_call(f, p, (x,)).square().sum()  # noqa: E731
+    assert_close(tf.grad(loss, argnums=(0, 1))(named, X, remat(net)), tf.grad(loss, argnums=(0, 1))(named, X, net))
+
+
+@pytest.mark.parametrize("kept", _KEPT_OUTSIDE)
+def test_what_a_module_keeps_outside_its_registries_is_found_with_or_without_the_walk(kept, monkeypatch):
+    """The shortcut for a module whose forward reaches nothing (the walk of its state alone) finds
+    what it keeps outside its registries as the walk does."""
+    from funckpt import _capture
+
+    net = _KeepsParametersOutsideItsRegistries(kept)
+    told = _found(_capture.find_captured(net))
+    assert {id(t) for t in net.outside()} <= set(told[0])
+    monkeypatch.setattr(_capture, "_reaches_nothing", lambda fn: False)
+    assert told == _found(_capture.find_captured(net))
+
+
+def test_a_list_of_parameters_a_module_keeps_reordered_between_forward_and_backward_raises():
+    net = _KeepsParametersOutsideItsRegistries("list of parameters")
+    net.ws.append(torch.nn.Parameter(torch.randn(4, 4, dtype=D)))
+    y = remat(net)(X)
+    net.ws[0], net.ws[2] = net.ws[2], net.ws[0]
+    with pytest.raises(CheckpointError, match="ws"):
+        y.sum().backward()
+
+
 def test_constant_captured_tensors_and_integer_inputs_get_no_gradient():
     mask = torch.tensor([True, False, True, True])
     idx = torch.tensor([2, 0, 1])
