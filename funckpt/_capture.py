@@ -613,7 +613,7 @@ def _reaches_nothing(fn: types.FunctionType) -> bool:
             value = namespace.get(name, _MISSING)
             if value is not _MISSING and not isinstance(value, (types.ModuleType, type, str, bytes, int, float)):
                 break
-            if name in chained and isinstance(value, types.ModuleType) and _users_module(value.__name__):
+            if name in chained and isinstance(value, types.ModuleType) and _is_users_module(value):
                 break  # (``params.W``: what the code reads off the user's module decides)
         else:
             return True
@@ -632,14 +632,20 @@ def _reaches_nothing(fn: types.FunctionType) -> bool:
         if fn.__kwdefaults__:
             held += fn.__kwdefaults__.values()
         namespace = fn.__globals__
+        chained = _chained_names(fn.__code__)
         for name in _global_names(fn.__code__):
             value = namespace.get(name, _MISSING)
             if value is not _MISSING and not isinstance(value, (types.ModuleType, type)):
                 held.append(value)
-        held += [value for _, _, value in module_reads(fn)]
+            elif name in chained and isinstance(value, types.ModuleType) and _is_users_module(value):
+                return False  # (``params.W``: the walk follows what the code reads off the user's module)
         for value in held:
             kind = type(value)
             if kind in _INERT_TYPES:
+                continue
+            if kind is types.ModuleType:  # (a closure's: the walk follows the reads off the user's)
+                if _is_users_module(value):
+                    return False
                 continue
             if kind is types.FunctionType:
                 if id(value) not in seen:
@@ -927,8 +933,8 @@ def _module_state(module: torch.nn.Module) -> _ModuleState:
                 edges.append((m, k, c))
         attributes = vars(m)
         kinds = list(map(type, attributes.values()))
-        if _SCALARS_AND_DICTS.issuperset(kinds) and kinds.count(dict) <= _OWN_DICTS:
-            continue  # most modules: nothing but plain values, and no list, tuple or dict of their own
+        if _SCREENED.issuperset(kinds) and kinds.count(dict) <= _OWN_DICTS:
+            continue  # most modules: nothing but plain values (tuples: a kernel size), no list or dict of their own
         for key, value in attributes.items():
             kind = type(value)
             if kind in _SCALARS:
@@ -956,11 +962,14 @@ def _module_state(module: torch.nn.Module) -> _ModuleState:
 _MODULE_OWN = frozenset(vars(torch.nn.Module()))
 #: How many of them are plain dicts: a module with more has a dict of its own (told without a loop).
 _OWN_DICTS = list(map(type, vars(torch.nn.Module()).values())).count(dict)
-#: The plain types of :data:`_PLAIN_TYPES` that hold nothing.
-_SCALARS = frozenset({bool, int, float, str, type(None), set, collections.OrderedDict})
-_SCALARS_AND_DICTS = _SCALARS | {dict}
+#: The plain types of :data:`_PLAIN_TYPES` that the walk does not enter on a module: tuples too, which
+#: every convolution and LayerNorm holds (a kernel size, a shape), and which then need no loop.
+_SCALARS = frozenset({bool, int, float, str, type(None), set, collections.OrderedDict, tuple})
+#: :func:`_module_state`'s screen: a module whose attributes are all of these, with no more dicts than
+#: ``nn.Module``'s own, keeps nothing outside its registries (one pass in C; a loop costs ~4 us a conv).
+_SCREENED = _SCALARS | {dict}
 #: Containers a module may keep parameters or modules in outside its registries.
-_OUTSIDE_CONTAINERS = (list, tuple, dict)
+_OUTSIDE_CONTAINERS = (list, dict)
 #: Past this many items a container is not looked into (an attribute of a module is read at every call).
 _MAX_OUTSIDE = 64
 
@@ -969,7 +978,7 @@ def _kept_outside_the_registries(owner: torch.nn.Module, value: Any) -> bool:
     """Is ``value``, an attribute of ``owner`` outside ``nn.Module``'s registries, what the walk
     must enter for tensors ``owner``'s code may differentiate: a module kept out of the registries
     (``object.__setattr__(self, "shared", embedding)``, so that it is neither saved nor counted
-    twice), or a list, tuple or dict of such modules or of leaf tensors that require grad
+    twice), or a list or dict of such modules or of leaf tensors that require grad
     (``self.ws = [nn.Parameter(...)]``, unregistered)?
 
     Without remat their gradients flow as any tensor's; a walk of the registries alone left them
@@ -1575,6 +1584,17 @@ def _users_module(name: str) -> bool:
     return not _library_module(root) and root not in getattr(sys, "stdlib_module_names", ())
 
 
+#: :func:`_users_module` by the module itself (a dict lookup, not a call reading its name, per call).
+_users_modules: dict[types.ModuleType, bool] = {}
+
+
+def _is_users_module(module: types.ModuleType) -> bool:
+    known = _users_modules.get(module)
+    if known is None:
+        known = _users_modules[module] = _users_module(getattr(module, "__name__", "") or "")
+    return known
+
+
 def module_reads(fn: types.FunctionType) -> list[tuple[str, str, Any]]:
     """What ``fn``'s code reads off the user's Python modules it names as globals or closure
     variables (``import params`` and ``params.W``, ``params.tables.shift``, ``params.helper``):
@@ -1601,7 +1621,7 @@ def module_reads(fn: types.FunctionType) -> list[tuple[str, str, Any]]:
                 value = cells[name].cell_contents if name in cells else _MISSING
             except ValueError:  # an empty cell
                 value = _MISSING
-        if not isinstance(value, types.ModuleType) or not _users_module(getattr(value, "__name__", "") or ""):
+        if not isinstance(value, types.ModuleType) or not _is_users_module(value):
             continue
         for attributes in chains_of_name:
             held, dotted = value, name
