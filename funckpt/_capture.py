@@ -912,10 +912,22 @@ def _module_state(module: torch.nn.Module) -> _ModuleState:
     outside: list[tuple[str, Any]] = []
     visited: set[int] = set()
     sharded = _sharded_types()
-    for prefix, m in module.named_modules(remove_duplicate=False):
+    # ``named_modules(remove_duplicate=False)``'s order (depth first, children in order), without its
+    # nested generators and their per-level prefixes: a stack of (dotted prefix, module, whether its
+    # children are still to be pushed). A class's own ``named_modules`` answers for its subtree (the
+    # remat wrapper's first shares the dictionaries of the module it wraps again: see _modules._resync).
+    pending: list[tuple[str, torch.nn.Module, bool]] = [("", module, True)]
+    while pending:
+        dot, m, expand = pending.pop()
         if sharded and isinstance(m, sharded) and _fsdp_hooks_would_run(m):
-            _refuse_sharded(m, prefix)
-        dot = f"{prefix}." if prefix else ""
+            _refuse_sharded(m, dot[:-1])
+        if not expand:
+            pass
+        elif type(m).named_modules is not _NAMED_MODULES:
+            below = list(m.named_modules(remove_duplicate=False))[1:]  # (the first is m itself)
+            pending.extend([(f"{dot}{p}.", c, False) for p, c in reversed(below)])
+        elif m._modules:
+            pending.extend([(f"{dot}{k}.", c, True) for k, c in reversed(m._modules.items()) if c is not None])
         for k, p in m._parameters.items():
             if p is not None:
                 name = dot + k
@@ -958,6 +970,7 @@ def _module_state(module: torch.nn.Module) -> _ModuleState:
     return _ModuleState(named, list(where.values()), training, generators, edges, outside)
 
 
+_NAMED_MODULES = torch.nn.Module.named_modules
 #: nn.Module's own attributes (its registries, hook dicts and flag), which hold no container of the user's.
 _MODULE_OWN = frozenset(vars(torch.nn.Module()))
 #: How many of them are plain dicts: a module with more has a dict of its own (told without a loop).
