@@ -363,6 +363,7 @@ def find_captured(fn: Callable[..., Any] | Roots, modules_too: bool = True, reco
     places: list[list[tuple[torch.nn.Module, str, torch.Tensor]]] = []
     edges: list[tuple[torch.nn.Module, str, Any]] = []
     direct: list[Any] = []  # (one tensor reached other than as a module's, or one module in a container, is enough)
+    kept_outside: dict[int, list[tuple[str, Any]]] = {}  # (by module: for _tensor_places, without walking each again)
 
     def leaf(obj: Any) -> bool:
         if isinstance(obj, torch.Tensor):
@@ -389,6 +390,7 @@ def find_captured(fn: Callable[..., Any] | Roots, modules_too: bool = True, reco
             training.extend(state.training)
             for g in state.generators:  # generators held as attributes (self.gen) are replayed too
                 generators.setdefault(id(g), g)
+            kept_outside[id(obj)] = state.outside
             outside = [value for _, value in state.outside]
             if record_places and outside and not direct:
                 direct.append(obj)  # (where each sits is recorded, as for a container's)
@@ -421,7 +423,7 @@ def find_captured(fn: Callable[..., Any] | Roots, modules_too: bool = True, reco
             if len(obj) > _MAX_CONTAINER:
                 return []
             held = list(obj.values() if isinstance(obj, dict) else obj)
-            if record_places and not direct and any(isinstance(v, torch.nn.Module) for v in held):
+            if record_places and not direct and type(obj) is not Layers and any(isinstance(v, torch.nn.Module) for v in held):
                 direct.append(obj)  # (modules in a container: where each sits is recorded too)
             return held
         if isinstance(obj, (type, types.ModuleType, types.BuiltinFunctionType)):
@@ -444,15 +446,24 @@ def find_captured(fn: Callable[..., Any] | Roots, modules_too: bool = True, reco
     _walk(fn, leaf, expand, budget=_MAX_ITEMS, max_depth=_MAX_DEPTH, depth_first=True)
     captured = Captured(list(found.values()), list(generators.values()), modules, training, places, edges)
     if record_places and direct:  # (a closure, partial or global holding tensors, a list of modules: not the common case)
-        captured.at_places, captured.walked = _tensor_places(fn), fn
+        captured.at_places, captured.walked = _tensor_places(fn, kept_outside), fn
     return captured
+
+
+class Layers(list):  # type: ignore[type-arg]
+    """A segment's layers (``remat(nn.Sequential)``, ``checkpoint_sequential``): funckpt's own list,
+    made for one call and held by nothing else. No one reorders it between the forward pass and the
+    recomputation, so where each module sits in it is not recorded (:func:`changed_captures`):
+    recording it cost about 7 us per layer per call."""
 
 
 _NOTHING = Captured()  # shared: nothing changes a Captured once found
 _NONE_REACHED: dict[int, torch.Tensor] = {}  # (shared, never written: see Substitute.reached_since_the_call)
 
 
-def _tensor_places(root: Any) -> dict[tuple[Any, ...], dict[Any, torch.Tensor | torch.nn.Module]]:
+def _tensor_places(
+    root: Any, kept_outside: dict[int, list[tuple[str, Any]]] | None = None
+) -> dict[tuple[Any, ...], dict[Any, torch.Tensor | torch.nn.Module]]:
     """The tensors :func:`find_captured` reaches from ``root`` other than as a module's, by where they
     sit: for each object holding some (a function, a container, a partial, an object), its path from
     ``root`` to the tensors it holds by key (a closure variable's or global's name, an index, a dict
@@ -479,7 +490,7 @@ def _tensor_places(root: Any) -> dict[tuple[Any, ...], dict[Any, torch.Tensor | 
         if id(item) in seen or depth > _MAX_DEPTH:
             continue
         seen[id(item)] = item
-        parts = _keyed_parts(item)
+        parts = _keyed_parts(item, kept_outside)
         held: dict[Any, torch.Tensor | torch.nn.Module] | None = None
         for key, part in reversed(parts.items()):
             if isinstance(part, torch.Tensor):
@@ -501,9 +512,10 @@ def _tensor_places(root: Any) -> dict[tuple[Any, ...], dict[Any, torch.Tensor | 
 _NOT_ENTERED = (str, bytes, int, float)
 
 
-def _keyed_parts(obj: Any) -> dict[Any, Any]:
+def _keyed_parts(obj: Any, kept_outside: dict[int, list[tuple[str, Any]]] | None = None) -> dict[Any, Any]:
     """What ``find_captured``'s walk (``modules_too=False``) enters from ``obj``, by key; of a module,
-    also what it keeps outside its registries (:func:`_kept_outside_the_registries`)."""
+    also what it keeps outside its registries (:func:`_kept_outside_the_registries`; ``kept_outside``:
+    that of the modules the walk just read, by ``id``, rather than a walk of each module again)."""
     if isinstance(obj, (list, tuple)):
         return {} if len(obj) > _MAX_CONTAINER else dict(enumerate(obj))
     if isinstance(obj, dict):
@@ -514,7 +526,10 @@ def _keyed_parts(obj: Any) -> dict[Any, Any]:
         return dict(obj)
     if isinstance(obj, torch.nn.Module):
         # (and what it keeps outside its registries, which the walk enters too: where each sits)
-        return {_FORWARD: type(obj).forward, **{("attribute", name): value for name, value in _module_state(obj).outside}}
+        outside = kept_outside.get(id(obj)) if kept_outside is not None else None
+        if outside is None:
+            outside = _module_state(obj).outside
+        return {_FORWARD: type(obj).forward, **{("attribute", name): value for name, value in outside}}
     if isinstance(obj, types.FunctionType):
         if _is_library(obj):
             return {}

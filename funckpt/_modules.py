@@ -28,6 +28,7 @@ import torch
 from torch.nn.utils import parametrize
 
 from ._call import call
+from ._capture import Layers
 from ._options import RematOptions
 
 
@@ -434,7 +435,7 @@ class _Chain:
     """Calls its layers in order; remat finds their parameters through ``layers``."""
 
     def __init__(self, layers: list[Any], start: int) -> None:
-        self.layers = layers
+        self.layers = Layers(layers)
         self.__name__ = f"segment of layers {start} to {start + len(layers) - 1}"  # (named in remat's errors)
 
     def __call__(self, x: Any) -> Any:
