@@ -823,7 +823,10 @@ def _compare(
         "forward and the backward pass (a counter, an iterator, a global, a module attribute; a module "
         "that rebuilds part of itself on its first call, as HF BigBird switches its attention type: call "
         "it once under torch.no_grad() first), read an input that was modified in place after the call, "
-        "or draw random numbers from a generator remat cannot see (pass it as an argument)."
+        "or draw random numbers from a generator remat cannot see (pass it as an argument; the global "
+        "generators of numpy and of Python's random module are not replayed: HF's wav2vec2-family "
+        "models draw their SpecAugment masks from numpy in training mode, so remat their encoder layers, "
+        "not the whole model)."
         + (KEPT_HINT if kept_from is not None and any(j >= kept_from for j in differing) else "")
         + " Pass determinism_check='none' to skip this check."
     )

@@ -496,3 +496,41 @@ def test_dynamic_rope_with_sequences_growing_and_shrinking(route):
         rotary, expected = net.model.rotary_emb, reference.model.rotary_emb
         assert_close(rotary.inv_freq, expected.inv_freq)
         assert int(rotary.max_seq_len_cached) == int(expected.max_seq_len_cached)
+
+
+def _wav2vec2_with_spec_augment():
+    config = C.Wav2Vec2Config(vocab_size=16, hidden_size=H, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32,
+                              conv_dim=[16, 16], conv_stride=[4, 2], conv_kernel=[8, 3], num_conv_pos_embeddings=4,
+                              num_conv_pos_embedding_groups=2, mask_time_prob=0.5, mask_time_length=2, hidden_dropout=0.1,
+                              attention_dropout=0.1, feat_proj_dropout=0.0, layerdrop=0.0)
+    torch.manual_seed(0)
+    return C.Wav2Vec2ForCTC(config).to(D).train()
+
+
+def _spec_augment_step(model, x):
+    np = pytest.importorskip("numpy")
+    np.random.seed(0)  # HF draws the SpecAugment masks from numpy's global generator
+    torch.manual_seed(0)
+    model.zero_grad()
+    loss = model(input_values=x).logits.square().mean()
+    loss.backward()
+    return loss.detach(), {n: p.grad for n, p in model.named_parameters()}
+
+
+def test_wav2vec2_spec_augment_remat_layers_and_whole_base_model():
+    """Wav2Vec2 in training mode masks time steps (SpecAugment, ``mask_time_prob``) with masks
+    drawn from numpy's global generator, in the base model's ``forward`` outside the encoder
+    layers. remat of the layers replays their torch dropout and equals the model without remat;
+    remat of the whole base model cannot replay numpy's draws, and its error says so and what to
+    remat instead (the generic advice, passing the generator as an argument, does not apply)."""
+    reference = _wav2vec2_with_spec_augment()
+    x = torch.randn(B, 400, dtype=D)
+    expected = _spec_augment_step(reference, x)
+    layers = copy.deepcopy(reference)
+    for i in range(len(layers.wav2vec2.encoder.layers)):
+        layers.wav2vec2.encoder.layers[i] = funckpt.remat(layers.wav2vec2.encoder.layers[i])
+    assert_close(_spec_augment_step(layers, x), expected)
+    whole = copy.deepcopy(reference)
+    whole.wav2vec2 = funckpt.remat(whole.wav2vec2)
+    with pytest.raises(funckpt.CheckpointError, match="did not reproduce(.|\n)*numpy(.|\n)*remat their encoder layers"):
+        _spec_augment_step(whole, x)
