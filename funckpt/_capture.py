@@ -1012,8 +1012,13 @@ def _kept_outside_the_registries(owner: torch.nn.Module, value: Any) -> bool:
     Without remat their gradients flow as any tensor's; a walk of the registries alone left them
     unreachable, and remat refused them (a false ``CheckpointError``). Not entered: a container
     that also holds a tensor with a graph (activations a hook or the module itself keeps: a
-    tensor kept outside the call is no input of the next one), or a larger one; and the module a
-    remat wrapper wraps, whose registries are the wrapper's own.
+    tensor kept outside the call is no input of the next one), or a larger one; the module a
+    remat wrapper wraps, whose registries are the wrapper's own; and a module that holds
+    ``owner`` among its submodules (a back-reference to the model or layer it sits in:
+    ``object.__setattr__(self, "root", model)``, ``self.parent = [parent]``), or a container
+    of one. That is where ``owner`` sits, not what it keeps: entered, every call of a layer
+    would route the whole model's tensors, and refuse its other FSDP-managed layers as called
+    (see :func:`_holds`).
     """
     kind = type(value)  # (by its class, not isinstance: see _module_state)
     if kind in _OUTSIDE_CONTAINERS:
@@ -1027,9 +1032,32 @@ def _kept_outside_the_registries(owner: torch.nn.Module, value: Any) -> bool:
                     return False
                 found = found or item.requires_grad
             elif isinstance(item, torch.nn.Module):
+                if _holds(item, owner):
+                    return False
                 found = True
         return found
-    return issubclass(kind, torch.nn.Module) and value._parameters is not owner._parameters  # (a remat wrapper's module: its own state)
+    return (
+        issubclass(kind, torch.nn.Module)
+        and value._parameters is not owner._parameters  # (a remat wrapper's module: its own state)
+        and not _holds(value, owner)
+    )
+
+
+def _holds(module: torch.nn.Module, owner: torch.nn.Module) -> bool:
+    """Is ``owner`` ``module`` or one of its submodules (through its registries), or the module a
+    remat wrapper among them wraps (whose ``_parameters`` are the wrapper's)? Told by a walk of
+    ``_modules`` (not ``modules()``, which a class may override), each module once."""
+    own = owner._parameters
+    pending, seen = [module], {id(module)}
+    while pending:
+        m = pending.pop()
+        if m is owner or getattr(m, "_parameters", None) is own:
+            return True
+        for child in getattr(m, "_modules", {}).values():
+            if child is not None and id(child) not in seen:
+                seen.add(id(child))
+                pending.append(child)
+    return False
 
 
 def _places_by_name(captured: Captured) -> list[list[tuple[torch.nn.Module, str, torch.Tensor]]]:

@@ -339,6 +339,57 @@ def test_a_list_of_parameters_a_module_keeps_reordered_between_forward_and_backw
         y.sum().backward()
 
 
+class _RefersToItsModel(torch.nn.Module):
+    def __init__(self, how):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4, dtype=D)
+        self.how = how
+
+    def forward(self, x):
+        return torch.tanh(self.lin(x))
+
+
+class _ModelOfBlocksReferringToIt(torch.nn.Module):
+    def __init__(self, how, wrap):
+        super().__init__()
+        self.first = torch.nn.Linear(4, 4, dtype=D)
+        self.blocks = torch.nn.ModuleList()
+        for _ in range(2):
+            block = _RefersToItsModel(how)
+            if how == "hidden":
+                object.__setattr__(block, "root", self)
+            else:
+                block.root = [self]  # (a list: registered neither)
+            self.blocks.append(remat(block) if wrap else block)
+
+    def forward(self, x):
+        x = self.first(x)
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+@pytest.mark.parametrize("how", ["hidden", "in a list"])
+def test_a_back_reference_to_the_model_a_layer_sits_in_is_not_entered(how):
+    """A layer keeping a reference to the model it sits in, outside the registries (a navigation
+    aid): that is where the layer sits, not what it keeps, and the walk of the layer does not enter
+    it. Entered, each layer's call routed the whole model's tensors, and refused the model's other
+    FSDP-managed layers as called in it (a false CheckpointError: tests/test_distributed.py)."""
+    from funckpt import _capture
+
+    torch.manual_seed(0)
+    net = _ModelOfBlocksReferringToIt(how, wrap=False)
+    for block in net.blocks:
+        assert _found(_capture.find_captured(block))[0] == [id(t) for t in block.parameters()]
+    torch.manual_seed(0)
+    rematted = _ModelOfBlocksReferringToIt(how, wrap=True)
+    expected = _backward_grads(lambda: net(X), list(net.parameters()))
+    assert_close(_backward_grads(lambda: rematted(X), list(rematted.parameters())), expected)
+    named = {k: v.detach() for k, v in rematted.named_parameters()}
+    loss = lambda p, x, f: tf.functional_call(f, p, (x,)).square().sum()  # noqa: E731
+    assert_close(tf.grad(loss)(named, X, rematted), tf.grad(loss)(named, X, net))
+
+
 def test_constant_captured_tensors_and_integer_inputs_get_no_gradient():
     mask = torch.tensor([True, False, True, True])
     idx = torch.tensor([2, 0, 1])

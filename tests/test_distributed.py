@@ -148,6 +148,14 @@ def _fsdp2_method(model: Net) -> nn.Module:
     return model
 
 
+def _fsdp2_back_reference(model: Net) -> nn.Module:
+    """Blocks that keep a reference to the model they sit in, outside its registries: the walk of a
+    block does not enter the model (whose other blocks, sharded, it would refuse as called)."""
+    for block in model.blocks:
+        object.__setattr__(block, "root", model)
+    return _fsdp2(model)
+
+
 SCENARIOS: dict[str, Callable[[Net], nn.Module]] = {
     "ddp": _ddp,
     "ddp_policy": _ddp_policy,
@@ -155,10 +163,11 @@ SCENARIOS: dict[str, Callable[[Net], nn.Module]] = {
     "fsdp2": _fsdp2,
     "fsdp2_names": _fsdp2_names,
     "fsdp2_method": _fsdp2_method,
+    "fsdp2_back_reference": _fsdp2_back_reference,
 }
 # Block forwards over two steps of four blocks: each remat'd block runs twice a
 # step (remat of an nn.Sequential checkpoints every segment, the last included).
-BLOCK_CALLS = {"ddp": 16, "ddp_policy": 16, "ddp_segments": 16, "fsdp2": 16, "fsdp2_names": 16, "fsdp2_method": 16}
+BLOCK_CALLS = {"ddp": 16, "ddp_policy": 16, "ddp_segments": 16, "fsdp2": 16, "fsdp2_names": 16, "fsdp2_method": 16, "fsdp2_back_reference": 16}
 
 
 def _sharded_modules_inside_remat_are_refused() -> list[str]:
