@@ -931,18 +931,23 @@ def _module_state(module: torch.nn.Module) -> _ModuleState:
     # nested generators and their per-level prefixes: a stack of (dotted prefix, module, whether its
     # children are still to be pushed). A class's own ``named_modules`` answers for its subtree (the
     # remat wrapper's first shares the dictionaries of the module it wraps again: see _modules._resync).
-    pending: list[tuple[str, torch.nn.Module, bool]] = [("", module, True)]
+    # (and how deep: a module registered as a submodule of its own submodules would grow the stack
+    # without end, where named_modules' recursion stopped at Python's recursion limit)
+    pending: list[tuple[str, torch.nn.Module, bool, int]] = [("", module, True, 0)]
+    deepest = sys.getrecursionlimit()
     while pending:
-        dot, m, expand = pending.pop()
+        dot, m, expand, depth = pending.pop()
         if sharded and isinstance(m, sharded) and _fsdp_hooks_would_run(m):
             _refuse_sharded(m, dot[:-1])
         if not expand:
             pass
         elif type(m).named_modules is not _NAMED_MODULES:
             below = list(m.named_modules(remove_duplicate=False))[1:]  # (the first is m itself)
-            pending.extend([(f"{dot}{p}.", c, False) for p, c in reversed(below)])
+            pending.extend([(f"{dot}{p}.", c, False, depth) for p, c in reversed(below)])
         elif m._modules:
-            pending.extend([(f"{dot}{k}.", c, True) for k, c in reversed(m._modules.items()) if c is not None])
+            if depth == deepest:
+                _refuse_cycle(module, dot)
+            pending.extend([(f"{dot}{k}.", c, True, depth + 1) for k, c in reversed(m._modules.items()) if c is not None])
         for k, p in m._parameters.items():
             if p is not None:
                 name = dot + k
@@ -983,6 +988,17 @@ def _module_state(module: torch.nn.Module) -> _ModuleState:
         named[name] = t
         where[name] = (owner, key, t)
     return _ModuleState(named, list(where.values()), training, generators, edges, outside)
+
+
+def _refuse_cycle(module: torch.nn.Module, dot: str) -> None:
+    start = dot.split(".")[:6]
+    raise CheckpointError(
+        f"remat: the submodules of {type(module).__name__} nest deeper than Python's recursion limit "
+        f"({'.'.join(start)}...): a module registered as a submodule of one of its own submodules (a "
+        "reference to a parent assigned as an attribute registers it). Keep such a reference outside "
+        "the registries (object.__setattr__(self, 'parent', parent)); torch's own walks of the "
+        "submodules (to(), state_dict()) do not end either."
+    )
 
 
 _NAMED_MODULES = torch.nn.Module.named_modules

@@ -390,6 +390,35 @@ def test_a_back_reference_to_the_model_a_layer_sits_in_is_not_entered(how):
     assert_close(tf.grad(loss)(named, X, rematted), tf.grad(loss)(named, X, net))
 
 
+_CYCLE = """
+import resource, sys
+resource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30))  # (a walk without end fails here, not the machine)
+import torch
+from funckpt import CheckpointError, remat
+net = torch.nn.Sequential(torch.nn.Linear(4, 4))
+net[0].parent = net  # (registered: a cycle of submodules)
+try:
+    remat(net)(torch.randn(2, 4))
+except CheckpointError as e:
+    print(e)
+"""
+
+
+def test_a_cycle_of_submodules_is_refused_not_walked_without_end():
+    """A module registered as a submodule of its own submodule: the walk of the submodules stops at
+    Python's recursion limit with a CheckpointError, as named_modules' recursion stopped, instead of
+    growing its stack until memory runs out."""
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("resource")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")]))}
+    done = subprocess.run([sys.executable, "-c", _CYCLE], capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "recursion limit" in done.stdout and "0.parent.0.parent" in done.stdout
+
+
 def test_constant_captured_tensors_and_integer_inputs_get_no_gradient():
     mask = torch.tensor([True, False, True, True])
     idx = torch.tensor([2, 0, 1])
