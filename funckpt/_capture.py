@@ -1033,8 +1033,8 @@ def _kept_outside_the_registries(owner: torch.nn.Module, value: Any) -> bool:
     ``owner`` among its submodules (a back-reference to the model or layer it sits in:
     ``object.__setattr__(self, "root", model)``, ``self.parent = [parent]``), or a container
     of one. That is where ``owner`` sits, not what it keeps: entered, every call of a layer
-    would route the whole model's tensors, and refuse its other FSDP-managed layers as called
-    (see :func:`_holds`).
+    would route the whole model's tensors, and refuse its other FSDP-managed layers as called.
+    Nor a module managed by FSDP, or holding one (see :func:`_holds`).
     """
     kind = type(value)  # (by its class, not isinstance: see _module_state)
     if kind in _OUTSIDE_CONTAINERS:
@@ -1061,13 +1061,17 @@ def _kept_outside_the_registries(owner: torch.nn.Module, value: Any) -> bool:
 
 def _holds(module: torch.nn.Module, owner: torch.nn.Module) -> bool:
     """Is ``owner`` ``module`` or one of its submodules (through its registries), or the module a
-    remat wrapper among them wraps (whose ``_parameters`` are the wrapper's)? Told by a walk of
-    ``_modules`` (not ``modules()``, which a class may override), each module once."""
+    remat wrapper among them wraps (whose ``_parameters`` are the wrapper's)? Or is one of them
+    managed by FSDP (a teacher or EMA copy, sharded, that the owner keeps a reference to): the walk
+    would refuse it as called inside the remat'd function (see :func:`_refuse_sharded`), where
+    the owner may only keep it. Told by a walk of ``_modules`` (not ``modules()``, which a class
+    may override), each module once."""
     own = owner._parameters
+    sharded = _sharded_types()
     pending, seen = [module], {id(module)}
     while pending:
         m = pending.pop()
-        if m is owner or getattr(m, "_parameters", None) is own:
+        if m is owner or getattr(m, "_parameters", None) is own or (sharded and isinstance(m, sharded)):
             return True
         for child in getattr(m, "_modules", {}).values():
             if child is not None and id(child) not in seen:

@@ -156,6 +156,18 @@ def _fsdp2_back_reference(model: Net) -> nn.Module:
     return _fsdp2(model)
 
 
+def _fsdp2_sharded_teacher(model: Net) -> nn.Module:
+    """Blocks that keep a reference to another sharded model (a teacher, an EMA copy) outside their
+    registries and do not call it: not entered, not refused as called in them."""
+    teacher = Net().double()
+    for block in teacher.blocks:
+        fully_shard(block)
+    fully_shard(teacher)
+    for block in model.blocks:
+        object.__setattr__(block, "teacher", teacher)
+    return _fsdp2(model)
+
+
 SCENARIOS: dict[str, Callable[[Net], nn.Module]] = {
     "ddp": _ddp,
     "ddp_policy": _ddp_policy,
@@ -164,10 +176,11 @@ SCENARIOS: dict[str, Callable[[Net], nn.Module]] = {
     "fsdp2_names": _fsdp2_names,
     "fsdp2_method": _fsdp2_method,
     "fsdp2_back_reference": _fsdp2_back_reference,
+    "fsdp2_sharded_teacher": _fsdp2_sharded_teacher,
 }
 # Block forwards over two steps of four blocks: each remat'd block runs twice a
 # step (remat of an nn.Sequential checkpoints every segment, the last included).
-BLOCK_CALLS = {"ddp": 16, "ddp_policy": 16, "ddp_segments": 16, "fsdp2": 16, "fsdp2_names": 16, "fsdp2_method": 16, "fsdp2_back_reference": 16}
+BLOCK_CALLS = dict.fromkeys(SCENARIOS, 16)
 
 
 def _sharded_modules_inside_remat_are_refused() -> list[str]:
