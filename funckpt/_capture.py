@@ -1028,7 +1028,9 @@ def _kept_outside_the_registries(owner: torch.nn.Module, value: Any) -> bool:
     Without remat their gradients flow as any tensor's; a walk of the registries alone left them
     unreachable, and remat refused them (a false ``CheckpointError``). Not entered: a container
     that also holds a tensor with a graph (activations a hook or the module itself keeps: a
-    tensor kept outside the call is no input of the next one), or a larger one; the module a
+    tensor kept outside the call is no input of the next one) or a functorch wrapper whose
+    transform has ended (an input or activation kept from a call under ``vmap`` or ``grad``,
+    which any use, a ``detach()`` routing it included, refuses), or a larger one; the module a
     remat wrapper wraps, whose registries are the wrapper's own; and a module that holds
     ``owner`` among its submodules (a back-reference to the model or layer it sits in:
     ``object.__setattr__(self, "root", model)``, ``self.parent = [parent]``), or a container
@@ -1044,8 +1046,8 @@ def _kept_outside_the_registries(owner: torch.nn.Module, value: Any) -> bool:
         found = False
         for item in items:
             if isinstance(item, torch.Tensor):
-                if item.grad_fn is not None:
-                    return False
+                if item.grad_fn is not None or is_dead_tensor_wrapper(item):
+                    return False  # (kept from a call: with a graph, or of a transform that has ended)
                 found = found or item.requires_grad
             elif isinstance(item, torch.nn.Module):
                 if _holds(item, owner):

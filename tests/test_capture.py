@@ -330,6 +330,40 @@ def test_what_a_module_keeps_outside_its_registries_is_found_with_or_without_the
     assert told == _found(_capture.find_captured(net))
 
 
+class _KeepsItsInputInAContainer(torch.nn.Module):
+    def __init__(self, kept):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4, dtype=D)
+        self.kept = {} if kept == "dict" else []
+
+    def forward(self, x):
+        if isinstance(self.kept, dict):
+            self.kept["input"] = x  # (for inspection, as a debugging hook keeps it)
+        else:
+            self.kept[:] = [x]
+        return torch.tanh(self.lin(x))
+
+
+@pytest.mark.parametrize("kept", ["dict", "list"])
+def test_an_input_a_module_kept_from_a_call_under_a_transform_is_not_entered(kept):
+    """A module keeping its input in a list or dict of its own: after a call under ``vmap`` (or
+    ``grad``), that holds a functorch wrapper of a transform that has ended. The next call's walk
+    does not enter the container (routed, the wrapper's ``detach()`` raised functorch's "your tensor
+    may have escaped" RuntimeError); calls in one transform, under ``.backward()`` too, match."""
+    net = _KeepsItsInputInAContainer(kept)
+    once = lambda m: lambda x: m(x).sum()  # noqa: E731
+    twice = lambda m: lambda x: m(m(x) * 1.5).sum()  # noqa: E731
+    for f in (once, twice):
+        expected = tf.vmap(tf.grad(f(net)))(X), tf.grad(f(net))(X)
+        tf.vmap(tf.grad(f(net)))(X)  # (the input of a call under vmap kept)
+        assert_close(tf.grad(f(remat(net)))(X), expected[1])
+        assert_close(tf.vmap(tf.grad(f(remat(net))))(X), expected[0])
+        params = [*net.parameters()]
+        grads = _backward_grads(lambda: net(X), params)
+        tf.vmap(tf.grad(f(net)))(X)
+        assert_close(_backward_grads(lambda: remat(net)(X), params), grads)
+
+
 def test_a_list_of_parameters_a_module_keeps_reordered_between_forward_and_backward_raises():
     net = _KeepsParametersOutsideItsRegistries("list of parameters")
     net.ws.append(torch.nn.Parameter(torch.randn(4, 4, dtype=D)))
