@@ -49,7 +49,10 @@ import contextlib
 import dis
 import functools
 import operator
+import os
+import site
 import sys
+import sysconfig
 import threading
 import types
 import weakref
@@ -969,7 +972,7 @@ def _module_state(module: torch.nn.Module) -> _ModuleState:
             continue  # most modules: nothing but plain values (tuples: a kernel size), no list or dict of their own
         for key, value in attributes.items():
             kind = type(value)
-            if kind in _SCALARS:
+            if kind in _HOLDS_NOTHING:
                 continue
             if kind in _OUTSIDE_CONTAINERS or issubclass(kind, torch.nn.Module):
                 if first and key not in _MODULE_OWN and _kept_outside_the_registries(m, value):
@@ -987,7 +990,30 @@ def _module_state(module: torch.nn.Module) -> _ModuleState:
     for name, owner, key, t in (*buffers, *attrs):
         named[name] = t
         where[name] = (owner, key, t)
+    if outside:
+        outside = _not_aliases(outside, named, visited)
     return _ModuleState(named, list(where.values()), training, generators, edges, outside)
+
+
+def _not_aliases(
+    outside: list[tuple[str, Any]], named: dict[str, torch.Tensor], visited: set[int]
+) -> list[tuple[str, Any]]:
+    """Of what modules keep outside their registries, what the registries do not hold already: not
+    a list of the module's own parameters (``nn.LSTM``'s ``_flat_weights``, DDP's
+    ``_module_parameters``) nor a module registered elsewhere in the tree, whose tensors the walk
+    of the registries finds by name. Entered, they would add nothing but a record of where each
+    sits, on every call."""
+    registered = {id(t) for t in named.values()}
+
+    def alias(value: Any) -> bool:
+        if isinstance(value, torch.nn.Module):
+            return id(value) in visited
+        if isinstance(value, torch.Tensor):
+            return id(value) in registered
+        items = value.values() if type(value) is dict else value
+        return all(alias(v) for v in items if isinstance(v, (torch.Tensor, torch.nn.Module)))
+
+    return [(name, value) for name, value in outside if not alias(value)]
 
 
 def _refuse_cycle(module: torch.nn.Module, dot: str) -> None:
@@ -1008,10 +1034,10 @@ _MODULE_OWN = frozenset(vars(torch.nn.Module()))
 _OWN_DICTS = list(map(type, vars(torch.nn.Module()).values())).count(dict)
 #: The plain types of :data:`_PLAIN_TYPES` that the walk does not enter on a module: tuples too, which
 #: every convolution and LayerNorm holds (a kernel size, a shape), and which then need no loop.
-_SCALARS = frozenset({bool, int, float, str, type(None), set, collections.OrderedDict, tuple})
+_HOLDS_NOTHING = frozenset({bool, int, float, str, type(None), set, collections.OrderedDict, tuple})
 #: :func:`_module_state`'s screen: a module whose attributes are all of these, with no more dicts than
 #: ``nn.Module``'s own, keeps nothing outside its registries (one pass in C; a loop costs ~4 us a conv).
-_SCREENED = _SCALARS | {dict}
+_SCREENED = _HOLDS_NOTHING | {dict}
 #: Containers a module may keep parameters or modules in outside its registries.
 _OUTSIDE_CONTAINERS = (list, dict)
 #: Past this many items a container is not looked into (an attribute of a module is read at every call).
@@ -1662,14 +1688,27 @@ def _users_module(name: str) -> bool:
     return not _library_module(root) and root not in getattr(sys, "stdlib_module_names", ())
 
 
-#: :func:`_users_module` by the module itself (a dict lookup, not a call reading its name, per call).
+#: Where installed packages live (site-packages, a virtual environment's included): a module from there
+#: is a third party's (transformers, timm), not the user's own, which an editable install leaves in place.
+_INSTALLED = tuple(
+    {os.path.join(os.path.realpath(p), "") for p in (*getattr(site, "getsitepackages", list)(), site.getusersitepackages(),
+     sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]) if p}
+)  # fmt: skip
+
+#: :func:`_is_users_module` by the module itself (a dict lookup per call, not a path to read).
 _users_modules: dict[types.ModuleType, bool] = {}
 
 
 def _is_users_module(module: types.ModuleType) -> bool:
+    """:func:`_users_module`, and not installed as a package (:data:`_INSTALLED`): what a function reads
+    off a third party's module (``transformers.activations.ACT2FN``) is that library's, whose code
+    is walked through its own functions' globals where the user's function calls them, not through
+    everything its modules hold (following ``ACT2FN`` cost a Hugging Face layer's walk 4x)."""
     known = _users_modules.get(module)
     if known is None:
-        known = _users_modules[module] = _users_module(getattr(module, "__name__", "") or "")
+        path = getattr(module, "__file__", None)
+        installed = isinstance(path, str) and os.path.realpath(path).startswith(_INSTALLED)
+        known = _users_modules[module] = _users_module(getattr(module, "__name__", "") or "") and not installed
     return known
 
 

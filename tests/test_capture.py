@@ -373,6 +373,50 @@ def test_a_list_of_parameters_a_module_keeps_reordered_between_forward_and_backw
         y.sum().backward()
 
 
+def test_lists_of_a_modules_own_registered_parameters_are_no_places_to_record():
+    """``nn.LSTM``'s ``_flat_weights`` list, a tied alias list, a registered layer also set with
+    ``object.__setattr__``: what they hold the registries hold, by name. They are not kept outside
+    the registries, so no call records where their tensors sit (which costs each call), and the
+    gradients are those without remat."""
+    from funckpt import _capture
+
+    class Tied(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4, dtype=D)
+            self.ws = [self.lin.weight]
+            object.__setattr__(self, "alias", self.lin)
+
+        def forward(self, x):
+            return self.alias(x) @ self.ws[0]
+
+    torch.manual_seed(0)
+    lstm, tied = torch.nn.LSTM(4, 5, num_layers=2, dtype=D), Tied()
+    for net, x in ((lstm, torch.randn(3, 2, 4, dtype=D)), (tied, X)):
+        assert _capture.find_captured(net, record_places=True).at_places is None
+        out = (lambda m: m(x)[0]) if net is lstm else (lambda m: m(x))
+        params = list(net.parameters())
+        assert_close(_backward_grads(lambda: out(remat(net)), params), _backward_grads(lambda: out(net), params))
+
+
+def test_what_a_function_reads_off_an_installed_package_is_not_followed():
+    """Only the user's own Python modules are followed (``params.W``): an installed package's
+    (transformers, reached as ``transformers.activations.ACT2FN`` in a model's code) is library code,
+    whose objects the walk would otherwise enter on every call."""
+    transformers = pytest.importorskip("transformers")
+    from funckpt import _capture
+
+    import transformers.activations  # noqa: F401
+
+    assert not _capture._is_users_module(transformers.activations)
+    assert _capture._is_users_module(user_params)
+
+    def f(x):
+        return transformers.activations.ACT2FN["gelu"](x)
+
+    assert _capture.module_reads(f) == []
+
+
 class _RefersToItsModel(torch.nn.Module):
     def __init__(self, how):
         super().__init__()
