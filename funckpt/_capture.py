@@ -2175,6 +2175,9 @@ class Substitute(OnThreadStack, TorchFunctionMode):
         # storage, not tensor: an alias torch makes unseen, ``nn.Parameter(torch.empty(n))``, reads
         # the same memory), weakly, with their sizes in bytes.
         self.unset: dict[int, tuple[StorageWeakRef, int]] = {}
+        # Every storage the run allocated uninitialized, written since or not (weakly, by storage):
+        # where a Parameter the run made sits (see _made_on_memory_it_allocated).
+        self.allocated: dict[int, StorageWeakRef] = {}
         self.used: set[int] = set()  # ids of the inputs passed to a torch function during the run
         # The tensors the run made, weakly, at their positions among every tensor its operators
         # returned (the forward run under plain autograd only): any still alive and requiring
@@ -2315,6 +2318,19 @@ class Substitute(OnThreadStack, TorchFunctionMode):
         without remat either. (A stand-in for an input, also a leaf on its memory, is a plain tensor.)"""
         return type(t) is torch.nn.Parameter and t.grad_fn is None and not has_tangent(t) and self._on_an_inputs_memory(t)
 
+    def _made_on_memory_it_allocated(self, t: torch.Tensor) -> bool:
+        """A Parameter the function made itself, on memory this run allocated (``torch.empty``, from
+        which every ``torch.nn`` layer makes its parameters: a module built inside the function,
+        ``nn.Linear(4, 4)(x)``). ``nn.Parameter`` makes it where no mode sees it made; its gradient
+        stays inside the function, without remat too, as under ``torch.utils.checkpoint``. (One on
+        memory the run did not allocate, ``nn.Parameter(torch.randn(n))``, is still refused: telling
+        it from a foreign tensor would need the memory of every tensor the run made.)"""
+        if not self.allocated or type(t) is not torch.nn.Parameter or t.grad_fn is not None or has_tangent(t):
+            return False
+        key = storage_of(t)
+        ref = self.allocated.get(key) if key is not None else None
+        return ref is not None and not storage_expired(ref)  # (alive: the very storage t sits on)
+
     def _check(self, t: torch.Tensor) -> None:
         key = id(t)
         if self.reached_since and key in self.reached_since:
@@ -2333,7 +2349,7 @@ class Substitute(OnThreadStack, TorchFunctionMode):
                 f"remat({self.name}): the function read another thread's stand-in for a module's "
                 f"tensor (shape {tuple(t.shape)}): {_SAME_MODULE_IN_TWO_THREADS}"
             )
-        if foreign and not refused and self._made_on_an_input(t):
+        if foreign and not refused and (self._made_on_an_input(t) or self._made_on_memory_it_allocated(t)):
             self.inside.add(id(t))  # (the run's own from now on)
             return
         if foreign and not wrapped and spent_escape(t):
@@ -2546,7 +2562,9 @@ class Substitute(OnThreadStack, TorchFunctionMode):
         except (RuntimeError, NotImplementedError, TypeError, AttributeError):
             self.uninitialized = True
             return
-        self.unset[int(storage._cdata)] = (storage_weak_ref(storage), storage.nbytes())
+        ref = storage_weak_ref(storage)
+        self.unset[int(storage._cdata)] = (ref, storage.nbytes())
+        self.allocated[int(storage._cdata)] = ref
 
     def _note_reads(self, func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> None:
         """Of the storages the run allocated uninitialized (:attr:`unset`), those ``func`` writes whole

@@ -1251,6 +1251,40 @@ def test_a_module_built_inside_the_call_and_initialized_there_is_no_foreign_tens
     assert_close(grads(remat), grads(lambda m: m))
 
 
+def _builds_its_layers(x):
+    """A function that builds torch.nn layers and uses them (their parameters, made from
+    ``torch.empty`` and initialized with ``nn.init``, are its own leaves)."""
+    lin = torch.nn.Linear(4, 4, dtype=D)
+    norm = torch.nn.LayerNorm(4, dtype=D)
+    return torch.tanh(norm(lin(x)))
+
+
+@pytest.mark.parametrize("how", ["backward", "grad", "jvp"])
+def test_layers_built_and_used_inside_the_function_are_its_own(how):
+    """Their parameters' gradients stay inside the function, as without remat and under
+    torch.utils.checkpoint; remat gives the function's own gradient (and tangent), the layers drawn
+    again from the same random state in the recomputation."""
+
+    def run(f):
+        torch.manual_seed(3)
+        if how == "backward":
+            x = X.clone().requires_grad_()
+            return torch.autograd.grad(f(x).sum(), x)
+        if how == "grad":
+            return tf.grad(lambda x: f(x).sum())(X)
+        return tf.jvp(f, (X,), (torch.ones_like(X),))
+
+    assert_close(run(remat(_builds_its_layers)), run(_builds_its_layers))
+
+
+def test_a_parameter_made_inside_on_memory_the_run_did_not_allocate_is_still_refused():
+    """``nn.Parameter(torch.ones(...))``: no mode sees the Parameter made, and its memory came from an
+    operator whose results the run does not follow (README: limits)."""
+    x = X.clone().requires_grad_()
+    with pytest.raises(CheckpointError, match="neither an argument nor reachable"):
+        remat(lambda x: x @ torch.nn.Parameter(torch.ones(4, 4, dtype=D)))(x)
+
+
 class _DoRAOnAConv1D(torch.nn.Module):
     """peft's DoRA on GPT-2's Conv1D: ``transpose(weight, fan_in_fan_out)`` makes a new Parameter of
     the transposed weight at every call, then a norm of it that the layer detaches."""
