@@ -1691,7 +1691,7 @@ def _users_module(name: str) -> bool:
 #: Where installed packages live (site-packages, a virtual environment's included): a module from there
 #: is a third party's (transformers, timm), not the user's own, which an editable install leaves in place.
 _INSTALLED = tuple(
-    {os.path.join(os.path.realpath(p), "") for p in (*getattr(site, "getsitepackages", list)(), site.getusersitepackages(),
+    {os.path.join(os.path.realpath(p), "") for p in (*getattr(site, "getsitepackages", list)(), getattr(site, "getusersitepackages", str)(),
      sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]) if p}
 )  # fmt: skip
 
