@@ -1680,14 +1680,6 @@ def _chained_names(code: types.CodeType) -> frozenset[str]:
     return frozenset(name for kind, name, _ in _attribute_chains(code) if kind == "global")
 
 
-@functools.lru_cache(maxsize=1024)
-def _users_module(name: str) -> bool:
-    """Is the Python module called ``name`` the user's, not library code (torch's, funckpt's) nor
-    the standard library's, whose attributes hold no tensor of the user's?"""
-    root = name.split(".")[0]
-    return not _library_module(root) and root not in getattr(sys, "stdlib_module_names", ())
-
-
 #: Where installed packages live (site-packages, a virtual environment's included): a module from there
 #: is a third party's (transformers, timm), not the user's own, which an editable install leaves in place.
 _INSTALLED = tuple(
@@ -1700,15 +1692,18 @@ _users_modules: dict[types.ModuleType, bool] = {}
 
 
 def _is_users_module(module: types.ModuleType) -> bool:
-    """:func:`_users_module`, and not installed as a package (:data:`_INSTALLED`): what a function reads
-    off a third party's module (``transformers.activations.ACT2FN``) is that library's, whose code
-    is walked through its own functions' globals where the user's function calls them, not through
-    everything its modules hold (following ``ACT2FN`` cost a Hugging Face layer's walk 4x)."""
+    """Is the Python module the user's: not library code (torch's, funckpt's), nor the standard
+    library's, nor installed as a package (:data:`_INSTALLED`)? What a function reads off a third
+    party's module (``transformers.activations.ACT2FN``) is that library's, whose code is walked
+    through its own functions' globals where the user's function calls them, not through everything
+    its modules hold (following ``ACT2FN`` cost a Hugging Face layer's walk 4x)."""
     known = _users_modules.get(module)
     if known is None:
+        root = (getattr(module, "__name__", "") or "").split(".")[0]
         path = getattr(module, "__file__", None)
         installed = isinstance(path, str) and os.path.realpath(path).startswith(_INSTALLED)
-        known = _users_modules[module] = _users_module(getattr(module, "__name__", "") or "") and not installed
+        library = _library_module(root) or root in getattr(sys, "stdlib_module_names", ())
+        known = _users_modules[module] = not library and not installed
     return known
 
 
