@@ -26,7 +26,7 @@ import warnings
 import weakref
 from collections.abc import Callable, Container, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar, cast
+from typing import Any, NamedTuple, TypeVar, cast
 
 import optree
 import torch
@@ -120,7 +120,7 @@ from ._internals import (
     vmap_active,
 )
 from ._options import RematOptions, callable_name, check_static_argnums
-from ._pytree import ArgSpec, TreeSlots, flatten, flatten_args
+from ._pytree import ArgSpec, TreeSlots, argument_containers, flatten, flatten_args, holds_containers
 from ._residuals import notify
 from ._saving import (
     Replayer,
@@ -253,17 +253,83 @@ def _with_own_hooks_around(module: torch.nn.Module, options: RematOptions, args:
 
 
 def run_prepared(region: UserRegion, routed: list[torch.Tensor]) -> Any:
-    """Apply a :func:`prepare`'d region and :func:`finish` its result (then settle its escapes)."""
-    outs = apply(region, routed)
-    result = finish(region, routed, outs)
-    if region.escaped_views:
-        region.point_kept_views()
+    """Apply a :func:`prepare`'d region and :func:`finish` its result (then carry back what the
+    function wrote into its copies of the caller's containers, and settle its escapes)."""
+    try:
+        outs = apply(region, routed)
+        result = finish(region, routed, outs)
+        if region.escaped_views:
+            region.point_kept_views()
+        writes = region.container_writes
+    finally:
+        region.caller_arguments = region.container_writes = None
+    restore = _carry_back(writes) if writes else None
     escaped = region.escaped_outputs()
     if escaped:  # which of them the caller's code holds, once nothing here does
         refs = [weakref.ref(t) for t in outs[len(outs) - escaped :]]
         del outs
-        region.settle_escapes(refs)
+        try:
+            region.settle_escapes(refs)
+        except BaseException:
+            if restore is not None:  # (the call failed: its writes are not the caller's)
+                restore()
+            raise
     return result
+
+
+class _Item(NamedTuple):
+    key: Any
+    value: Any
+
+
+def _shallow(container: Any) -> tuple[Any, ...]:
+    """A list's, deque's or dict's entries (a dict's as its items), to tell a write by."""
+    return tuple(map(_Item._make, container.items())) if isinstance(container, dict) else tuple(container)
+
+
+def _written(before: tuple[Any, ...], after: tuple[Any, ...]) -> bool:
+    """Was an entry added, removed or replaced between two :func:`_shallow` views of a container?
+    (By identity: a dict's copy has the caller's very keys.)"""
+    if len(before) != len(after):
+        return True
+    if before and type(before[0]) is _Item:
+        return any(a.key is not b.key or a.value is not b.value for a, b in zip(before, after))
+    return any(a is not b for a, b in zip(before, after))
+
+
+def _fill(container: Any, content: Sequence[Any]) -> None:
+    """Make ``container``'s entries ``content`` (a dict's: its items)."""
+    if isinstance(container, dict):
+        if type(container) in (dict, collections.OrderedDict, collections.defaultdict):
+            container.clear()
+            container.update(content)
+            return
+        # (A dict of a class of its own, transformers' ModelOutput: the writes, as the function made them.)
+        keys = {k for k, _ in content}
+        for k in [k for k in container if k not in keys]:
+            del container[k]
+        for k, v in content:
+            if k not in container or container[k] is not v:
+                container[k] = v
+    elif isinstance(container, collections.deque):
+        container.clear()
+        container.extend(content)
+    else:
+        container[:] = content
+
+
+def _carry_back(writes: list[tuple[Any, list[Any]]]) -> Callable[[], None]:
+    """Write into the caller's containers what the function wrote into its copies; return what
+    puts them back as they were."""
+    before = [(container, list(_shallow(container))) for container, _ in writes]
+    for container, content in writes:
+        _fill(container, content)
+
+    def restore() -> None:
+        for container, content in before:
+            _fill(container, content)
+
+    return restore
 
 
 def _initialize_if_lazy(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -373,6 +439,8 @@ def prepare(
         kinds = level_kinds()
         region.rewrapped_for_caller = TransformType.Grad in kinds or TransformType.Jvp in kinds
     region.function_modes = callers_function_modes()
+    if not argspec.tensors_only and holds_containers(argspec.dynamic.treespec):  # (see UserRegion._container_writes)
+        region.caller_arguments = (tuple(a for i, a in enumerate(args) if i not in static), kwargs, tuple(flat))
     notify(region, tuple(routed))
     return region, routed
 
@@ -492,16 +560,6 @@ def _suppressed(name: str) -> CheckpointError:
         "the function returned nothing for remat to differentiate. Let the error through (__exit__ "
         "returning a false value)."
     )
-
-
-def _container_snapshot(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, list[Any]] | None:
-    """Structure and leaves of the arguments if any is a list or dict (else ``None``: nothing to watch)."""
-    if not any(isinstance(a, (list, dict)) for a in (*args, *kwargs.values())):
-        return None
-    tree: Any = (args, kwargs)
-    leaves: list[Any]
-    leaves, spec = optree.tree_flatten(tree, none_is_leaf=True, namespace="funckpt")
-    return spec, leaves
 
 
 #: Where a tensor keeps the hooks ``register_hook`` and ``register_post_accumulate_grad_hook`` add.
@@ -914,6 +972,11 @@ class UserRegion(Region):
     escaped_views: Sequence[weakref.ref[torch.Tensor]] = ()
     # The last calls of the forward run a recomputation need not compute (see _tail).
     tail: _tail.TailPlan | None = None
+    # The caller's arguments (positional ones without the static, keyword ones) and its tensors, where
+    # they hold containers, until the forward run takes them; and what that run wrote into its copies
+    # of those, for the call to carry back (see _container_writes). Neither outlives the call.
+    caller_arguments: tuple[tuple[Any, ...], dict[str, Any], tuple[torch.Tensor, ...]] | None = None
+    container_writes: list[tuple[Any, list[Any]]] | None = None
 
     def __init__(
         self,
@@ -1245,25 +1308,77 @@ class UserRegion(Region):
                     + (" For a transformer's key/value cache, call the model with use_cache=False." if "Cache" in kind else "")
                 )
 
-    def _refuse_container_writes(
-        self, before: tuple[Any, list[Any]] | None, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> None:
-        """Raise if the function added, removed or replaced an entry of a list or dict it was passed.
+    def _watch_containers(
+        self, caller: tuple[tuple[Any, ...], dict[str, Any], Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> list[tuple[Any, Any, tuple[Any, ...]]]:
+        """Each list, dict and deque among the caller's arguments, the function's copy of it, and
+        the copy's entries before the run (static arguments are passed as they are: not copies)."""
+        static = self.argspec.static
+        dynamic = tuple(a for i, a in enumerate(args) if i not in static) if static else args
+        return [(mine, copy, _shallow(copy)) for mine, copy in argument_containers(caller[:2], (dynamic, kwargs))]
 
-        remat passes the function copies of its argument containers (optree rebuilds
-        them around remat's own tensors), so the caller's would silently not change.
+    def _container_writes(
+        self,
+        watched: list[tuple[Any, Any, tuple[Any, ...]]],
+        outer: tuple[torch.Tensor, ...],
+        flat: tuple[torch.Tensor, ...],
+        substitute: Substitute | None,
+        grad_forward: bool,
+    ) -> list[tuple[Any, list[Any]]] | None:
+        """What the function wrote into its copies of the caller's containers, for the call to
+        write into the caller's (:func:`run_prepared`): ``None`` where it wrote nothing.
+
+        remat passes the function copies of its argument containers (optree rebuilds them
+        around remat's own tensors), so a write (``outs.append(h)``, ``aux["loss"] = l``, timm
+        VoVNet's ``concat_list.append(conv(x))``) would otherwise be lost. Carried back, each
+        entry is what the caller would hold without remat: its own tensor where the function
+        wrote one of its inputs (remat gave it a copy), its own container where one of the
+        copies; a tensor the run computed is, under plain autograd, kept outside the call as
+        any other (:meth:`_escaped_tensors`: an output of the Function, its gradient flowing as
+        without remat). Under a torch.func transform such a tensor raises, as one kept in any
+        other place does; and a checkpointed loop's steps, which run again one at a time,
+        write nothing back.
         """
-        if before is None:
-            return
-        after = _container_snapshot(args, kwargs)
-        assert after is not None
-        if before[0] != after[0] or any(a is not b for a, b in zip(before[1], after[1])):
+        written = [(mine, copy) for mine, copy, before in watched if _written(before, _shallow(copy))]
+        if not written:
+            return None
+        if not self.escapes_become_outputs or len({id(mine) for mine, _ in written}) < len(written):
+            twice = self.escapes_become_outputs
             raise CheckpointError(
                 f"remat({self.name}): the function added, removed or replaced an entry of a list or dict it "
-                "was passed. remat passes copies of argument containers, so the caller's would not change "
-                "(and a tensor stored there would have no gradient). Return the values instead, or pass "
-                "the container through static_argnums if it holds no tensor remat must route."
+                + (
+                    "was passed twice (as two arguments, or twice inside one): remat passes each its own copy, "
+                    "and cannot tell which write the caller's should keep. Pass it once."
+                    if twice
+                    else "was passed, in a step of a checkpointed loop: its steps run again one at a time in the "
+                    "backward pass, so the caller's could not be kept as without remat. Return the values "
+                    "instead (in the carry, or as the step's y)."
+                )
             )
+        back: dict[int, Any] = {id(t): mine for t, mine in zip(flat, outer)}  # each input, as the caller passed it
+        back.update((id(copy), mine) for mine, copy, _ in watched)  # each container, the caller's own
+        inside = substitute.inside if substitute is not None else set()
+
+        def carried(v: Any) -> Any:
+            mine = back.get(id(v))
+            if mine is not None:
+                return mine
+            if not grad_forward and isinstance(v, torch.Tensor) and id(v) in inside:
+                raise CheckpointError(
+                    f"remat({self.name}): the function wrote a tensor it computed (shape {tuple(v.shape)}) "
+                    "into a list or dict it was passed, under a torch.func transform. remat cannot give "
+                    "it a graph in the caller's transform, so a gradient through it would be silently "
+                    "missing. Return it from the function instead."
+                )
+            return v
+
+        writes: list[tuple[Any, list[Any]]] = []
+        for mine, copy in written:
+            if isinstance(copy, dict):
+                writes.append((mine, [(k, carried(v)) for k, v in copy.items()]))
+            else:
+                writes.append((mine, [carried(v) for v in copy]))
+        return writes
 
     #: Do tensors escaping the forward run become outputs (a loop's region reverses its steps
     #: without recomputing the loop as a whole: there they are refused)?
@@ -1633,9 +1748,13 @@ class UserRegion(Region):
                 if own_seeds:
                     run.substitute.taint = Taint(own_seeds, any_grad_mode=True)
                 del own_seeds
-            containers = None if self.argspec.tensors_only else _container_snapshot(run.args, run.kwargs)
+            caller, self.caller_arguments = self.caller_arguments, None
+            watched = None if caller is None else self._watch_containers(caller, run.args, run.kwargs)
             out = self._call_fn(run.args, run.kwargs, True, grad_forward)
-            self._refuse_container_writes(containers, run.args, run.kwargs)
+            if watched:
+                assert caller is not None
+                self.container_writes = self._container_writes(watched, caller[2], flat, run.substitute, grad_forward)
+            del caller, watched
         if run.substitute is not None and run.substitute.nested is not None:
             # Where the run records no graph its caller keeps, the nodes of the regions nested in it
             # are never differentiated, but its outputs carry those recorded below its levels (in the

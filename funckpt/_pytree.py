@@ -19,6 +19,7 @@ time it appears.
 
 from __future__ import annotations
 
+import collections
 import functools
 import weakref
 from collections.abc import Sequence
@@ -190,3 +191,53 @@ def flatten_args(
         return list(dynamic), ArgSpec(_plain_slots("args", len(dynamic)), static, len(args))
     tensors, slots = _flatten((dynamic, kwargs))
     return tensors, ArgSpec(slots, static, len(args))
+
+
+#: The containers a function may write into. What it is passed of these is a copy (optree rebuilds
+#: them around remat's own tensors, :meth:`ArgSpec.rebuild`), whose writes remat carries back.
+MUTABLE = (list, dict, collections.deque)
+#: Leaves no container is inside, told without asking optree.
+_ATOMS = (type(None), bool, int, float, complex, str, bytes, torch.Tensor)
+
+
+def argument_containers(caller: tuple[Any, ...], copy: tuple[Any, ...]) -> list[tuple[Any, Any]]:
+    """``(the caller's container, the function's copy of it)`` for each list, dict and deque
+    among ``caller``, arguments (a tuple of positional ones and a dict of keyword ones), at
+    any depth, the outermost first; ``copy``: the same arguments as rebuilt for the function.
+    (The keyword dict itself is not one: Python gives every call a fresh one.)"""
+    pairs: list[tuple[Any, Any]] = []
+    (args, kwargs), (args_copy, kwargs_copy) = caller, copy
+    for a, b in zip(args, args_copy):
+        _pair(a, b, pairs)
+    for key, a in kwargs.items():
+        _pair(a, kwargs_copy[key], pairs)
+    return pairs
+
+
+@functools.lru_cache(maxsize=256)
+def holds_containers(treespec: optree.PyTreeSpec) -> bool:
+    """Does a structure of arguments, ``(positional, keyword)``, hold a list, dict or deque
+    (not counting the keyword dict itself)? Told once per structure: asked on every call."""
+    args, kwargs = treespec.children()
+    return _has_mutable(args) or any(_has_mutable(child) for child in kwargs.children())
+
+
+def _has_mutable(treespec: optree.PyTreeSpec) -> bool:
+    kind = treespec.type
+    if kind is None:  # (a leaf)
+        return False
+    return issubclass(kind, MUTABLE) or any(_has_mutable(child) for child in treespec.children())
+
+
+def _pair(a: Any, b: Any, pairs: list[tuple[Any, Any]]) -> None:
+    if a is b or isinstance(a, _ATOMS) or type(a) is not type(b):  # (a leaf, passed as it is or as a tensor)
+        return
+    if isinstance(a, MUTABLE):
+        pairs.append((a, b))
+    try:
+        children = optree.tree_flatten_one_level(a, none_is_leaf=False, namespace=NAMESPACE)[0]
+        copies = optree.tree_flatten_one_level(b, none_is_leaf=False, namespace=NAMESPACE)[0]
+    except ValueError:  # (a leaf optree does not enter)
+        return
+    for x, y in zip(children, copies):
+        _pair(x, y, pairs)

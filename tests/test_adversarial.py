@@ -3651,14 +3651,151 @@ def test_reading_the_metadata_of_a_tensor_remat_cannot_route_is_no_error():
     assert_close(_grads_of(lambda: remat(fn)(x).sum(), x), _grads_of(lambda: fn(x).sum(), x))
 
 
-def test_writes_into_a_dict_argument_raise_instead_of_being_lost():
+# ---------------------------------------------------------------------------------------------
+# Writes into the containers a function is passed: remat passes copies, and carries the writes back.
+# ---------------------------------------------------------------------------------------------
+
+
+class AppendList(nn.Sequential):
+    """timm VoVNet's ``SequentialAppendList``: each layer's output goes into the caller's list."""
+
+    def forward(self, x, concat_list):
+        for i, module in enumerate(self):
+            concat_list.append(module(x if i == 0 else concat_list[-1]))
+        return torch.cat(concat_list, dim=1)
+
+
+@pytest.mark.parametrize("how", ["remat", "checkpoint"])
+def test_a_layer_appending_to_a_list_it_is_passed_runs_as_without_remat(how):
+    torch.manual_seed(0)
+    layer = AppendList(nn.Conv2d(4, 4, 3, padding=1, dtype=D), nn.Conv2d(4, 4, 3, padding=1, dtype=D))
+    x = randn(1, 4, 5, 5, seed=1).requires_grad_()
+    wrapped = remat(layer) if how == "remat" else functools.partial(checkpoint, layer, use_reentrant=False)
+
+    def step(call):
+        concat = [x]
+        out = call(x, concat)
+        # (the caller reads what the layer appended too: their gradients flow as without remat)
+        loss = out.pow(2).sum() + concat[-1].sin().sum()
+        return loss, concat, torch.autograd.grad(loss, [x, *layer.parameters()])
+
+    loss, concat, grads = step(layer)
+    loss_r, concat_r, grads_r = step(wrapped)
+    assert_close(loss_r, loss)
+    assert_close(grads_r, grads)
+    assert len(concat_r) == len(concat) == 3
+    assert concat_r[0] is x  # the caller's own tensor, not remat's copy of it
+    assert_close(concat_r[1:], concat[1:])
+
+
+def test_writes_into_a_dict_argument_are_carried_back():
     def fn(x, aux):
-        aux["calls"] = 1
+        aux["calls"] = aux.get("calls", 0) + 1
+        aux["sin"] = x.sin()
+        del aux["old"]
+        return x.cos()
+
+    x = randn(3, seed=1).requires_grad_()
+    aux, aux_r = {"old": 0}, {"old": 0}
+    loss = lambda f, aux: (f(x, aux).sum() + aux["sin"].pow(2).sum())  # noqa: E731
+    assert_close(_grads_of(lambda: loss(remat(fn), aux_r), x), _grads_of(lambda: loss(fn, aux), x))
+    assert list(aux_r) == list(aux) == ["calls", "sin"] and aux_r["calls"] == 1  # not 2: the recomputation's copy is its own
+
+
+def test_writes_into_containers_inside_other_arguments_are_carried_back():
+    """A list inside a tuple, a dict inside a list: written, each is the caller's as without remat."""
+
+    def fn(x, pair, nested):
+        pair[0].append(x.sin())
+        nested[0]["k"] = x * 2
+        nested.append(pair[1])
+        return x.cos()
+
+    x = randn(3, seed=1).requires_grad_()
+
+    def run(f):
+        pair, nested = ([], {"a": 1}), [{}]
+        out = f(x, pair, nested)
+        loss = out.sum() + pair[0][0].pow(2).sum() + nested[0]["k"].pow(3).sum()
+        return pair, nested, _grads_of(lambda: loss, x)
+
+    pair, nested, grads = run(fn)
+    pair_r, nested_r, grads_r = run(remat(fn))
+    assert_close(grads_r, grads)
+    assert nested_r[1] is pair_r[1]  # the caller's dict, not remat's copy of it
+    assert len(pair_r[0]) == 1 and list(nested_r[0]) == ["k"]
+
+
+def test_a_list_inside_a_tuple_argument_gets_its_write():
+    """No longer silently lost (only the arguments' outermost containers used to be watched)."""
+    kept: list = []
+    x = randn(3, seed=1).requires_grad_()
+    out = remat(lambda x, t: (t[0].append(x.sin()), x.cos())[1])(x, (kept,))
+    assert len(kept) == 1
+    assert_close(_grads_of(lambda: out.sum() + kept[0].sum(), x), _grads_of(lambda: (x.cos() + x.sin()).sum(), x))
+
+
+def test_a_container_passed_as_a_static_argument_is_the_callers_own():
+    """Passed as it is (not copied), it is written by each run, as a list the function closes
+    over is (the README's side effects), and as under torch.utils.checkpoint."""
+
+    def fn(x, log):
+        log.append(x.shape[0])
         return x.sin()
 
-    aux: dict = {}
-    with pytest.raises(CheckpointError, match="added, removed or replaced an entry"):
-        remat(fn)(randn(3, seed=1).requires_grad_(), aux)
+    log: list = []
+    x = randn(3, seed=1).requires_grad_()
+    remat(fn, static_argnums=(1,))(x, log).sum().backward()
+    assert log == [3, 3]  # the forward run's write, then the recomputation's
+
+
+@pytest.mark.parametrize("how", ["grad", "vmap"])
+def test_under_a_transform_a_computed_tensor_written_into_an_argument_raises(how):
+    def fn(x, kept):
+        kept.append(x.sin())
+        return x.cos()
+
+    def loss(x):
+        return remat(fn)(x, []).sum()
+
+    x = randn(3, seed=1)
+    with pytest.raises(CheckpointError, match="outlived the call|wrote a tensor it computed"):
+        tf.grad(loss)(x) if how == "grad" else tf.vmap(loss)(x.unsqueeze(1))
+
+
+def test_under_a_transform_other_writes_into_an_argument_are_carried_back():
+    seen: dict = {}
+
+    def fn(x, aux):
+        aux["steps"] = 1
+        return x.sin()
+
+    x = randn(3, seed=1)
+    assert_close(tf.grad(lambda x: remat(fn)(x, seen).sum())(x), tf.grad(lambda x: fn(x, {}).sum())(x))
+    assert seen == {"steps": 1}
+
+
+def test_a_list_passed_twice_and_written_raises():
+    shared: list = []
+    x = randn(3, seed=1).requires_grad_()
+    with pytest.raises(CheckpointError, match="passed twice"):
+        remat(lambda x, a, b: (a.append(1), b.append(2), x.sin())[2])(x, shared, shared)
+    assert shared == []
+
+
+def test_a_failed_call_leaves_the_callers_container_as_it_was():
+    """A stored view of an input raises once the call knows the caller holds it: the writes go too."""
+
+    def fn(x, kept):
+        kept.append(x[0])
+        kept.append(1)
+        return x.sin()
+
+    kept = ["before"]
+    x = randn(3, seed=1).requires_grad_()
+    with pytest.raises(CheckpointError):
+        remat(fn)(x.clone(), kept)
+    assert kept == ["before"]
 
 
 def test_an_op_returning_its_input_is_not_an_escape():

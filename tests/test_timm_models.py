@@ -634,6 +634,27 @@ def test_densenet_memory_efficient(routed):
     assert_close(func_grad_results(model, x), func_grad_results(reference, x))
 
 
+def test_vovnet_layers_appending_to_the_callers_list():
+    """VoVNet's ``SequentialAppendList`` appends each layer's output to a list its caller passes
+    and then concatenates (``torch.utils.checkpoint`` runs it): each one remat'd, the caller's
+    list gets the outputs, with their gradients, as without remat."""
+    cfg = dict(
+        stem_chs=[8, 8, 8], stage_conv_chs=[8, 8, 8, 8], stage_out_chs=[8, 8, 16, 16], layer_per_block=2,
+        block_per_stage=[1, 1, 1, 1], residual=True, depthwise=False, attn="ese",
+    )
+    torch.manual_seed(0)
+    reference = _perturb(timm.models.vovnet.VovNet(cfg, num_classes=3).to(D)).train()
+    model = copy.deepcopy(reference)
+    wrapped = 0
+    for block in model.modules():
+        if isinstance(block, timm.models.vovnet.OsaBlock):
+            block.conv_mid = funckpt.remat(block.conv_mid)
+            wrapped += 1
+    assert wrapped == 4
+    x = build("resnet")[1]
+    assert_close(backward_results(model, x), backward_results(reference, x))
+
+
 def test_channels_last(routed):
     reference, x = build("resnet")
     reference = reference.to(memory_format=torch.channels_last)
