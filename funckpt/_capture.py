@@ -970,23 +970,32 @@ def _module_state(module: torch.nn.Module) -> _ModuleState:
         kinds = list(map(type, attributes.values()))
         if _SCREENED.issuperset(kinds) and kinds.count(dict) <= _OWN_DICTS:
             continue  # most modules: nothing but plain values (tuples: a kernel size), no list or dict of their own
-        for key, value in attributes.items():
-            kind = type(value)
-            if kind in _HOLDS_NOTHING:
-                continue
-            if kind in _OUTSIDE_CONTAINERS or issubclass(kind, torch.nn.Module):
-                if first and key not in _MODULE_OWN and _kept_outside_the_registries(m, value):
-                    outside.append((dot + key, value))
-                continue
-            if kind in _PLAIN_TYPES:
-                continue
-            # (By its class, not isinstance: that reads __class__ too, which an HF config, the
-            # one attribute of most of its modules that is not plain, answers in Python.)
-            if issubclass(kind, torch.Tensor):
-                if not key.startswith("_") and not spent_escape(value):
-                    attrs.append((dot + key, m, key, value))
-            elif first and is_generator(value):
-                generators.append(value)
+        scans = [(m, attributes)]
+        for owner, attributes in scans:
+            for key, value in attributes.items():
+                kind = type(value)
+                if kind in _HOLDS_NOTHING:
+                    continue
+                if kind in _OUTSIDE_CONTAINERS or issubclass(kind, torch.nn.Module):
+                    if not first or key in _MODULE_OWN:
+                        continue
+                    if owner is m and kind not in _OUTSIDE_CONTAINERS and value._parameters is m._parameters:
+                        # The module a remat wrapper wraps: its registries are the wrapper's, walked
+                        # here; what it keeps besides (a plain tensor attribute, an unregistered list
+                        # of parameters, a hidden layer) is the wrapper's too, under the same names.
+                        scans.append((value, vars(value)))
+                    elif _kept_outside_the_registries(owner, value):
+                        outside.append((dot + key, value))
+                    continue
+                if kind in _PLAIN_TYPES:
+                    continue
+                # (By its class, not isinstance: that reads __class__ too, which an HF config, the
+                # one attribute of most of its modules that is not plain, answers in Python.)
+                if issubclass(kind, torch.Tensor):
+                    if not key.startswith("_") and not spent_escape(value):
+                        attrs.append((dot + key, owner, key, value))
+                elif first and is_generator(value):
+                    generators.append(value)
     for name, owner, key, t in (*buffers, *attrs):
         named[name] = t
         where[name] = (owner, key, t)
@@ -1068,6 +1077,12 @@ def _kept_outside_the_registries(owner: torch.nn.Module, value: Any) -> bool:
     if kind in _OUTSIDE_CONTAINERS:
         if not value or len(value) > _MAX_OUTSIDE:
             return False
+        if torch._C._is_torch_function_mode_enabled():
+            # (A call nested in another's run: that run's substitution mode answers a tensor's
+            # metadata for its stand-in, which may not require grad where the tensor does. Each
+            # call of the function must find the same tensors: the tensor's own flags decide.)
+            with torch._C.DisableTorchFunction():
+                return _kept_outside_the_registries(owner, value)
         items = value.values() if kind is dict else value
         found = False
         for item in items:

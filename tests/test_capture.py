@@ -317,6 +317,45 @@ def test_tensors_a_module_keeps_outside_its_registries_get_their_gradients(kept)
     assert_close(tf.grad(loss, argnums=(0, 1))(named, X, remat(net)), tf.grad(loss, argnums=(0, 1))(named, X, net))
 
 
+class _Holds(torch.nn.Module):
+    def __init__(self, layer):
+        super().__init__()
+        self.layer, self.head = layer, torch.nn.Linear(4, 4, dtype=D)
+
+    def forward(self, x):
+        return self.head(self.layer(x))
+
+
+class _PlainTensorAttribute(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4, dtype=D)
+        self.scale = torch.randn(4, dtype=D).requires_grad_()  # (not a Parameter: a plain attribute)
+
+    def outside(self):
+        return [self.scale]
+
+    def forward(self, x):
+        return torch.tanh(self.lin(x)) * self.scale
+
+
+@pytest.mark.parametrize("kept", [*_KEPT_OUTSIDE, "plain tensor attribute"])
+def test_what_a_remat_layer_keeps_outside_its_registries_is_found_by_an_enclosing_remat(kept):
+    """``remat(model)`` holding ``remat(layer)``: the wrapper shares the layer's registries, and
+    what the layer keeps besides (its own attributes) is walked as the wrapper's, so the
+    enclosing call routes it (a false "neither an argument nor reachable" before)."""
+    torch.manual_seed(0)
+    layer = _PlainTensorAttribute() if kept == "plain tensor attribute" else _KeepsParametersOutsideItsRegistries(kept)
+    plain, nested = _Holds(layer), _Holds(remat(layer))
+    nested.head = plain.head
+    params = [*plain.parameters(), *layer.outside()]
+    expected = _backward_grads(lambda: plain(X), params)
+    assert_close(_backward_grads(lambda: remat(nested)(X), params), expected)
+    named = {k: v.detach() for k, v in plain.named_parameters()}
+    loss = lambda p, x, f: tf.functional_call(f, p, (x,)).square().sum()  # noqa: E731
+    assert_close(tf.grad(loss, argnums=(0, 1))(named, X, remat(nested)), tf.grad(loss, argnums=(0, 1))(named, X, plain))
+
+
 @pytest.mark.parametrize("kept", _KEPT_OUTSIDE)
 def test_what_a_module_keeps_outside_its_registries_is_found_with_or_without_the_walk(kept, monkeypatch):
     """The shortcut for a module whose forward reaches nothing (the walk of its state alone) finds
