@@ -1322,8 +1322,6 @@ class UserRegion(Region):
         watched: list[tuple[Any, Any, tuple[Any, ...]]],
         outer: tuple[torch.Tensor, ...],
         flat: tuple[torch.Tensor, ...],
-        substitute: Substitute | None,
-        grad_forward: bool,
     ) -> list[tuple[Any, list[Any]]] | None:
         """What the function wrote into its copies of the caller's containers, for the call to
         write into the caller's (:func:`run_prepared`): ``None`` where it wrote nothing.
@@ -1333,11 +1331,11 @@ class UserRegion(Region):
         VoVNet's ``concat_list.append(conv(x))``) would otherwise be lost. Carried back, each
         entry is what the caller would hold without remat: its own tensor where the function
         wrote one of its inputs (remat gave it a copy), its own container where one of the
-        copies; a tensor the run computed is, under plain autograd, kept outside the call as
-        any other (:meth:`_escaped_tensors`: an output of the Function, its gradient flowing as
-        without remat). Under a torch.func transform such a tensor raises, as one kept in any
-        other place does; and a checkpointed loop's steps, which run again one at a time,
-        write nothing back.
+        copies; a tensor the run computed is kept outside the call as one in any other place is
+        (under plain autograd an output of the Function, its gradient flowing as without remat:
+        :meth:`_escaped_tensors`; under a torch.func transform refused where it carries a
+        derivative, held here until the checks for escapes are done). A checkpointed loop's
+        steps, which run again one at a time, write nothing back.
         """
         written = [(mine, copy) for mine, copy, before in watched if _written(before, _shallow(copy))]
         if not written:
@@ -1357,20 +1355,10 @@ class UserRegion(Region):
             )
         back: dict[int, Any] = {id(t): mine for t, mine in zip(flat, outer)}  # each input, as the caller passed it
         back.update((id(copy), mine) for mine, copy, _ in watched)  # each container, the caller's own
-        inside = substitute.inside if substitute is not None else set()
 
         def carried(v: Any) -> Any:
             mine = back.get(id(v))
-            if mine is not None:
-                return mine
-            if not grad_forward and isinstance(v, torch.Tensor) and id(v) in inside:
-                raise CheckpointError(
-                    f"remat({self.name}): the function wrote a tensor it computed (shape {tuple(v.shape)}) "
-                    "into a list or dict it was passed, under a torch.func transform. remat cannot give "
-                    "it a graph in the caller's transform, so a gradient through it would be silently "
-                    "missing. Return it from the function instead."
-                )
-            return v
+            return v if mine is None else mine
 
         writes: list[tuple[Any, list[Any]]] = []
         for mine, copy in written:
@@ -1753,7 +1741,7 @@ class UserRegion(Region):
             out = self._call_fn(run.args, run.kwargs, True, grad_forward)
             if watched:
                 assert caller is not None
-                self.container_writes = self._container_writes(watched, caller[2], flat, run.substitute, grad_forward)
+                self.container_writes = self._container_writes(watched, caller[2], flat)
             del caller, watched
         if run.substitute is not None and run.substitute.nested is not None:
             # Where the run records no graph its caller keeps, the nodes of the regions nested in it

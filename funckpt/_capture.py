@@ -979,7 +979,7 @@ def _module_state(module: torch.nn.Module) -> _ModuleState:
                 if kind in _OUTSIDE_CONTAINERS or issubclass(kind, torch.nn.Module):
                     if not first or key in _MODULE_OWN:
                         continue
-                    if owner is m and kind not in _OUTSIDE_CONTAINERS and value._parameters is m._parameters:
+                    if owner is m and issubclass(kind, torch.nn.Module) and value._parameters is m._parameters:
                         # The module a remat wrapper wraps: its registries are the wrapper's, walked
                         # here; what it keeps besides (a plain tensor attribute, an unregistered list
                         # of parameters, a hidden layer) is the wrapper's too, under the same names.
