@@ -66,6 +66,11 @@ class TreeSlots:
 # Tensors of these exact types are leaves in every optree namespace.
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 
+# Types torch's pytree flattens that stay leaves here: ``torch.Size`` holds ints only, and torch
+# rebuilds it as a plain tuple (a shape argument or output would lose ``numel()``, and
+# ``isinstance(s, torch.Size)``); optree, like the un-remat'd function, passes it as it is.
+_TORCH_PYTREE_LEAVES = frozenset({torch.Size})
+
 
 @functools.lru_cache(maxsize=256)
 def _plain_slots(shape: str, n: int) -> TreeSlots:
@@ -140,8 +145,8 @@ def _register_torch_pytree_types(leaves: Sequence[Any]) -> bool:
     tried: set[type] = set()
     for leaf in leaves:
         kind = type(leaf)
-        if kind in tried or kind in weakref.ProxyTypes or kind in _PLAIN_TENSORS:  # (a dead proxy raises on use)
-            continue
+        if kind in tried or kind in weakref.ProxyTypes or kind in _PLAIN_TENSORS or kind in _TORCH_PYTREE_LEAVES:
+            continue  # (a dead proxy raises on use)
         tried.add(kind)
         node = torch_pytree_node(kind)
         if node is None:

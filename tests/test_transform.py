@@ -110,6 +110,23 @@ def test_container_registered_with_torchs_pytree_only_flattens_as_there():
     assert_close(per_example, tf.vmap(lambda x: g(_TorchBox(W, "w"), x).t)(X.unsqueeze(1)))
 
 
+def test_shapes_in_arguments_and_outputs_stay_torch_sizes():
+    """A ``torch.Size`` is a leaf passed as it is, as without remat: not rebuilt as a plain tuple
+    (torch's own pytree, which funckpt follows for the types registered there, rebuilds it as one),
+    so ``size.numel()`` in the function and ``isinstance(out, torch.Size)`` for the caller work."""
+
+    def g(x, size):
+        return x.reshape(size) * size.numel(), x.shape, (x.size(), x.stride())
+
+    for fn in (remat(g), remat(remat(g))):
+        y, shape, (size, stride) = fn(X, torch.Size([X.numel()]))
+        assert type(shape) is torch.Size and type(size) is torch.Size and shape.numel() == X.numel()
+        assert type(stride) is tuple and stride == X.stride()
+        assert_close(y, g(X, torch.Size([X.numel()]))[0])
+    got = tf.grad(lambda x: remat(g)(x, torch.Size([X.numel()]))[0].square().sum())(X)
+    assert_close(got, tf.grad(lambda x: g(x, torch.Size([X.numel()]))[0].square().sum())(X))
+
+
 def test_static_argnums_pass_arguments_whole():
     seen = []
 
