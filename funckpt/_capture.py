@@ -74,6 +74,7 @@ from ._internals import (
     StorageWeakRef,
     TransformType,
     bottom,
+    class_forward,
     forward_ad_level,
     fsdp2_training_state,
     has_gradient_dtype,
@@ -344,11 +345,11 @@ def find_captured(fn: Callable[..., Any] | Roots, modules_too: bool = True, reco
     if type(fn) is types.FunctionType and _reaches_nothing(fn):
         return _NOTHING  # what the walk below finds for such a function, without its set-up
     if not modules_too and isinstance(fn, torch.nn.Module):
-        forward = type(fn).forward
+        forward = class_forward(fn)
         if type(forward) is types.FunctionType and _reaches_nothing(forward):
             return _NOTHING  # the walk would look at the forward's code only, and find nothing
     if modules_too and isinstance(fn, torch.nn.Module):
-        forward = type(fn).forward
+        forward = class_forward(fn)
         if type(forward) is types.FunctionType and _reaches_nothing(forward) and not (state := _module_state(fn)).outside:
             # The walk would read the module's state and stop (a GPT block, a decoder layer).
             return Captured(
@@ -383,7 +384,7 @@ def find_captured(fn: Callable[..., Any] | Roots, modules_too: bool = True, reco
     def expand(obj: Any) -> list[Any]:
         if isinstance(obj, torch.nn.Module):
             if not modules_too:
-                return [type(obj).forward]
+                return [class_forward(obj)]
             state = _module_state(obj)
             modules.append((obj, state.named))
             places.append(state.places)
@@ -397,7 +398,7 @@ def find_captured(fn: Callable[..., Any] | Roots, modules_too: bool = True, reco
             outside = [value for _, value in state.outside]
             if record_places and outside and not direct:
                 direct.append(obj)  # (where each sits is recorded, as for a container's)
-            forward = type(obj).forward
+            forward = class_forward(obj)
             if type(forward) is types.FunctionType and _reaches_nothing(forward):
                 return outside  # (what walking it would find, told without the walk: see _reaches_nothing)
             return [forward, *outside]
@@ -532,7 +533,7 @@ def _keyed_parts(obj: Any, kept_outside: dict[int, list[tuple[str, Any]]] | None
         outside = kept_outside.get(id(obj)) if kept_outside is not None else None
         if outside is None:
             outside = _module_state(obj).outside
-        return {_FORWARD: type(obj).forward, **{("attribute", name): value for name, value in outside}}
+        return {_FORWARD: class_forward(obj), **{("attribute", name): value for name, value in outside}}
     if isinstance(obj, types.FunctionType):
         if _is_library(obj):
             return {}
@@ -1144,6 +1145,13 @@ def _places_by_name(captured: Captured) -> list[list[tuple[torch.nn.Module, str,
     return found
 
 
+def _submodule(parent: torch.nn.Module, name: str) -> Any:
+    """``parent._modules.get(name)``, also for a TorchScript module (``torch.jit.script``), whose
+    ``_modules`` is a wrapper without ``get``."""
+    modules = parent._modules
+    return modules[name] if name in modules else None
+
+
 def _refuse_sharded(m: torch.nn.Module, prefix: str) -> None:
     raise CheckpointError(
         f"remat: {type(m).__name__}{f' (at {prefix!r})' if prefix else ''} is managed by FSDP, "
@@ -1294,7 +1302,10 @@ class reparametrized:
         replace, swapped = self.replace, self.swapped
         try:
             captured = self.captured
-            unchanged = all(parent._modules.get(name) is child for parent, name, child in captured.edges)
+            try:
+                unchanged = all(parent._modules.get(name) is child for parent, name, child in captured.edges)
+            except AttributeError:  # a TorchScript module's dictionary of submodules, which has no get()
+                unchanged = all(_submodule(parent, name) is child for parent, name, child in captured.edges)
             self.by_name = not unchanged
             groups = captured.places if unchanged else _places_by_name(captured)
             me = threading.get_ident()

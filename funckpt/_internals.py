@@ -756,6 +756,16 @@ def torch_pytree_node(kind: type) -> tuple[Callable[[Any], tuple[list[Any], Any]
     return None if node is None else (node.flatten_fn, node.unflatten_fn)
 
 
+def class_forward(module: torch.nn.Module) -> Any:
+    """``type(module).forward``: the forward its class defines. A TorchScript module's class
+    (``RecursiveScriptModule``, from ``torch.jit.script`` or ``torch.jit.trace``) holds a descriptor
+    that reads the forward off an instance and raises on the class; its raw descriptor then."""
+    try:
+        return type(module).forward
+    except AttributeError:
+        return inspect.getattr_static(type(module), "forward", None)
+
+
 # ------------------------------------------------------------ torch.compile
 def exporting() -> bool:
     """Is ``torch.export`` tracing (strict or not)? Read from torch's own flag where it has one:

@@ -309,7 +309,8 @@ def _share_parametrizations(wrapper: Remat) -> None:
     """
     wrapped = wrapper.wrapped
     state = wrapped.__dict__.get("_funckpt_shared_parametrizations")
-    plist = wrapper._modules.get("parametrizations")
+    submodules = wrapper._modules  # (a TorchScript module's has no get())
+    plist = submodules["parametrizations"] if "parametrizations" in submodules else None
     if plist is None and not state:
         return  # nothing parametrized: the usual case
     # The parametrizations are one ModuleDict, shared by the module and all its wrappers: what

@@ -20,6 +20,7 @@ from typing import Any, TypeVar, cast, overload
 import torch
 
 from ._call import call
+from ._internals import class_forward
 from ._modules import Remat, RematSequential
 from ._options import RematOptions, normalize_static_argnums
 from .policies import Policy
@@ -140,7 +141,7 @@ def _decorate(fn: Callable[..., Any], *, options: RematOptions) -> Any:
             f"remat: fn is the class {fn.__name__}, not a module: remat an instance, "
             f"for example remat({fn.__name__}(...))"
         )
-    if isinstance(fn, torch.nn.Module) and type(fn).forward is torch.nn.Module.forward and "forward" not in vars(fn):
+    if isinstance(fn, torch.nn.Module) and class_forward(fn) is torch.nn.Module.forward and "forward" not in vars(fn):
         # (torch.compile's OptimizedModule sets its forward on the instance)
         # A container (ModuleList, ModuleDict): the wrapper would be neither callable nor iterable.
         raise TypeError(
@@ -152,7 +153,7 @@ def _decorate(fn: Callable[..., Any], *, options: RematOptions) -> Any:
     # ASPPPooling) is checkpointed whole, as any module: its forward is what the module computes.
     sequential = (
         issubclass(type(fn), torch.nn.Sequential)
-        and cast(Any, type(fn)).forward is torch.nn.Sequential.forward
+        and class_forward(fn) is torch.nn.Sequential.forward
         and "forward" not in vars(fn)
     )
     if options.segments is not None and not sequential:

@@ -1417,3 +1417,51 @@ def test_a_sequential_subclass_with_its_own_forward_is_checkpointed_whole(kind, 
 def test_segments_of_a_sequential_subclass_with_its_own_forward_are_refused():
     with pytest.raises(ValueError, match="a subclass with a forward of its own is checkpointed whole"):
         remat(_ResidualStage(nn.Linear(4, 4, dtype=D)), segments=2)
+
+
+class _ScriptedBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l1, self.l2 = nn.Linear(3, 5, dtype=torch.float64), nn.Linear(5, 3, dtype=torch.float64)
+        self.register_buffer("scale", torch.tensor(2.0, dtype=torch.float64))
+
+    def forward(self, x):
+        return self.l2(torch.tanh(self.l1(x))) * self.scale
+
+
+@pytest.mark.parametrize("wrap", ["module", "closure", "sequential"])
+@pytest.mark.parametrize("how", ["backward", "create_graph", "grad", "jacrev", "jvp"])
+def test_a_torchscript_module_as_without_remat(wrap, how):
+    """A ``torch.jit.script`` module (whose class reads its forward off an instance only, and
+    whose submodules sit in a dictionary without ``get``), remat'd, in a closure or in a remat'd
+    ``nn.Sequential``: the same values and gradients, its parameters' included, as without remat.
+    (``vmap`` of a scripted module fails without remat too: TorchScript reads ``.data`` there.)"""
+    torch.manual_seed(0)
+    x = torch.randn(4, 3, dtype=torch.float64)
+
+    def results(use_remat):
+        torch.manual_seed(0)
+        m = torch.jit.script(_ScriptedBlock())
+        if wrap == "module":
+            f = m
+        elif wrap == "closure":
+            f = lambda x: m(x).sin()  # noqa: E731
+        else:
+            f = nn.Sequential(m, nn.Tanh())
+        f = remat(f) if use_remat else f
+        if how == "backward":
+            out = f(x)
+            out.square().sum().backward()
+            return out, [p.grad for p in m.parameters()]
+        if how == "create_graph":
+            xx = x.clone().requires_grad_()
+            (g,) = torch.autograd.grad(f(xx).sum(), xx, create_graph=True)
+            g.square().sum().backward()
+            return g, [p.grad for p in m.parameters()]
+        if how == "grad":
+            return tf.grad(lambda x: f(x).square().sum())(x)
+        if how == "jacrev":
+            return tf.jacrev(f)(x)
+        return tf.jvp(f, (x,), (torch.ones_like(x),))
+
+    assert_close(results(True), results(False))
