@@ -1292,6 +1292,14 @@ class UserRegion(Region):
             ]
             if hidden:
                 shape, kind = tuple(hidden[0].shape), type(leaf).__qualname__
+                if isinstance(leaf, (types.GeneratorType, types.CoroutineType, types.AsyncGeneratorType)):
+                    raise CheckpointError(
+                        f"remat({self.name}): the function returned a {kind} (it is a generator or async "
+                        "function, whose body runs when the result is iterated or awaited, after the remat'd "
+                        f"call, on remat's own copies of its inputs, of shape {shape} among them): remat "
+                        "would checkpoint nothing, and gradients would miss the caller's tensors. Remat the "
+                        "code that consumes it, or return a list or tuple of the tensors instead."
+                    )
                 if callable(leaf) and not isinstance(leaf, torch.nn.Module):
                     raise CheckpointError(
                         f"remat({self.name}): the function returned a callable ({kind}) that holds a tensor "

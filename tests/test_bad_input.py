@@ -41,6 +41,11 @@ class Box:
         self.t = t
 
 
+def _yielding(t):
+    """A generator function: without remat its body runs as the caller iterates (its tensors then require grad)."""
+    yield t.sin()
+
+
 @dataclass(slots=True)
 class SlotsBox:
     t: torch.Tensor
@@ -207,6 +212,9 @@ ROWS: dict[str, Row] = {
     ),
     "tensor output in a slots dataclass": Row(lambda: remat(lambda t: SlotsBox(t.sin()))(x), CheckpointError, r"inside a SlotsBox"),
     "tensor output in an iterator": Row(lambda: remat(lambda t: iter([t.sin()]))(x), CheckpointError, r"inside a list_iterator"),
+    "a generator function remat'd": Row(
+        lambda: remat(_yielding)(x), CheckpointError, r"returned a generator \(it is a generator or async function.*Remat the code that consumes it"
+    ),
     "tensor output in a module's private attribute": Row(
         lambda: remat(lambda t: _module_holding(t.sin()))(x), CheckpointError, r"inside a Module"
     ),
