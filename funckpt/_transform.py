@@ -153,7 +153,7 @@ def _decorate(fn: Callable[..., Any], *, options: RematOptions) -> Any:
     # ASPPPooling) is checkpointed whole, as any module: its forward is what the module computes.
     sequential = (
         issubclass(type(fn), torch.nn.Sequential)
-        and class_forward(fn) is torch.nn.Sequential.forward
+        and class_forward(cast(torch.nn.Module, fn)) is torch.nn.Sequential.forward
         and "forward" not in vars(fn)
     )
     if options.segments is not None and not sequential:
