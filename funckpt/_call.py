@@ -1345,21 +1345,16 @@ class UserRegion(Region):
         derivative, held here until the checks for escapes are done). A checkpointed loop's
         steps, which run again one at a time, write nothing back.
         """
+        if not self.escapes_become_outputs:
+            return None  # (a checkpointed loop's: its steps' writes into the carry they get are their own, as in JAX)
         written = [(mine, copy) for mine, copy, before in watched if _written(before, _shallow(copy))]
         if not written:
             return None
-        if not self.escapes_become_outputs or len({id(mine) for mine, _ in written}) < len(written):
-            twice = self.escapes_become_outputs
+        if len({id(mine) for mine, _ in written}) < len(written):
             raise CheckpointError(
                 f"remat({self.name}): the function added, removed or replaced an entry of a list or dict it "
-                + (
-                    "was passed twice (as two arguments, or twice inside one): remat passes each its own copy, "
-                    "and cannot tell which write the caller's should keep. Pass it once."
-                    if twice
-                    else "was passed, in a step of a checkpointed loop: its steps run again one at a time in the "
-                    "backward pass, so the caller's could not be kept as without remat. Return the values "
-                    "instead (in the carry, or as the step's y)."
-                )
+                "was passed twice (as two arguments, or twice inside one): remat passes each its own copy, "
+                "and cannot tell which write the caller's should keep. Pass it once."
             )
         back: dict[int, Any] = {id(t): mine for t, mine in zip(flat, outer)}  # each input, as the caller passed it
         back.update((id(copy), mine) for mine, copy, _ in watched)  # each container, the caller's own

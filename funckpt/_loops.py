@@ -378,7 +378,9 @@ def _remat_each_step(
         if checkpointed and not nothing_to_differentiate():
             # remat(step) with the captured tensors looked for in the user's functions
             # (funckpt's own wrappers are library code, which the walk does not enter).
-            carry, y = run_prepared(*prepare(step, options, args, {}, None, name, reaches))
+            region, routed = prepare(step, options, args, {}, None, name, reaches)
+            region.caller_arguments = None  # (what a step writes into the carry it gets is its own, as in JAX)
+            carry, y = run_prepared(region, routed)
         else:
             carry, y = step(*args)
         ys.append(y)
@@ -629,11 +631,13 @@ class LoopRegion(UserRegion):
 
     def _forward_sweep(self, init: Any, xs: Any) -> tuple[Any, Any]:
         loop = self.loop
-        _, self.carry_slots = flatten(init)
+        tensors, self.carry_slots = flatten(init)
         kept: dict[int, _State] = {}
         prefix: list[_schedule.Action] = []
         ys: list[Any] = []
-        carry = init
+        # (A carry of containers the first step may write into, as in JAX its own: not the run's
+        # argument, which outlives the sweep, and would keep what the step wrote there.)
+        carry = self.carry_slots.fill(tensors)
         if loop.n is not None:  # known number of steps: the binomial schedule's forward sweep, then the last step
             actions = loop.schedule(loop.n) if loop.n > 0 else []
             for action in actions:
@@ -683,7 +687,8 @@ class LoopRegion(UserRegion):
 
     def _whole(self, init: Any, xs: Any) -> tuple[Any, Any]:
         """The loop run straight through (a recomputation: forward mode, vmap, a higher-order vjp's)."""
-        carry, ys, k = init, [], 0
+        tensors, slots = flatten(init)
+        carry, ys, k = slots.fill(tensors), [], 0  # (the first step's own carry: see _forward_sweep)
         while self._steps_go_on(k, carry) if self.loop.n is None else k < self.n_steps:
             carry, y = self._call_step(k, carry, xs)
             ys.append(y)

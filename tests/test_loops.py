@@ -997,6 +997,44 @@ def test_a_step_writing_its_carry_in_place_with_nothing_to_differentiate_runs(ch
         funckpt.fori_loop(0, 3, body, torch.zeros(3, dtype=D).requires_grad_() * 1, checkpoints=checkpoints)
 
 
+@pytest.mark.parametrize("checkpoints", CHECKPOINTS)
+@pytest.mark.parametrize("how", ["backward", "grad", "vmap_of_grad"])
+def test_a_step_updating_its_container_carry_in_place_and_returning_it(checkpoints, how):
+    """``c["h"] = ...; return c``: the step's carry is its own, as in JAX, so writing into it is
+    no error (it raised, and under a transform a tensor so written looked kept outside the call);
+    values and gradients are the Python loop's. The caller's initial carry is left as it was."""
+    torch.manual_seed(0)
+    w0, h0, xs = torch.randn(3, 3, dtype=D), torch.randn(3, dtype=D), torch.randn(5, 3, dtype=D)
+
+    def step(c, x):
+        c["h"] = torch.tanh(c["h"] @ c["w"] + x)
+        c["seen"] = c["seen"] + 1
+        return c, c["h"].sum()
+
+    def loss(w, h, looped):
+        init = {"h": h, "w": w, "seen": 0}
+        if looped:
+            c, ys = funckpt.scan(step, init, xs, checkpoints=checkpoints)
+        else:
+            c, ys = dict(init), []
+            for x in xs:
+                c, y = step(c, x)
+                ys.append(y)
+            ys = torch.stack(ys)
+        assert init["h"] is h and init["seen"] == 0 and c["seen"] == len(xs)
+        return c["h"].pow(2).sum() + ys.sum()
+
+    def grads(looped):
+        if how == "grad":
+            return tf.grad(loss, argnums=(0, 1))(w0, h0, looped)
+        if how == "vmap_of_grad":
+            return tf.vmap(tf.grad(loss, argnums=(0, 1)), in_dims=(None, 0, None))(w0, h0.expand(2, 3) * 1, looped)
+        w, h = w0.clone().requires_grad_(), h0.clone().requires_grad_()
+        return torch.autograd.grad(loss(w, h, looped), (w, h))
+
+    assert_close(grads(True), grads(False))
+
+
 def test_a_loops_errors_name_the_loop_function():
     """A fori_loop's (or while_loop's) refusal says fori_loop, not scan."""
     count = torch.zeros(())
