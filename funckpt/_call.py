@@ -1318,16 +1318,20 @@ class UserRegion(Region):
 
     def _watch_containers(
         self, caller: tuple[tuple[Any, ...], dict[str, Any], Any], args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> list[tuple[Any, Any, tuple[Any, ...]]]:
-        """Each list, dict and deque among the caller's arguments, the function's copy of it, and
-        the copy's entries before the run (static arguments are passed as they are: not copies)."""
+    ) -> list[tuple[Any, Any, tuple[Any, ...], tuple[Any, ...]]]:
+        """Each list, dict and deque among the caller's arguments, the function's copy of it, the
+        copy's entries before the run and the caller's (static arguments are passed as they are:
+        not copies)."""
         static = self.argspec.static
         dynamic = tuple(a for i, a in enumerate(args) if i not in static) if static else args
-        return [(mine, copy, _shallow(copy)) for mine, copy in argument_containers(caller[:2], (dynamic, kwargs))]
+        return [
+            (mine, copy, _shallow(copy), _shallow(mine))
+            for mine, copy in argument_containers(caller[:2], (dynamic, kwargs))
+        ]
 
     def _container_writes(
         self,
-        watched: list[tuple[Any, Any, tuple[Any, ...]]],
+        watched: list[tuple[Any, Any, tuple[Any, ...], tuple[Any, ...]]],
         outer: tuple[torch.Tensor, ...],
         flat: tuple[torch.Tensor, ...],
     ) -> list[tuple[Any, list[Any]]] | None:
@@ -1344,27 +1348,42 @@ class UserRegion(Region):
         :meth:`_escaped_tensors`; under a torch.func transform refused where it carries a
         derivative, held here until the checks for escapes are done). A checkpointed loop's
         steps, which run again one at a time, write nothing back.
+
+        Where the write cannot be the caller's as without remat, it raises: a container passed at
+        two places (the function gets two copies: what it wrote into one, it would not read from
+        the other), or one the function also wrote itself, through a closure or a global (the
+        copy's entries would overwrite those writes).
         """
         if not self.escapes_become_outputs:
             return None  # (a checkpointed loop's: its steps' writes into the carry they get are their own, as in JAX)
-        written = [(mine, copy) for mine, copy, before in watched if _written(before, _shallow(copy))]
+        written = [(mine, copy, theirs) for mine, copy, before, theirs in watched if _written(before, _shallow(copy))]
         if not written:
             return None
-        if len({id(mine) for mine, _ in written}) < len(written):
+        places = collections.Counter(id(mine) for mine, *_ in watched)
+        if any(places[id(mine)] > 1 for mine, *_ in written):
             raise CheckpointError(
                 f"remat({self.name}): the function added, removed or replaced an entry of a list or dict it "
                 "was passed twice (as two arguments, or twice inside one): remat passes each its own copy, "
-                "and cannot tell which write the caller's should keep. Pass it once."
+                "so what the function wrote into one it would not read from the other, and the caller's "
+                "could not be kept as without remat. Pass it once."
+            )
+        if any(_written(theirs, _shallow(mine)) for mine, _, theirs in written):
+            raise CheckpointError(
+                f"remat({self.name}): the function added, removed or replaced an entry of a list or dict it "
+                "was passed, and wrote the caller's own as well (reached through a closure, a global or an "
+                "attribute): remat passes the function a copy, whose writes the caller's gets after the call, "
+                "so those would be lost. Write it through one of the two only (or pass it through "
+                "static_argnums if it holds no tensor remat must route)."
             )
         back: dict[int, Any] = {id(t): mine for t, mine in zip(flat, outer)}  # each input, as the caller passed it
-        back.update((id(copy), mine) for mine, copy, _ in watched)  # each container, the caller's own
+        back.update((id(copy), mine) for mine, copy, *_ in watched)  # each container, the caller's own
 
         def carried(v: Any) -> Any:
             mine = back.get(id(v))
             return v if mine is None else mine
 
         writes: list[tuple[Any, list[Any]]] = []
-        for mine, copy in written:
+        for mine, copy, _ in written:
             if isinstance(copy, dict):
                 writes.append((mine, [(k, carried(v)) for k, v in copy.items()]))
             else:

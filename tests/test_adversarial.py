@@ -3785,6 +3785,44 @@ def test_a_list_passed_twice_and_written_raises():
     assert shared == []
 
 
+@pytest.mark.parametrize("where", ["two_arguments", "inside_one"])
+def test_a_list_passed_twice_written_once_and_read_through_the_other_raises(where):
+    """Without remat both are the one list: the write shows through the other. remat passes each
+    place its own copy, so the function would read a list it had not written (a wrong value)."""
+
+    def fn(x, a, b):
+        a.append(x.sin())
+        return x * len(b)
+
+    x = randn(3, seed=1).requires_grad_()
+    shared: list = []
+    assert_close(fn(x, shared, shared), x * 1)  # (without remat)
+    shared = []
+    call = remat(fn) if where == "two_arguments" else remat(lambda x, p: fn(x, *p))
+    with pytest.raises(CheckpointError, match="passed twice"):
+        call(x, shared, shared) if where == "two_arguments" else call(x, (shared, shared))
+    assert shared == []
+
+
+def test_a_list_written_as_the_argument_and_through_a_closure_raises():
+    """The closure writes the caller's list itself, the argument remat's copy: carried back, the
+    copy's entries would overwrite the closure's (without remat the list holds both writes)."""
+    log: list = []
+
+    def fn(x, kept):
+        kept.append(x.sin())
+        log.append("step")
+        return x.cos()
+
+    x = randn(3, seed=1).requires_grad_()
+    fn(x, log)
+    assert len(log) == 2  # (without remat)
+    log = []
+    with pytest.raises(CheckpointError, match="wrote the caller's own as well"):
+        remat(fn)(x, log)
+    assert log == ["step"]  # (the closure's own write: the function ran)
+
+
 def test_a_failed_call_leaves_the_callers_container_as_it_was():
     """A stored view of an input raises once the call knows the caller holds it: the writes go too."""
 
