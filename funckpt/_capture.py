@@ -980,7 +980,7 @@ def _module_state(module: torch.nn.Module) -> _ModuleState:
         kinds = list(map(type, attributes.values()))
         if _SCREENED.issuperset(kinds) and kinds.count(dict) <= _OWN_DICTS:
             continue  # most modules: nothing but plain values (tuples: a kernel size), no list or dict of their own
-        scans = [(m, attributes)]
+        scans, scanned = [(m, attributes)], {id(m)}
         for owner, attributes in scans:
             for key, value in attributes.items():
                 kind = type(value)
@@ -989,11 +989,14 @@ def _module_state(module: torch.nn.Module) -> _ModuleState:
                 if kind in _OUTSIDE_CONTAINERS or issubclass(kind, torch.nn.Module):
                     if not first or key in _MODULE_OWN:
                         continue
-                    if owner is m and issubclass(kind, torch.nn.Module) and value._parameters is m._parameters:
+                    if issubclass(kind, torch.nn.Module) and value._parameters is m._parameters:
                         # The module a remat wrapper wraps: its registries are the wrapper's, walked
                         # here; what it keeps besides (a plain tensor attribute, an unregistered list
                         # of parameters, a hidden layer) is the wrapper's too, under the same names.
-                        scans.append((value, vars(value)))
+                        # (And the one a wrapper of a wrapper wraps, remat(remat(layer)), each once.)
+                        if id(value) not in scanned:
+                            scanned.add(id(value))
+                            scans.append((value, vars(value)))
                     elif _kept_outside_the_registries(owner, value):
                         outside.append((dot + key, value))
                     continue

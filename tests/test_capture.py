@@ -356,6 +356,23 @@ def test_what_a_remat_layer_keeps_outside_its_registries_is_found_by_an_enclosin
     assert_close(tf.grad(loss, argnums=(0, 1))(named, X, remat(nested)), tf.grad(loss, argnums=(0, 1))(named, X, plain))
 
 
+@pytest.mark.parametrize("kept", [*_KEPT_OUTSIDE, "plain tensor attribute"])
+def test_what_a_layer_remat_twice_keeps_outside_its_registries_is_found_by_an_enclosing_remat(kept):
+    """``remat(remat(layer))`` (a library's wrapper, then the user's) inside ``remat(model)``: the
+    layer sits two wrappers down, both sharing its registries; its own attributes are still found
+    (a false "neither an argument nor reachable" error, or "not routed", when only one was entered)."""
+    torch.manual_seed(0)
+    layer = _PlainTensorAttribute() if kept == "plain tensor attribute" else _KeepsParametersOutsideItsRegistries(kept)
+    plain, nested = _Holds(layer), _Holds(remat(remat(layer)))
+    nested.head = plain.head
+    params = [*plain.parameters(), *layer.outside()]
+    expected = _backward_grads(lambda: plain(X), params)
+    assert_close(_backward_grads(lambda: remat(nested)(X), params), expected)
+    named = {k: v.detach() for k, v in plain.named_parameters()}
+    loss = lambda p, x, f: tf.functional_call(f, p, (x,)).square().sum()  # noqa: E731
+    assert_close(tf.grad(loss, argnums=(0, 1))(named, X, remat(nested)), tf.grad(loss, argnums=(0, 1))(named, X, plain))
+
+
 @pytest.mark.parametrize("kept", _KEPT_OUTSIDE)
 def test_what_a_module_keeps_outside_its_registries_is_found_with_or_without_the_walk(kept, monkeypatch):
     """The shortcut for a module whose forward reaches nothing (the walk of its state alone) finds
