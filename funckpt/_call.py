@@ -120,7 +120,7 @@ from ._internals import (
     vmap_active,
 )
 from ._options import RematOptions, callable_name, check_static_argnums
-from ._pytree import ArgSpec, TreeSlots, argument_containers, flatten, flatten_args, holds_containers
+from ._pytree import ArgSpec, TreeSlots, argument_containers, flatten, flatten_args, holds_containers, map_back
 from ._residuals import notify
 from ._saving import (
     Replayer,
@@ -1380,7 +1380,7 @@ class UserRegion(Region):
 
         def carried(v: Any) -> Any:
             mine = back.get(id(v))
-            return v if mine is None else mine
+            return map_back(v, back) if mine is None else mine
 
         writes: list[tuple[Any, list[Any]]] = []
         for mine, copy, _ in written:

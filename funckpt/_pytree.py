@@ -246,3 +246,34 @@ def _pair(a: Any, b: Any, pairs: list[tuple[Any, Any]]) -> None:
         return
     for x, y in zip(children, copies):
         _pair(x, y, pairs)
+
+
+def map_back(value: Any, back: dict[int, Any]) -> Any:
+    """``value`` with each object ``back`` names (by id) replaced by the one it maps to, at any
+    depth of the containers optree enters: a write of ``[x, x.sin()]`` into an argument's list
+    holds the caller's ``x``, not remat's stand-in for it (whose gradient would be missing). A
+    container is rebuilt where an entry changed (as remat rebuilds what the function returns:
+    the function's own object, left as it is, may be part of its result, still to be read)."""
+    memo: dict[int, Any] = {}
+
+    def walk(v: Any) -> Any:
+        mine = back.get(id(v))
+        if mine is not None:
+            return mine
+        if isinstance(v, _ATOMS):
+            return v
+        if id(v) in memo:  # (a container held twice, or inside itself)
+            return memo[id(v)]
+        memo[id(v)] = v
+        try:
+            flat = optree.tree_flatten_one_level(v, none_is_leaf=True, namespace=NAMESPACE)
+        except ValueError:  # (a leaf optree does not enter)
+            return v
+        children = flat.children
+        mapped = [walk(c) for c in children]
+        if all(a is b for a, b in zip(mapped, children)):
+            return v
+        memo[id(v)] = rebuilt = flat.unflatten_func(flat.metadata, mapped)
+        return rebuilt
+
+    return walk(value)

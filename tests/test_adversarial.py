@@ -3823,6 +3823,29 @@ def test_a_list_written_as_the_argument_and_through_a_closure_raises():
     assert log == ["step"]  # (the closure's own write: the function ran)
 
 
+def test_an_input_written_inside_a_new_container_is_the_callers_own():
+    """``kept.append([x, x.sin()])``, ``aux["p"] = (x, w)``: the input (or the parameter reached
+    through the closure) inside the written structure is the caller's tensor, as without remat,
+    and its gradient flows (remat's stand-in for it, carried back, had none: silently missing)."""
+    lin = nn.Linear(3, 3, dtype=D)
+
+    def fn(x, kept, aux):
+        kept.append([x, x.sin()])
+        aux["p"] = (x, lin.weight)
+        return lin(x).cos()
+
+    x = randn(3, seed=1).requires_grad_()
+
+    def run(f):
+        kept, aux = [], {}
+        out = f(x, kept, aux)
+        assert kept[0][0] is x and aux["p"][0] is x and aux["p"][1] is lin.weight
+        loss = out.sum() + kept[0][0].pow(3).sum() + kept[0][1].exp().sum() + aux["p"][0].sum() + aux["p"][1].pow(2).sum()
+        return torch.autograd.grad(loss, [x, lin.weight])
+
+    assert_close(run(remat(fn)), run(fn))
+
+
 def test_a_failed_call_leaves_the_callers_container_as_it_was():
     """A stored view of an input raises once the call knows the caller holds it: the writes go too."""
 
