@@ -1600,8 +1600,8 @@ class UserRegion(Region):
         (a local leaf), so a gradient through the stored tensor would reach that copy
         and be silently missing. (A tensor the run computed and stored escapes it, and
         becomes an output: see :meth:`_escaped_tensors`.) Checked under plain autograd
-        in the non-module arguments, in the closure cells, defaults and partial arguments
-        of ``fn``, and in the attributes of the modules it reaches whose class stores
+        in the non-module arguments, in what the call carries back into the caller's
+        containers, in the closure cells, defaults and partial arguments of ``fn``, and in the attributes of the modules it reaches whose class stores
         attributes (:func:`stored_attributes`), breadth first and bounded, not entering
         modules (whose internals hooks and wrappers such as FSDP fill during a call).
         Stores made by hooks or functions outside the modules' classes, and under
@@ -1615,6 +1615,8 @@ class UserRegion(Region):
         if isinstance(fn, types.FunctionType):
             roots += [*(fn.__closure__ or ()), fn.__defaults__, fn.__kwdefaults__]
         roots += stored_attributes(self.captured)
+        if self.container_writes:  # (what goes into the caller's containers: an input inside an object there)
+            roots += [content for _, content in self.container_writes]
         roots = [r for r in roots if r is not None]
         if not roots:  # nothing to look into (a plain function of its arguments)
             return

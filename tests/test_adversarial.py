@@ -3846,6 +3846,26 @@ def test_an_input_written_inside_a_new_container_is_the_callers_own():
     assert_close(run(remat(fn)), run(fn))
 
 
+def test_an_input_inside_an_object_written_into_an_argument_raises():
+    """``kept.append(SimpleNamespace(t=x))``: the object (which remat does not rebuild) holds remat's
+    stand-in for ``x``, whose gradient would be silently missing; as an input stored anywhere else
+    the function reaches, it raises (without remat, the gradient flows through ``kept[0].t``)."""
+    from types import SimpleNamespace
+
+    def fn(x, kept):
+        kept.append(SimpleNamespace(t=x))
+        return x.cos()
+
+    x = randn(3, seed=1).requires_grad_()
+    kept: list = []
+    out = fn(x, kept)
+    assert_close(_grads_of(lambda: out.sum() + kept[0].t.pow(2).sum(), x), _grads_of(lambda: (x.cos() + x.pow(2)).sum(), x))
+    kept = []
+    with pytest.raises(CheckpointError, match="stored one of its inputs"):
+        remat(fn)(x, kept)
+    assert kept == []
+
+
 def test_a_failed_call_leaves_the_callers_container_as_it_was():
     """A stored view of an input raises once the call knows the caller holds it: the writes go too."""
 
