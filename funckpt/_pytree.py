@@ -237,15 +237,24 @@ def _has_mutable(treespec: optree.PyTreeSpec) -> bool:
 def _pair(a: Any, b: Any, pairs: list[tuple[Any, Any]]) -> None:
     if a is b or isinstance(a, _ATOMS) or type(a) is not type(b):  # (a leaf, passed as it is or as a tensor)
         return
+    kind = type(a)
     if isinstance(a, MUTABLE):
         pairs.append((a, b))
-    try:
-        children = optree.tree_flatten_one_level(a, none_is_leaf=False, namespace=NAMESPACE)[0]
-        copies = optree.tree_flatten_one_level(b, none_is_leaf=False, namespace=NAMESPACE)[0]
-    except ValueError:  # (a leaf optree does not enter)
-        return
+    children: Any
+    copies: Any
+    if kind is list or kind is tuple or kind is collections.deque:  # (asked on every call: no optree round trip)
+        children, copies = a, b
+    elif kind is dict and len(a) == len(b):
+        children, copies = a.values(), [b.get(k) for k in a]
+    else:
+        try:
+            children = optree.tree_flatten_one_level(a, none_is_leaf=False, namespace=NAMESPACE)[0]
+            copies = optree.tree_flatten_one_level(b, none_is_leaf=False, namespace=NAMESPACE)[0]
+        except ValueError:  # (a leaf optree does not enter)
+            return
     for x, y in zip(children, copies):
-        _pair(x, y, pairs)
+        if not isinstance(x, _ATOMS):
+            _pair(x, y, pairs)
 
 
 def map_back(value: Any, back: dict[int, Any]) -> Any:
