@@ -277,6 +277,26 @@ def run_prepared(region: UserRegion, routed: list[torch.Tensor]) -> Any:
     return result
 
 
+def _reached_directly(fn: Any) -> set[int]:
+    """The ids of what a function's closure cells, partial arguments and the globals its code
+    names hold (not further: told only where the function wrote a container it was passed)."""
+    found: set[int] = set()
+    if isinstance(fn, functools.partial):
+        found.update(map(id, fn.args))
+        found.update(map(id, fn.keywords.values()))
+        fn = fn.func
+    fn = getattr(fn, "__func__", fn)
+    if isinstance(fn, types.FunctionType):
+        for cell in fn.__closure__ or ():
+            try:
+                found.add(id(cell.cell_contents))
+            except ValueError:  # (an empty cell)
+                pass
+        names, scope = fn.__code__.co_names, fn.__globals__
+        found.update(id(scope[name]) for name in names if name in scope)
+    return found
+
+
 class _Item(NamedTuple):
     key: Any
     value: Any
@@ -1367,13 +1387,15 @@ class UserRegion(Region):
                 "so what the function wrote into one it would not read from the other, and the caller's "
                 "could not be kept as without remat. Pass it once."
             )
-        if any(_written(theirs, _shallow(mine)) for mine, _, theirs in written):
+        reached = _reached_directly(self.fn)
+        if any(_written(theirs, _shallow(mine)) or id(mine) in reached for mine, _, theirs in written):
             raise CheckpointError(
                 f"remat({self.name}): the function added, removed or replaced an entry of a list or dict it "
-                "was passed, and wrote the caller's own as well (reached through a closure, a global or an "
-                "attribute): remat passes the function a copy, whose writes the caller's gets after the call, "
-                "so those would be lost. Write it through one of the two only (or pass it through "
-                "static_argnums if it holds no tensor remat must route)."
+                "was passed, and reaches or wrote the caller's own as well (through its closure, a global or "
+                "an attribute): remat passes the function a copy, whose writes the caller's gets after the "
+                "call, so the function would read the caller's as it was, and what it wrote there would be "
+                "lost. Use it through one of the two only (or pass it through static_argnums if it holds no "
+                "tensor remat must route)."
             )
         back: dict[int, Any] = {id(t): mine for t, mine in zip(flat, outer)}  # each input, as the caller passed it
         back.update((id(copy), mine) for mine, copy, *_ in watched)  # each container, the caller's own

@@ -3818,9 +3818,27 @@ def test_a_list_written_as_the_argument_and_through_a_closure_raises():
     fn(x, log)
     assert len(log) == 2  # (without remat)
     log = []
-    with pytest.raises(CheckpointError, match="wrote the caller's own as well"):
+    with pytest.raises(CheckpointError, match="reaches or wrote the caller.s own as well"):
         remat(fn)(x, log)
     assert log == ["step"]  # (the closure's own write: the function ran)
+
+
+def test_a_list_written_as_the_argument_and_read_through_a_closure_raises():
+    """The function appends to its argument and reads the caller's list through its closure:
+    without remat the read sees the append; with remat's copy it would see the list as it was
+    (``x * 0`` for ``x * 1``)."""
+    box: list = []
+
+    def fn(x, kept):
+        kept.append(1)
+        return x * len(box)
+
+    x = randn(3, seed=1).requires_grad_()
+    assert_close(fn(x, box), x * 1)  # (without remat)
+    box.clear()
+    with pytest.raises(CheckpointError, match="reaches or wrote the caller.s own as well"):
+        remat(fn)(x, box)
+    assert box == []
 
 
 def test_an_input_written_inside_a_new_container_is_the_callers_own():
