@@ -742,6 +742,34 @@ def _rebatched(name: str, t: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
         return add_batch_dim(value, dim, level)
 
 
+#: The attributes built-in exception classes keep in their own fields rather than in ``__dict__``
+#: (OSError's, UnicodeError's, SyntaxError's, ImportError's, StopIteration's, SystemExit's, NameError's and
+#: AttributeError's), and the chaining and notes every exception has.
+_EXCEPTION_FIELDS = (
+    "errno", "strerror", "filename", "filename2", "winerror", "characters_written",
+    "encoding", "object", "start", "end", "reason",
+    "msg", "lineno", "offset", "text", "end_lineno", "end_offset", "print_file_and_line",
+    "name", "path", "name_from", "obj", "value", "code",
+)  # fmt: skip
+
+
+def _copy_exception_attributes(source: BaseException, target: BaseException) -> None:
+    """Give ``target`` (an exception made as a subclass of ``source``'s type) ``source``'s attributes."""
+    for name in _EXCEPTION_FIELDS:
+        try:
+            value = getattr(source, name)
+        except AttributeError:  # (not this class's, or unset: characters_written)
+            continue
+        try:
+            setattr(target, name, value)
+        except (AttributeError, TypeError, ValueError):
+            pass
+    try:
+        vars(target).update({k: v for k, v in vars(source).items() if k not in ("__notes__",)})
+    except TypeError:  # (no __dict__)
+        pass
+
+
 def _two_contexts(context_fn: Callable[[], tuple[Any, Any]], name: str) -> tuple[Any, Any]:
     contexts = context_fn()
     if not (
@@ -1182,11 +1210,25 @@ class UserRegion(Region):
             set_internal(internal)
 
     def _recomputation_raised(self, e: Exception) -> CheckpointError:
-        """A CheckpointError that is also of ``e``'s type, so ``except type(e)`` still catches it."""
+        """A CheckpointError that is also of ``e``'s type, so ``except type(e)`` still catches it,
+        with ``e``'s attributes, so such a handler reads what it would without remat (an
+        ``OSError``'s ``errno`` and ``filename``, a ``UnicodeDecodeError``'s ``reason``, an
+        attribute the user's exception class sets). Its message is remat's, whatever ``e``'s
+        class makes of its attributes in ``str``."""
         try:
-            kind: type[CheckpointError] = type(f"CheckpointError[{type(e).__name__}]", (CheckpointError, type(e)), {})
+            # (BaseException's __str__: e's class may format its own fields instead, OSError's errno
+            # and strerror, or nothing at all, UnicodeDecodeError's without its five arguments)
+            kind: type[CheckpointError] = type(
+                f"CheckpointError[{type(e).__name__}]", (CheckpointError, type(e)), {"__str__": BaseException.__str__}
+            )
         except TypeError:  # incompatible layouts: a plain CheckpointError, chained to e
             kind = CheckpointError
+        error = kind(self._recomputation_message(e))
+        if kind is not CheckpointError:
+            _copy_exception_attributes(e, error)
+        return error
+
+    def _recomputation_message(self, e: Exception) -> str:
         if forward_mode_active():
             # Forward-mode AD runs code the forward pass never ran (custom Functions' jvp rules, the
             # operators' tangent formulas): the error may be its own, not a changed state's.
@@ -1204,7 +1246,7 @@ class UserRegion(Region):
                 "iterator or generator, a counter, a global, a module attribute). Pass such values as "
                 "tensors, or compute them outside the remat'd function."
             )
-        return kind(f"remat({self.name}): {the_recomputation()} raised {type(e).__name__}: {e} where the forward pass did not. {why}")
+        return f"remat({self.name}): {the_recomputation()} raised {type(e).__name__}: {e} where the forward pass did not. {why}"
 
     def reached_since_the_call(self) -> list[torch.Tensor]:
         """The differentiable tensors the function reaches now and did not at the call (see

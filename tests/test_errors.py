@@ -322,6 +322,55 @@ def test_a_module_that_raises_is_left_with_its_own_parameters_and_works_after(tr
     assert_close(got, tf.grad(lambda p: tf.functional_call(module, p, (X,)).sum())(params))
 
 
+class _ShardMissing(Exception):
+    def __init__(self, shard: int, detail: str) -> None:
+        super().__init__(f"shard {shard}: {detail}")
+        self.shard = shard
+
+
+_RAISED_IN_A_RECOMPUTATION = {
+    "OSError": (lambda: FileNotFoundError(2, "No such file", "/data/shard3"), ("errno", "strerror", "filename")),
+    "UnicodeDecodeError": (
+        lambda: UnicodeDecodeError("utf-8", b"\xff", 0, 1, "invalid start byte"),
+        ("encoding", "object", "start", "end", "reason"),
+    ),
+    "a class of the user's": (lambda: _ShardMissing(3, "gone"), ("shard",)),
+    "StopIteration": (lambda: StopIteration(7), ("value",)),
+}
+
+
+@pytest.mark.parametrize("transform", ["backward", "grad"])
+@pytest.mark.parametrize("raised", _RAISED_IN_A_RECOMPUTATION.values(), ids=_RAISED_IN_A_RECOMPUTATION.keys())
+def test_an_error_of_the_recomputation_reads_as_the_same_error_without_remat(raised, transform):
+    """The CheckpointError a recomputation's exception becomes is of that exception's type (an
+    ``except`` for it still catches it) and carries its attributes, as the same exception raised by
+    the function without remat does; its message is remat's, with the original's in it."""
+    make, attributes = raised
+
+    def caught(use_remat: bool) -> BaseException:
+        calls = []
+
+        def f(x):
+            calls.append(1)
+            if len(calls) == (2 if use_remat else 1):  # the recomputation; without remat, the only call
+                raise make()
+            return x.sin()
+
+        g = remat(f) if use_remat else f
+        with pytest.raises(type(make())) as info:
+            if transform == "backward":
+                g(X.clone().requires_grad_()).sum().backward()
+            else:
+                tf.grad(lambda x: g(x).sum())(X)
+        return info.value
+
+    original, got = caught(False), caught(True)
+    assert isinstance(got, CheckpointError) and type(got.__cause__) is type(original)
+    for name in attributes:
+        assert getattr(got, name) == getattr(original, name), name
+    assert str(got).startswith("remat(f): the recomputation") and str(original) in str(got)
+
+
 def test_recomputation_computing_something_else_with_same_shapes_raises():
     calls = []
 
