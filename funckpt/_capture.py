@@ -1336,49 +1336,100 @@ class reparametrized:
             raise
 
     def __exit__(self, *exc: Any) -> None:
-        swapped, self.swapped = self.swapped, []
+        try:
+            self._leave(exc)
+        finally:
+            if self.thread is not None or self.swapped:
+                # Left unfinished: an asynchronous exception (a KeyboardInterrupt, a signal handler's)
+                # landed in it. The places still go back, and the run leaves the registry: a module
+                # holding a run's stand-ins for good would train them instead of its parameters.
+                with _runs_lock:
+                    self._put_back(self._unregister_interrupted(), False, set(), [], [])
+
+    def _unregister(self) -> list[reparametrized]:
+        """Take this run out of the registry of runs (under ``_runs_lock``); return the runs of other
+        threads that entered after it."""
+        thread = self.thread
+        if thread is None:
+            return []
+        if _runs_by_thread[thread] == 1:
+            del _runs_by_thread[thread]
+        else:
+            _runs_by_thread[thread] -= 1
+        at = len(_runs) - 1
+        while _runs[at] is not self:  # (the last one, but where threads overlap)
+            at -= 1
+        later = _runs[at + 1 :]
+        del _runs[at]
+        self.thread = None
+        return later
+
+    def _unregister_interrupted(self) -> list[reparametrized]:
+        """:meth:`_unregister`, after an interruption that may have left it half done."""
+        thread = self.thread
+        at = next((i for i in range(len(_runs) - 1, -1, -1) if _runs[i] is self), None)
+        later = [] if at is None else _runs[at + 1 :]
+        if at is not None:
+            del _runs[at]
+        if thread is not None:
+            count = sum(run.thread == thread for run in _runs)
+            if count:
+                _runs_by_thread[thread] = count
+            else:
+                _runs_by_thread.pop(thread, None)
+        self.thread = None
+        return later
+
+    def _put_back(
+        self,
+        later: list[reparametrized],
+        keep: bool,
+        rebound_owners: set[int],
+        in_loop: list[tuple[torch.nn.Module, str]],
+        with_graph: list[tuple[torch.nn.Module, str, torch.Tensor]],
+    ) -> None:
+        """Put back what each place held before the run, last set first, taking each off ``swapped``
+        once done (so that what an interruption leaves is still there to put back)."""
+        swapped = self.swapped
+        while swapped:
+            owner, key, before, placed = swapped[-1]
+            if later:
+                after = next((e for run in later for e in run.swapped if e[0] is owner and e[1] == key), None)
+                if after is not None:  # a later run holds this place too: it puts this back
+                    after[2] = before
+                    swapped.pop()
+                    continue
+            if keep:
+                held = _held(owner, key)
+                if held is not placed:
+                    rebound_owners.add(id(owner))
+                    if _recomputed_at_every_call(owner, key) and isinstance(held, torch.Tensor):
+                        # Its value, without the run's local graph: a later call (which computes it
+                        # again) then does not route the stale weight, and its graph, through remat.
+                        _swap_tensor(owner, key, held.detach())
+                        swapped.pop()
+                        continue
+                    if self.loop is not None:
+                        in_loop.append((owner, key))
+                    elif not (isinstance(held, torch.Tensor) and held.requires_grad):
+                        swapped.pop()
+                        continue  # rebound by the function: its value stays, as without remat
+                    elif self._computed_in_the_run(held):
+                        swapped.pop()
+                        continue  # (an MoE layer's self.aux_loss: it escapes the run, see above)
+                    else:
+                        with_graph.append((owner, key, held))
+            _swap_tensor(owner, key, before)
+            swapped.pop()
+
+    def _leave(self, exc: tuple[Any, ...]) -> None:
         keep = self.keep_rebound and exc[:1] in ((), (None,))
         with_graph: list[tuple[torch.nn.Module, str, torch.Tensor]] = []
         in_loop: list[tuple[torch.nn.Module, str]] = []
         snapshots, self.snapshots = self.snapshots, []
         rebound_owners: set[int] = set()  # the modules a place of which the function rebound
         with _runs_lock:
-            thread, self.thread = self.thread, None
-            later: list[reparametrized] = []  # runs that entered after this one, of other threads
-            if thread is not None:
-                if _runs_by_thread[thread] == 1:
-                    del _runs_by_thread[thread]
-                else:
-                    _runs_by_thread[thread] -= 1
-                at = len(_runs) - 1
-                while _runs[at] is not self:  # (the last one, but where threads overlap)
-                    at -= 1
-                later = _runs[at + 1 :]
-                del _runs[at]
-            for owner, key, before, placed in reversed(swapped):
-                if later:
-                    after = next((e for run in later for e in run.swapped if e[0] is owner and e[1] == key), None)
-                    if after is not None:  # a later run holds this place too: it puts this back
-                        after[2] = before
-                        continue
-                if keep:
-                    held = _held(owner, key)
-                    if held is not placed:
-                        rebound_owners.add(id(owner))
-                        if _recomputed_at_every_call(owner, key) and isinstance(held, torch.Tensor):
-                            # Its value, without the run's local graph: a later call (which computes it
-                            # again) then does not route the stale weight, and its graph, through remat.
-                            _swap_tensor(owner, key, held.detach())
-                            continue
-                        if self.loop is not None:
-                            in_loop.append((owner, key))
-                        elif not (isinstance(held, torch.Tensor) and held.requires_grad):
-                            continue  # rebound by the function: its value stays, as without remat
-                        elif self._computed_in_the_run(held):
-                            continue  # (an MoE layer's self.aux_loss: it escapes the run, see above)
-                        else:
-                            with_graph.append((owner, key, held))
-                _swap_tensor(owner, key, before)
+            self._put_back(self._unregister(), keep, rebound_owners, in_loop, with_graph)
         if rebound_owners and self.attributes is not None:
             for m, then in snapshots:
                 if id(m) in rebound_owners:

@@ -322,6 +322,83 @@ def test_a_module_that_raises_is_left_with_its_own_parameters_and_works_after(tr
     assert_close(got, tf.grad(lambda p: tf.functional_call(module, p, (X,)).sum())(params))
 
 
+def _interrupted_in_the_first_put_back(module: torch.nn.Module, at: int | None) -> list:
+    """Run ``remat(module)`` forward and backward with a KeyboardInterrupt raised where the interpreter
+    would raise a pending one (a Ctrl-C, a signal handler's exception): before the ``at``-th line that
+    the first run's putting back of the module's tensors executes (``reparametrized.__exit__`` and the
+    methods of ``_capture`` it calls). ``at=None``: no interruption. Returns the lines it executed."""
+    import sys
+
+    exit_code, lines, state = _capture.reparametrized.__exit__.__code__, [], {"inside": False, "done": False}
+
+    def tracer(frame, event, arg):
+        if state["done"]:
+            return None
+        if frame.f_code is exit_code:
+            state["inside"] = True
+        elif not state["inside"] or frame.f_code.co_filename != exit_code.co_filename:
+            return None
+
+        def local(frame, event, arg):
+            if state["done"]:
+                return None
+            if event == "line":
+                if len(lines) == at:
+                    state["done"] = True
+                    raise KeyboardInterrupt
+                lines.append((frame.f_code.co_name, frame.f_lineno))
+            elif event == "return" and frame.f_code is exit_code:
+                state["done"] = True
+            return local
+
+        return local
+
+    x = torch.randn(5, 4, dtype=D)
+    previous = sys.gettrace()  # (a coverage tool's or a debugger's, put back after)
+    sys.settrace(tracer)
+    try:
+        remat(module)(x).square().sum().backward()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        sys.settrace(previous)
+    return lines
+
+
+def test_an_interruption_while_a_run_puts_the_parameters_back_leaves_the_module_its_own():
+    """An asynchronous exception (Ctrl-C in a notebook, a preemption handler raising) lands wherever the
+    interpreter is. Where it lands while a run puts the module's parameters back, the module must still
+    end with its own: with a run's stand-ins left in their places, every later step would train the
+    stand-ins and the optimizer's parameters would silently get no gradient. (A ``try`` line, before
+    anything is protected, and a ``with`` statement's own line, where it takes or leaves a lock, are the
+    interpreter's own windows.)"""
+
+    def model() -> torch.nn.Module:
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(4, 4, dtype=D), torch.nn.Tanh(), torch.nn.Linear(4, 4, dtype=D))
+
+    x = torch.randn(5, 4, dtype=D)
+    plain = model()
+    plain(x).square().sum().backward()
+    import linecache
+
+    lines = _interrupted_in_the_first_put_back(model(), None)
+    assert len(lines) > 10
+    for at, (_, number) in enumerate(lines):
+        statement = linecache.getline(_capture.__file__, number).strip()
+        if statement.startswith(("try:", "with ", "def ")):
+            continue  # (the interpreter's own windows: before a try, around a with's lock)
+        module = model()
+        params = dict(module.named_parameters())
+        _interrupted_in_the_first_put_back(module, at)
+        assert all(p is params[n] for n, p in module.named_parameters()), f"interrupted at {lines[at]}"
+        assert not _capture._runs and not _capture._runs_by_thread, f"interrupted at {lines[at]}"
+        assert not _capture._runs_lock._is_owned(), f"interrupted at {lines[at]}"  # type: ignore[attr-defined]
+        module.zero_grad(set_to_none=True)
+        remat(module)(x).square().sum().backward()
+        assert_close({n: p.grad for n, p in params.items()}, {n: p.grad for n, p in plain.named_parameters()})
+
+
 class _ShardMissing(Exception):
     def __init__(self, shard: int, detail: str) -> None:
         super().__init__(f"shard {shard}: {detail}")
