@@ -267,6 +267,8 @@ class Saved:
         """The policy's verdict on ``op``: a bool or an ``Offloadable``, or a clear error."""
         try:
             verdict = self.policy(op, *args, **kwargs)
+        except torch.OutOfMemoryError:
+            raise  # (the caller's to handle, as anywhere else in the call: a loop skipping the batch)
         except Exception as e:
             raise CheckpointError(
                 f"remat({self.name}): the saving policy {self.policy!r} raised {type(e).__name__}: {e} "

@@ -581,3 +581,27 @@ def test_a_tail_result_computed_off_course_is_not_handed_a_kept_value(policy, ch
     expected = [t.clone().requires_grad_() for t in (x, w2)]
     f(*expected).tanh().sum().backward()
     assert_close([t.grad for t in got], [t.grad for t in expected])
+
+
+@pytest.mark.parametrize("transform", ["backward", "grad"])
+@pytest.mark.parametrize("error", [torch.OutOfMemoryError, ValueError], ids=["out of memory", "another error"])
+def test_a_policy_that_raises_out_of_memory_raises_out_of_memory(error, transform):
+    """An out-of-memory error raised while the policy decides (a policy inspecting its operator's
+    tensors allocates) reaches the caller as torch.OutOfMemoryError, as one raised anywhere else in the
+    call does (a training loop that skips the batch catches it); any other error of the policy is a
+    CheckpointError that names the policy, chained to it."""
+
+    def policy(op, *args, **kwargs):
+        if op is torch.ops.aten.tanh.default:
+            raise error("raised by the policy")
+        return False
+
+    g = remat(lambda w, x: torch.tanh(x @ w) @ w.T, policy=policy)
+    w = torch.randn(6, 6, dtype=D)
+    with pytest.raises(error if error is torch.OutOfMemoryError else CheckpointError) as info:
+        if transform == "backward":
+            g(w.clone().requires_grad_(), X).sum().backward()
+        else:
+            tf.grad(lambda w: g(w, X).sum())(w)
+    if error is not torch.OutOfMemoryError:
+        assert "the saving policy" in str(info.value) and type(info.value.__cause__) is error
