@@ -260,10 +260,12 @@ def run_prepared(region: UserRegion, routed: list[torch.Tensor]) -> Any:
         result = finish(region, routed, outs)
         if region.escaped_views:
             region.point_kept_views()
-        writes = region.container_writes
+        writes, returned = region.container_writes, region.returned_container
     finally:
-        region.caller_arguments = region.container_writes = None
+        region.caller_arguments = region.container_writes = region.returned_container = None
     restore = _carry_back(writes) if writes else None
+    if returned is not None:  # (a copy of one of the caller's containers: the caller's own, written back)
+        result = returned
     escaped = region.escaped_outputs()
     if escaped:  # which of them the caller's code holds, once nothing here does
         refs = [weakref.ref(t) for t in outs[len(outs) - escaped :]]
@@ -1025,6 +1027,7 @@ class UserRegion(Region):
     # of those, for the call to carry back (see _container_writes). Neither outlives the call.
     caller_arguments: tuple[tuple[Any, ...], dict[str, Any], tuple[torch.Tensor, ...]] | None = None
     container_writes: list[tuple[Any, list[Any]]] | None = None
+    returned_container: Any = None  # (the caller's container whose copy the function returned)
 
     def __init__(
         self,
@@ -1830,6 +1833,8 @@ class UserRegion(Region):
             if watched:
                 assert caller is not None
                 self.container_writes = self._container_writes(watched, caller[2], flat)
+                # (A copy the function returns is the caller's container, as without remat: ``return lst``.)
+                self.returned_container = next((mine for mine, copy, *_ in watched if copy is out), None)
             del caller, watched
         if run.substitute is not None and run.substitute.nested is not None:
             # Where the run records no graph its caller keeps, the nodes of the regions nested in it

@@ -22,7 +22,7 @@ from torch.utils.checkpoint import checkpoint as torch_checkpoint
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import funckpt
-from funckpt import CheckpointError, checkpoint, checkpoint_name, policies, remat
+from funckpt import CheckpointError, checkpoint, checkpoint_name, checkpoint_sequential, policies, remat
 
 D = torch.float64
 aten = torch.ops.aten
@@ -3724,6 +3724,41 @@ def test_writes_into_containers_inside_other_arguments_are_carried_back():
     assert_close(grads_r, grads)
     assert nested_r[1] is pair_r[1]  # the caller's dict, not remat's copy of it
     assert len(pair_r[0]) == 1 and list(nested_r[0]) == ["k"]
+
+
+class AppendAndReturn(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(3, 3, dtype=D)
+
+    def forward(self, hs):
+        hs.append(torch.tanh(self.lin(hs[-1])))
+        return hs
+
+
+@pytest.mark.parametrize("how", ["remat", "checkpoint_sequential"])
+def test_a_list_the_function_writes_and_returns_is_the_callers_own(how):
+    """``hs.append(h); return hs``: without remat the result is the caller's list, with every
+    layer's write. The copy the function got, returned, is the caller's list, written back."""
+    torch.manual_seed(0)
+    layers = nn.Sequential(AppendAndReturn(), AppendAndReturn(), AppendAndReturn())
+    x = randn(2, 3, seed=1).requires_grad_()
+    call = {
+        "remat": remat(layers[0]),
+        "checkpoint_sequential": lambda hs: checkpoint_sequential(layers, 2, hs, use_reentrant=False),
+    }[how]
+
+    def run(f):
+        hs = [x]
+        out = f(hs)
+        loss = sum(h.pow(2).sum() for h in out)
+        return out is hs, len(hs), torch.autograd.grad(loss, [x, *layers.parameters()], allow_unused=True)
+
+    plain = {"remat": layers[0], "checkpoint_sequential": layers}[how]
+    same, n, grads = run(plain)
+    same_r, n_r, grads_r = run(call)
+    assert same and same_r and n_r == n
+    assert_close(grads_r, grads)
 
 
 def test_a_list_inside_a_tuple_argument_gets_its_write():
