@@ -51,6 +51,7 @@ from ._capture import (
     freed_value,
     enter_unwatched,
     find_captured,
+    global_names,
     has_tangent,
     is_generator,
     is_sharded,
@@ -87,6 +88,7 @@ from ._internals import (
     CreationMeta,
     DisableFuncTorch,
     add_batch_dim,
+    class_forward,
     is_batchedtensor,
     maybe_get_level,
     unwrap_batched,
@@ -297,6 +299,10 @@ def _reached_directly(fn: Any) -> set[int]:
         names, scope = fn.__code__.co_names, fn.__globals__
         found.update(id(scope[name]) for name in names if name in scope)
     return found
+
+
+#: The global containers :meth:`UserRegion._refuse_stored_inputs` looks into.
+_STORES = frozenset({list, dict, set, collections.deque})
 
 
 class _Item(NamedTuple):
@@ -1681,6 +1687,12 @@ class UserRegion(Region):
             fn = fn.func
         if isinstance(fn, types.FunctionType):
             roots += [*(fn.__closure__ or ()), fn.__defaults__, fn.__kwdefaults__]
+        code = getattr(fn, "__func__", fn) if not isinstance(fn, torch.nn.Module) else class_forward(fn)
+        if isinstance(code, types.FunctionType):  # (the function's, or the module's forward's)
+            # The lists, dicts, sets and deques among the globals its code names (``G.append(x)``), not
+            # large ones (walked on every call: a store is small at its first call, which then raises).
+            scope = code.__globals__
+            roots += [v for v in map(scope.get, global_names(code.__code__)) if type(v) in _STORES and len(cast(Any, v)) <= 256]
         roots += stored_attributes(self.captured)
         if self.container_writes:  # (what goes into the caller's containers: an input inside an object there)
             roots += [content for _, content in self.container_writes]
@@ -1694,7 +1706,7 @@ class UserRegion(Region):
         if stored:
             raise CheckpointError(
                 f"remat({self.name}): the function stored one of its inputs (shape {tuple(stored[0].shape)}) "
-                "into an object outside the call (an argument, a closure variable or a module attribute). The function gets "
+                "into an object outside the call (an argument, a closure variable, a global or a module attribute). The function gets "
                 "remat's own copy of each input, so a gradient through the stored tensor would reach that "
                 "copy and be silently missing. Return it from the function instead, or store a tensor "
                 "computed from it (x.clone())."

@@ -425,7 +425,7 @@ def find_captured(fn: Callable[..., Any] | Roots, modules_too: bool = True, reco
                 except ValueError:  # empty cell
                     pass
             parts += [*(obj.__defaults__ or ()), *(obj.__kwdefaults__ or {}).values()]
-            for name in _global_names(obj.__code__):
+            for name in global_names(obj.__code__):
                 if name in obj.__globals__:
                     value = obj.__globals__[name]
                     if not isinstance(value, (types.ModuleType, type)):
@@ -557,7 +557,7 @@ def _keyed_parts(obj: Any, kept_outside: dict[int, list[tuple[str, Any]]] | None
         for name, v in (obj.__kwdefaults__ or {}).items():
             parts[("default", name)] = v
         namespace = obj.__globals__
-        for name in _global_names(obj.__code__):
+        for name in global_names(obj.__code__):
             value = namespace.get(name, _MISSING)
             if value is not _MISSING and not isinstance(value, (types.ModuleType, type)):
                 parts[("global", name)] = value
@@ -637,7 +637,7 @@ def _reaches_nothing(fn: types.FunctionType) -> bool:
         # without the set-up below.
         namespace = fn.__globals__
         chained = _chained_names(fn.__code__)
-        for name in _global_names(fn.__code__):
+        for name in global_names(fn.__code__):
             value = namespace.get(name, _MISSING)
             if value is not _MISSING and not isinstance(value, (types.ModuleType, type, str, bytes, int, float)):
                 break
@@ -661,7 +661,7 @@ def _reaches_nothing(fn: types.FunctionType) -> bool:
             held += fn.__kwdefaults__.values()
         namespace = fn.__globals__
         chained = _chained_names(fn.__code__)
-        for name in _global_names(fn.__code__):
+        for name in global_names(fn.__code__):
             value = namespace.get(name, _MISSING)
             if value is not _MISSING and not isinstance(value, (types.ModuleType, type)):
                 held.append(value)
@@ -1710,7 +1710,7 @@ def _library_module(module: str) -> bool:
 
 
 @functools.lru_cache(maxsize=4096)
-def _global_names(code: types.CodeType) -> tuple[str, ...]:
+def global_names(code: types.CodeType) -> tuple[str, ...]:
     """Names the code (and the code nested in it) loads as globals.
 
     Not ``co_names``, which also holds attribute names: ``self.weight`` must not
@@ -1719,7 +1719,7 @@ def _global_names(code: types.CodeType) -> tuple[str, ...]:
     names = {i.argval for i in dis.get_instructions(code) if i.opname in ("LOAD_GLOBAL", "LOAD_NAME")}
     for const in code.co_consts:
         if isinstance(const, types.CodeType):
-            names.update(_global_names(const))
+            names.update(global_names(const))
     return tuple(sorted(names))
 
 

@@ -244,6 +244,7 @@ ROWS: dict[str, Row] = {
     ),
     "input stored into an argument object": Row(lambda: _store_into("argument"), CheckpointError, r"stored one of its inputs"),
     "input appended to a closure list": Row(lambda: _store_into("closure"), CheckpointError, r"stored one of its inputs"),
+    "input appended to a global list": Row(lambda: _store_into("global"), CheckpointError, r"stored one of its inputs"),
     "recomputation of another shape": Row(_recomputation_with_another_shape, CheckpointError, r"shape"),
     "remat'd gradient differentiated again at its own level": Row(
         _differentiated_again_at_the_same_level, CheckpointError, r"Nest torch.func transforms instead"
@@ -327,12 +328,17 @@ def test_the_table_is_large():
     assert len(ROWS) >= 40
 
 
+STORED: list = []  # (a global list a function stores its input into: its gradient would be missing)
+
+
 def _store_into(where: str) -> None:
     box, losses = Box(None), []
 
     def f(t, b):  # (a tensor it computes and stores becomes an output: test_adversarial.py)
         if where == "argument":
             b.t = t
+        elif where == "global":
+            STORED.append(t)
         else:
             losses.append(t)
         return t.sin().sum()
