@@ -339,31 +339,17 @@ class _PlainTensorAttribute(torch.nn.Module):
         return torch.tanh(self.lin(x)) * self.scale
 
 
+@pytest.mark.parametrize("wrappers", [1, 2])
 @pytest.mark.parametrize("kept", [*_KEPT_OUTSIDE, "plain tensor attribute"])
-def test_what_a_remat_layer_keeps_outside_its_registries_is_found_by_an_enclosing_remat(kept):
-    """``remat(model)`` holding ``remat(layer)``: the wrapper shares the layer's registries, and
-    what the layer keeps besides (its own attributes) is walked as the wrapper's, so the
-    enclosing call routes it (a false "neither an argument nor reachable" before)."""
+def test_what_a_remat_layer_keeps_outside_its_registries_is_found_by_an_enclosing_remat(kept, wrappers):
+    """``remat(model)`` holding ``remat(layer)`` (or ``remat(remat(layer))``, a library's wrapper,
+    then the user's): each wrapper shares the layer's registries, and what the layer keeps
+    besides (its own attributes) is walked as the wrapper's, so the enclosing call routes it (a
+    false "neither an argument nor reachable", or "not routed", error before)."""
     torch.manual_seed(0)
     layer = _PlainTensorAttribute() if kept == "plain tensor attribute" else _KeepsParametersOutsideItsRegistries(kept)
-    plain, nested = _Holds(layer), _Holds(remat(layer))
-    nested.head = plain.head
-    params = [*plain.parameters(), *layer.outside()]
-    expected = _backward_grads(lambda: plain(X), params)
-    assert_close(_backward_grads(lambda: remat(nested)(X), params), expected)
-    named = {k: v.detach() for k, v in plain.named_parameters()}
-    loss = lambda p, x, f: tf.functional_call(f, p, (x,)).square().sum()  # noqa: E731
-    assert_close(tf.grad(loss, argnums=(0, 1))(named, X, remat(nested)), tf.grad(loss, argnums=(0, 1))(named, X, plain))
-
-
-@pytest.mark.parametrize("kept", [*_KEPT_OUTSIDE, "plain tensor attribute"])
-def test_what_a_layer_remat_twice_keeps_outside_its_registries_is_found_by_an_enclosing_remat(kept):
-    """``remat(remat(layer))`` (a library's wrapper, then the user's) inside ``remat(model)``: the
-    layer sits two wrappers down, both sharing its registries; its own attributes are still found
-    (a false "neither an argument nor reachable" error, or "not routed", when only one was entered)."""
-    torch.manual_seed(0)
-    layer = _PlainTensorAttribute() if kept == "plain tensor attribute" else _KeepsParametersOutsideItsRegistries(kept)
-    plain, nested = _Holds(layer), _Holds(remat(remat(layer)))
+    wrapped = remat(layer) if wrappers == 1 else remat(remat(layer))
+    plain, nested = _Holds(layer), _Holds(wrapped)
     nested.head = plain.head
     params = [*plain.parameters(), *layer.outside()]
     expected = _backward_grads(lambda: plain(X), params)
