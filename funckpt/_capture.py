@@ -345,17 +345,11 @@ def find_captured(fn: Callable[..., Any] | Roots, modules_too: bool = True, reco
     if type(fn) is types.FunctionType and _reaches_nothing(fn):
         return _NOTHING  # what the walk below finds for such a function, without its set-up
     if not modules_too and isinstance(fn, torch.nn.Module):
-        try:
-            forward = type(fn).forward
-        except AttributeError:  # (a TorchScript module's class: see class_forward)
-            forward = class_forward(fn)
+        forward = class_forward(fn)
         if type(forward) is types.FunctionType and _reaches_nothing(forward):
             return _NOTHING  # the walk would look at the forward's code only, and find nothing
     if modules_too and isinstance(fn, torch.nn.Module):
-        try:
-            forward = type(fn).forward
-        except AttributeError:  # (a TorchScript module's class: see class_forward)
-            forward = class_forward(fn)
+        forward = class_forward(fn)
         if type(forward) is types.FunctionType and _reaches_nothing(forward) and not (state := _module_state(fn)).outside:
             # The walk would read the module's state and stop (a GPT block, a decoder layer).
             return Captured(
@@ -404,10 +398,7 @@ def find_captured(fn: Callable[..., Any] | Roots, modules_too: bool = True, reco
             outside = [value for _, value in state.outside]
             if record_places and outside and not direct:
                 direct.append(obj)  # (where each sits is recorded, as for a container's)
-            try:
-                forward = type(obj).forward
-            except AttributeError:  # (a TorchScript module's class: see class_forward)
-                forward = class_forward(obj)
+            forward = class_forward(obj)
             if type(forward) is types.FunctionType and _reaches_nothing(forward):
                 return outside  # (what walking it would find, told without the walk: see _reaches_nothing)
             return [forward, *outside]
