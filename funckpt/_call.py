@@ -296,8 +296,8 @@ def _reached_directly(fn: Any) -> set[int]:
                 found.add(id(cell.cell_contents))
             except ValueError:  # (an empty cell)
                 pass
-        names, scope = fn.__code__.co_names, fn.__globals__
-        found.update(id(scope[name]) for name in names if name in scope)
+        scope = fn.__globals__  # (the names its code loads as globals: not co_names, which holds attribute names too)
+        found.update(id(scope[name]) for name in global_names(fn.__code__) if name in scope)
     return found
 
 

@@ -3876,6 +3876,29 @@ def test_a_list_written_as_the_argument_and_read_through_a_closure_raises():
     assert box == []
 
 
+#: A global list whose name is also an attribute name in the function below: not a global it reads.
+appended: list = []
+
+
+def test_a_list_written_as_the_argument_that_is_a_global_named_only_as_an_attribute_runs():
+    """``holder.appended`` loads an attribute, not the global ``appended`` (which the caller passes):
+    no closure or global read of the caller's list, so the write is carried back (a false error
+    where the code's attribute names were taken for globals)."""
+    holder = type("Holder", (), {"appended": 2})()
+
+    def fn(x, kept):
+        kept.append(x.sin())
+        return x.cos() * holder.appended
+
+    x = randn(3, seed=1).requires_grad_()
+    appended.clear()
+    out = remat(fn)(x, appended)
+    assert len(appended) == 1
+    grads = _grads_of(lambda: out.sum() + appended[0].sum(), x)
+    assert_close(grads, _grads_of(lambda: (x.cos() * 2 + x.sin()).sum(), x))
+    appended.clear()
+
+
 def test_an_input_written_inside_a_new_container_is_the_callers_own():
     """``kept.append([x, x.sin()])``, ``aux["p"] = (x, w)``: the input (or the parameter reached
     through the closure) inside the written structure is the caller's tensor, as without remat,
