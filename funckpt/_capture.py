@@ -1335,29 +1335,14 @@ class reparametrized:
                 # landed in it. The places still go back, and the run leaves the registry: a module
                 # holding a run's stand-ins for good would train them instead of its parameters.
                 with _runs_lock:
-                    self._put_back(self._unregister_interrupted(), False, set(), [], [])
+                    self._put_back(self._unregister(), False, set(), [], [])
 
     def _unregister(self) -> list[reparametrized]:
         """Take this run out of the registry of runs (under ``_runs_lock``); return the runs of other
-        threads that entered after it."""
+        threads that entered after it. Also after an interruption left it half done (its thread's
+        count is told again from the runs left)."""
         thread = self.thread
-        if thread is None:
-            return []
-        if _runs_by_thread[thread] == 1:
-            del _runs_by_thread[thread]
-        else:
-            _runs_by_thread[thread] -= 1
-        at = len(_runs) - 1
-        while _runs[at] is not self:  # (the last one, but where threads overlap)
-            at -= 1
-        later = _runs[at + 1 :]
-        del _runs[at]
-        self.thread = None
-        return later
-
-    def _unregister_interrupted(self) -> list[reparametrized]:
-        """:meth:`_unregister`, after an interruption that may have left it half done."""
-        thread = self.thread
+        # (the last one, but where threads overlap)
         at = next((i for i in range(len(_runs) - 1, -1, -1) if _runs[i] is self), None)
         later = [] if at is None else _runs[at + 1 :]
         if at is not None:
