@@ -1148,7 +1148,7 @@ def _places_by_name(captured: Captured) -> list[list[tuple[torch.nn.Module, str,
     return found
 
 
-def _submodule(parent: torch.nn.Module, name: str) -> Any:
+def submodule(parent: torch.nn.Module, name: str) -> Any:
     """``parent._modules.get(name)``, also for a TorchScript module (``torch.jit.script``), whose
     ``_modules`` is a wrapper without ``get``."""
     modules = parent._modules
@@ -1308,7 +1308,7 @@ class reparametrized:
             try:
                 unchanged = all(parent._modules.get(name) is child for parent, name, child in captured.edges)
             except AttributeError:  # a TorchScript module's dictionary of submodules, which has no get()
-                unchanged = all(_submodule(parent, name) is child for parent, name, child in captured.edges)
+                unchanged = all(submodule(parent, name) is child for parent, name, child in captured.edges)
             self.by_name = not unchanged
             groups = captured.places if unchanged else _places_by_name(captured)
             me = threading.get_ident()

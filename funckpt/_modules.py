@@ -28,7 +28,7 @@ import torch
 from torch.nn.utils import parametrize
 
 from ._call import call
-from ._capture import Layers
+from ._capture import Layers, submodule
 from ._options import RematOptions
 
 
@@ -309,8 +309,7 @@ def _share_parametrizations(wrapper: Remat) -> None:
     """
     wrapped = wrapper.wrapped
     state = wrapped.__dict__.get("_funckpt_shared_parametrizations")
-    submodules = wrapper._modules  # (a TorchScript module's has no get())
-    plist = submodules["parametrizations"] if "parametrizations" in submodules else None
+    plist = submodule(wrapper, "parametrizations")
     if plist is None and not state:
         return  # nothing parametrized: the usual case
     # The parametrizations are one ModuleDict, shared by the module and all its wrappers: what
