@@ -263,8 +263,12 @@ def run_prepared(region: UserRegion, routed: list[torch.Tensor]) -> Any:
         if region.escaped_views:
             region.point_kept_views()
         writes, returned = region.container_writes, region.returned_container
+        if writes and region.written_made:  # (the Function's outputs, of the caller's level)
+            back = {key: outs[k] for key, k in region.written_made.items()}
+            writes = [(mine, [map_back(v, back) for v in content]) for mine, content in writes]
     finally:
         region.caller_arguments = region.container_writes = region.returned_container = None
+        region.written_made = None
     restore = _carry_back(writes) if writes else None
     if returned is not None:  # (a copy of one of the caller's containers: the caller's own, written back)
         result = returned
@@ -1034,6 +1038,10 @@ class UserRegion(Region):
     caller_arguments: tuple[tuple[Any, ...], dict[str, Any], tuple[torch.Tensor, ...]] | None = None
     container_writes: list[tuple[Any, list[Any]]] | None = None
     returned_container: Any = None  # (the caller's container whose copy the function returned)
+    # Under a transform, the outputs the caller's containers get in place of the tensors the run
+    # wrote there: by the run's tensor's id, its position among the outputs (_outputs_for_written).
+    written_made: dict[int, int] | None = None
+    written_copies: list[Any] = []  # (the function's copies it wrote into, until _written_made has read them)
 
     def __init__(
         self,
@@ -1455,6 +1463,8 @@ class UserRegion(Region):
             mine = back.get(id(v))
             return map_back(v, back) if mine is None else mine
 
+        if not self.escapes_allowed:  # (see _written_made)
+            self.written_copies = [copy for _, copy, _ in written]
         writes: list[tuple[Any, list[Any]]] = []
         for mine, copy, _ in written:
             if isinstance(copy, dict):
@@ -1462,6 +1472,68 @@ class UserRegion(Region):
             else:
                 writes.append((mine, [carried(v) for v in copy]))
         return writes
+
+    def _written_made(
+        self, tensors: list[torch.Tensor], made: list[weakref.ref[torch.Tensor]], substitute_nested: bool
+    ) -> list[tuple[int, torch.Tensor, int | None]]:
+        """The floating tensors the run computed and wrote into its copies of the caller's containers:
+        each with its position among those the run's operators returned and, where the function
+        also returns it, among the outputs.
+
+        Refused where remat'd calls nested in the run took positions too (``substitute_nested``): a
+        recomputation below a vmap (``jacrev``) runs those otherwise, and the positions would not
+        be the forward run's."""
+        position: dict[int, int] = {}
+        for k, r in enumerate(made):
+            t = r()
+            if t is not None:
+                position.setdefault(id(t), k)
+        returned: dict[int, int] = {}
+        for j, t in enumerate(tensors):
+            returned.setdefault(id(t), j)
+        assert self.container_writes is not None
+        found: dict[int, tuple[int, torch.Tensor, int | None]] = {}
+        for t in tensors_inside([content for _, content in self.container_writes], budget=10_000, into_modules=False):
+            if id(t) in position and id(t) not in found and has_gradient_dtype(t):
+                found[id(t)] = (position[id(t)], t.detach(), returned.get(id(t)))
+        copies = self.written_copies
+        if not found:
+            return []
+        if substitute_nested:
+            self._refuse_escape_under_transform(next(iter(found.values()))[1])
+        # The containers hold detached aliases from here on: the tensors the function wrote hold the
+        # run's graph, and with it what its operators saved, which would look kept outside the call.
+        back = {key: alias for key, (_, alias, _) in found.items()}
+        self.container_writes = [(mine, [map_back(v, back) for v in content]) for mine, content in self.container_writes]
+        for copy in copies:
+            _fill(copy, [map_back(v, back) for v in _shallow(copy)])
+        self.written_made = {id(alias): -1 for _, alias, _ in found.values()}  # (not escapes: their checks skip them)
+        return list(found.values())
+
+    def _outputs_for_written(self, tensors: list[torch.Tensor], written: list[tuple[int, torch.Tensor, int | None]]) -> list[torch.Tensor]:
+        """``tensors`` and, as outputs of their own, the tensors the run computed and wrote into its
+        copies of the caller's containers (:meth:`_written_made`), under a torch.func transform.
+
+        There the function's tensors are not the caller's (the Function's outputs are other tensors,
+        wrapped at the caller's level): kept as the function wrote them, their gradient would be
+        missing. As outputs of the Function, the caller's containers get those instead
+        (:func:`run_prepared`), as a tensor kept outside the call becomes an output under plain
+        autograd (:meth:`_escaped_tensors`); the recomputation computes them again, found by their
+        position among the tensors its operators return. One the function also returns is that
+        output, as without remat (where the outputs are as it returned them)."""
+        assert self.written_made is not None and not self.escaped_at
+        extra: list[tuple[int, torch.Tensor]] = []
+        for k, t, j in written:
+            if j is not None and self.plan is None:
+                self.written_made[id(t)] = j
+            else:
+                self.written_made[id(t)] = len(tensors) + len(extra)
+                extra.append((k, t))
+        if extra:
+            self.tail = None  # (the recomputation's must have values)
+            self.escaped_at = [k for k, _ in extra]
+            self.escape_doubts = [None] * len(extra)
+        return [*tensors, *(t for _, t in extra)]
 
     #: Do tensors escaping the forward run become outputs (a loop's region reverses its steps
     #: without recomputing the loop as a whole: there they are refused)?
@@ -1497,6 +1569,7 @@ class UserRegion(Region):
         substitute.made = None
         # An operator may return its input itself (x.to(x.dtype), eval-mode dropout): not made here.
         given = {id(t) for t in inputs}
+        written = self.written_made or {}  # (outputs too, under a transform: see _outputs_for_written)
 
         def alive() -> list[tuple[int, torch.Tensor]]:
             # A tensor returned again (an in-place operator's result, a nested region's output
@@ -1504,7 +1577,7 @@ class UserRegion(Region):
             found: dict[int, tuple[int, torch.Tensor]] = {}
             for k, r in enumerate(made):
                 t = r()
-                if t is not None and t.requires_grad and id(t) not in given:
+                if t is not None and t.requires_grad and id(t) not in given and id(t) not in written:
                     found.setdefault(id(t), (k, t))
             return list(found.values())
 
@@ -1872,6 +1945,13 @@ class UserRegion(Region):
         tensors, slots = flatten(out)
         tensors = _substituted(tensors, run.substitute)
         self._refuse_hidden_tensors(slots.leaves, plain_autograd)
+        # Under a transform, what the run computed and wrote into its copies of the caller's containers
+        # (an output of the Function, at the end: see _outputs_for_written); not an escape.
+        written = None
+        if self.written_copies:  # (set where the run wrote into them under a transform: see _container_writes)
+            if made:
+                written = self._written_made(tensors, made, substitute_nested=run.substitute is not None and run.substitute.made_nested)
+            self.written_copies = []
         if self.saved is not None:
             self.saved.finish_forward(tuple(tensors))
         if tainting and run.substitute is not None:  # (once the policy holds detached copies of what it keeps)
@@ -1887,7 +1967,7 @@ class UserRegion(Region):
                 tensors = _detached_if_made(tensors, made or [], flat)
                 out = None  # (nor does the function's own result hold them on)
             detach_kept_since(marks)
-            self._refuse_tainted_escapes(taint, made or [], tensors, flat)
+            self._refuse_tainted_escapes(taint, made or [], [*tensors, *(t for _, t, _ in written or ())], flat)
         del made
         substitute = run.substitute
         assert substitute is not None
@@ -1956,6 +2036,9 @@ class UserRegion(Region):
                 self.escape_doubts = [self._doubt(t, inputs) for _, t in escaped]
                 tensors += [t for _, t in escaped]
                 del escaped
+        if written:
+            tensors = self._outputs_for_written(tensors, written)
+        del written
         self.out_slots = slots
         self.out_meta = [tensor_meta(t) for t in tensors]
         if self._compares_values():  # (escaped outputs: once the call knows which are held, settle_escapes)
@@ -2073,6 +2156,7 @@ class UserRegion(Region):
 
         def alive() -> list[torch.Tensor]:
             returned = {id(o) for o in outs}
+            returned.update(self.written_made or ())  # (outputs too: see _outputs_for_written)
             held = held_by_recording_regions() if taint is not None else set()
             return [
                 t

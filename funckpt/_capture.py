@@ -2243,6 +2243,9 @@ class Substitute(OnThreadStack, TorchFunctionMode):
         # returned (the forward run under plain autograd only): any still alive and requiring
         # grad once the run's local graph is dropped escaped it.
         self.made: list[weakref.ref[torch.Tensor]] | None = None
+        # Did a nested region's outputs take positions in ``made``? (Below a vmap, a recomputation of
+        # such a region notes them otherwise: positions there are not the forward run's.)
+        self.made_nested = False
         # In a recomputation, the positions of the tensors that escaped the forward run, and
         # the tensors made there (see UserRegion._escaped_tensors): they are outputs too.
         self.keep: dict[int, torch.Tensor | None] | None = None
@@ -2317,6 +2320,7 @@ class Substitute(OnThreadStack, TorchFunctionMode):
         if self.taint is not None:
             self.taint.spread(None, inputs, {}, outputs)
         if made is not None:  # a forward run: a tensor's position is its index in ``made``
+            self.made_nested = True
             for o in outputs:
                 if isinstance(o, torch.Tensor):
                     inside.add(id(o))

@@ -3784,18 +3784,99 @@ def test_a_container_passed_as_a_static_argument_is_the_callers_own():
     assert log == [3, 3]  # the forward run's write, then the recomputation's
 
 
-@pytest.mark.parametrize("how", ["grad", "vmap_grad"])
-def test_under_a_transform_a_computed_tensor_written_into_an_argument_raises(how):
-    def fn(x, kept):
-        kept.append(x.sin())
-        return x.cos()
+def _writing(fn):
+    """``fn(x, kept)`` called with a fresh list, which the loss then reads, as a caller would."""
 
-    def loss(x):
-        return remat(fn)(x, []).sum()
+    def run(x):
+        kept: list = []
+        out = fn(x, kept)
+        return out + sum(k.sum() * k for k in kept if isinstance(k, torch.Tensor))
+
+    return run
+
+
+@pytest.mark.parametrize("how", ALL)
+def test_under_a_transform_a_computed_tensor_written_into_an_argument_gets_its_derivative(how):
+    """Under a torch.func transform the function's tensors are not the caller's (the call's outputs
+    are other tensors, of the caller's level): the caller's list gets the call's own output in
+    place of the one the function appended, and its derivative flows as without remat."""
+
+    def fn(x, kept):
+        h = x.sin()
+        kept.append(h * h.cos())
+        return h.exp()
+
+    x = randn(3, seed=1)
+    assert_close(derivative(how, _writing(remat(fn)), x), derivative(how, _writing(fn), x))
+
+
+@pytest.mark.parametrize("how", ALL)
+def test_under_a_transform_written_views_dicts_and_nested_entries_get_their_derivatives(how):
+    """A view of an intermediate, a tensor inside a tuple, a dict's entry, a number next to them;
+    and a tensor both written and returned, which the caller gets as one tensor, as without remat."""
+
+    def fn(x, kept, aux):
+        h = x.sin()
+        kept.append((h.cos(), h[1:]))
+        kept.append(3)
+        aux["h"] = h
+        return h
+
+    def run(f):
+        def loss(x):
+            kept, aux = [], {}
+            out = f(x, kept, aux)
+            assert aux["h"] is out
+            return out * kept[0][0] + kept[0][1].sum() * kept[1] + aux["h"].exp()
+
+        return loss
+
+    x = randn(3, seed=1)
+    assert_close(derivative(how, run(remat(fn)), x), derivative(how, run(fn), x))
+
+
+@pytest.mark.parametrize("how", ["grad", "vmap_grad", "jacrev"])
+def test_under_a_transform_a_layer_appending_to_a_list_it_is_passed_runs_as_without_remat(how):
+    """timm VoVNet's ``SequentialAppendList``, remat'd alone, under ``functional_call``."""
+    torch.manual_seed(0)
+    layer = AppendList(nn.Conv2d(4, 4, 3, padding=1, dtype=D), nn.Conv2d(4, 4, 3, padding=1, dtype=D))
+    wrapped = remat(layer)
+    x = randn(1, 4, 5, 5, seed=1)
+    params = {k: v.detach() for k, v in layer.named_parameters()}
+
+    def run(module):
+        def loss(p, x):
+            concat = [x]
+            out = tf.functional_call(module, p, (x, concat))
+            return out.pow(2).sum() + concat[-1].sin().sum()
+
+        return loss
+
+    def derive(loss):
+        if how == "grad":
+            return tf.grad(loss, argnums=(0, 1))(params, x)
+        if how == "vmap_grad":
+            return tf.vmap(tf.grad(loss), in_dims=(None, 0))(params, torch.cat([x, x.cos()]).unsqueeze(1))
+        return tf.jacrev(loss, argnums=1)(params, x)
+
+    assert_close(derive(run(wrapped)), derive(run(layer)))
+
+
+@pytest.mark.parametrize("how", ["grad", "jacrev"])
+def test_under_a_transform_a_tensor_written_into_an_argument_after_a_nested_remat_raises(how):
+    """Where remat'd calls nested in the function come before (a recomputation below a vmap runs
+    them otherwise, and could not find the written tensor again where the forward run made it),
+    the write is refused as before, with the error that says to return the tensor."""
+    inner = remat(lambda x: x.sin())
+
+    def fn(x, kept):
+        h = inner(x)
+        kept.append(h.cos())
+        return h
 
     x = randn(3, seed=1)
     with pytest.raises(CheckpointError, match="outlived the call"):
-        tf.grad(loss)(x) if how == "grad" else tf.vmap(tf.grad(loss))(x.unsqueeze(1))
+        derivative(how, _writing(remat(fn)), x)
 
 
 def test_under_a_transform_other_writes_into_an_argument_are_carried_back():

@@ -637,7 +637,8 @@ def test_densenet_memory_efficient(routed):
 def test_vovnet_layers_appending_to_the_callers_list():
     """VoVNet's ``SequentialAppendList`` appends each layer's output to a list its caller passes
     and then concatenates (``torch.utils.checkpoint`` runs it): each one remat'd, the caller's
-    list gets the outputs, with their gradients, as without remat."""
+    list gets the outputs, with their gradients, as without remat, under ``.backward()`` and
+    ``torch.func.grad``."""
     cfg = dict(
         stem_chs=[8, 8, 8], stage_conv_chs=[8, 8, 8, 8], stage_out_chs=[8, 8, 16, 16], layer_per_block=2,
         block_per_stage=[1, 1, 1, 1], residual=True, depthwise=False, attn="ese",
@@ -653,6 +654,7 @@ def test_vovnet_layers_appending_to_the_callers_list():
     assert wrapped == 4
     x = build("resnet")[1]
     assert_close(backward_results(model, x), backward_results(reference, x))
+    assert_close(func_grad_results(model, x), func_grad_results(reference, x))  # (each call's outputs, in the list)
 
 
 def test_channels_last(routed):
