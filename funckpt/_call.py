@@ -122,7 +122,7 @@ from ._internals import (
     vmap_active,
 )
 from ._options import RematOptions, callable_name, check_static_argnums
-from ._pytree import ArgSpec, TreeSlots, argument_containers, flatten, flatten_args, holds_containers, map_back
+from ._pytree import ArgSpec, TreeSlots, argument_containers, flatten, flatten_args, holds_containers, map_back, tree_flatten
 from ._residuals import notify
 from ._saving import (
     Replayer,
@@ -419,7 +419,10 @@ def prepare(
     """
     name = callable_name(fn) if name is None else name
     static = check_static_argnums(name, options, args)
-    arg_tensors, argspec = flatten_args(args, kwargs, static)
+    try:
+        arg_tensors, argspec = flatten_args(args, kwargs, static)
+    except RecursionError:
+        raise _too_deep(name, args, kwargs, static) from None
 
     flat: list[torch.Tensor] = []
     slot_of: dict[int, int] = {}
@@ -780,6 +783,24 @@ def _copy_exception_attributes(source: BaseException, target: BaseException) -> 
         vars(target).update({k: v for k, v in vars(source).items() if k not in ("__notes__",)})
     except TypeError:  # (no __dict__)
         pass
+
+
+def _too_deep(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], static: tuple[int, ...]) -> ValueError:
+    """The error for arguments optree could not flatten for their depth: one that contains itself
+    (``l.append(l)``), or a chain of containers deeper than Python's recursion limit."""
+    where = "an argument"
+    for place, value in [*((f"argument {i}", a) for i, a in enumerate(args) if i not in static), *((f"keyword argument {k!r}", v) for k, v in kwargs.items())]:
+        try:
+            tree_flatten(value)
+        except RecursionError:
+            where = place
+            break
+    return ValueError(
+        f"remat({name}): {where} contains itself (a list appended to itself), or containers nested "
+        "deeper than Python's recursion limit: remat flattens its arguments (optree) to find their "
+        "tensors, and cannot flatten this one. Break the cycle, or pass it through static_argnums "
+        "(it is then passed as it is, not searched for tensors)."
+    )
 
 
 def _two_contexts(context_fn: Callable[[], tuple[Any, Any]], name: str) -> tuple[Any, Any]:

@@ -62,6 +62,12 @@ class Row:
     says: str  # a regular expression the message must match
 
 
+def _self_containing() -> list:
+    cycle: list = [x]
+    cycle.append(cycle)
+    return cycle
+
+
 def _module_holding(t: torch.Tensor) -> nn.Module:
     m = nn.Module()
     m._cache = t
@@ -283,6 +289,10 @@ ROWS: dict[str, Row] = {
     "from_torch of a number": Row(lambda: policies.from_torch(3), TypeError, r"a policy function or a list of ops"),
     "from_torch of a list of non-ops": Row(lambda: policies.from_torch(["mm"]), TypeError, r"OpOverload or OpOverloadPacket"),
     "saved_residuals of a non-callable": Row(lambda: funckpt.saved_residuals(3, x), TypeError, r"fn must be callable"),
+    "an argument that contains itself": Row(lambda: remat(lambda t, l: t.sin())(x, _self_containing()), ValueError, r"argument 1 contains itself"),
+    "a keyword argument that contains itself": Row(
+        lambda: checkpoint(lambda t, l: t.sin(), x, l=_self_containing(), use_reentrant=False), ValueError, r"keyword argument 'l' contains itself"
+    ),
 }
 
 
