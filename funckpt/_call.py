@@ -1484,8 +1484,7 @@ class UserRegion(Region):
             mine = back.get(id(v))
             return map_back(v, back) if mine is None else mine
 
-        if not self.escapes_allowed:  # (see _written_made)
-            self.written_copies = [copy for _, copy, _ in written]
+        self.written_copies = [copy for _, copy, _ in written]  # (see _written_made)
         writes: list[tuple[Any, list[Any]]] = []
         for mine, copy, _ in written:
             if isinstance(copy, dict):
@@ -1495,15 +1494,19 @@ class UserRegion(Region):
         return writes
 
     def _written_made(
-        self, tensors: list[torch.Tensor], made: list[weakref.ref[torch.Tensor]], substitute_nested: bool
+        self, tensors: list[torch.Tensor], made: list[weakref.ref[torch.Tensor]], taint: Taint | None, flat: tuple[torch.Tensor, ...]
     ) -> list[tuple[int, torch.Tensor, int | None]]:
-        """The floating tensors the run computed and wrote into its copies of the caller's containers:
-        each with its position among those the run's operators returned and, where the function
-        also returns it, among the outputs.
+        """The tensors the run computed, carrying a derivative, and wrote into its copies of the
+        caller's containers: each with its position among those the run's operators returned and,
+        where the function also returns it, among the outputs. (``taint``: what carries one where
+        the run records no graph that shows it.) Under plain autograd, the views of its inputs only
+        (``outs.append(x.t())``): autograd points the others at the Function's node as they are
+        (:meth:`_escaped_tensors`), but a view of remat's stand-in for an input has no graph
+        there.
 
-        Refused where remat'd calls nested in the run took positions too (``substitute_nested``): a
-        recomputation below a vmap (``jacrev``) runs those otherwise, and the positions would not
-        be the forward run's."""
+        Not asked where remat'd calls nested in the run took positions too: a recomputation below a
+        vmap (``jacrev``) runs those otherwise, and the positions would not be the forward run's.
+        Those tensors are then checked as any other kept outside the call (and refused)."""
         position: dict[int, int] = {}
         for k, r in enumerate(made):
             t = r()
@@ -1514,14 +1517,15 @@ class UserRegion(Region):
             returned.setdefault(id(t), j)
         assert self.container_writes is not None
         found: dict[int, tuple[int, torch.Tensor, int | None]] = {}
+        inputs = {id(t) for t in flat} if self.escapes_allowed else None
         for t in tensors_inside([content for _, content in self.container_writes], budget=10_000, into_modules=False):
-            if id(t) in position and id(t) not in found and has_gradient_dtype(t):
+            if id(t) not in position or id(t) in found or not (t.requires_grad or (taint is not None and taint.holds(t))):
+                continue
+            if inputs is None or (t._base is not None and id(t._base) in inputs):
                 found[id(t)] = (position[id(t)], t.detach(), returned.get(id(t)))
         copies = self.written_copies
         if not found:
             return []
-        if substitute_nested:
-            self._refuse_escape_under_transform(next(iter(found.values()))[1])
         # The containers hold detached aliases from here on: the tensors the function wrote hold the
         # run's graph, and with it what its operators saved, which would look kept outside the call.
         back = {key: alias for key, (_, alias, _) in found.items()}
@@ -1533,16 +1537,17 @@ class UserRegion(Region):
 
     def _outputs_for_written(self, tensors: list[torch.Tensor], written: list[tuple[int, torch.Tensor, int | None]]) -> list[torch.Tensor]:
         """``tensors`` and, as outputs of their own, the tensors the run computed and wrote into its
-        copies of the caller's containers (:meth:`_written_made`), under a torch.func transform.
+        copies of the caller's containers (:meth:`_written_made`).
 
-        There the function's tensors are not the caller's (the Function's outputs are other tensors,
-        wrapped at the caller's level): kept as the function wrote them, their gradient would be
-        missing. As outputs of the Function, the caller's containers get those instead
+        Under a torch.func transform the function's tensors are not the caller's (the Function's
+        outputs are other tensors, wrapped at the caller's level), nor under plain autograd is a
+        view of remat's stand-in for an input: kept as the function wrote them, their gradient
+        would be missing. As outputs of the Function, the caller's containers get those instead
         (:func:`run_prepared`), as a tensor kept outside the call becomes an output under plain
         autograd (:meth:`_escaped_tensors`); the recomputation computes them again, found by their
         position among the tensors its operators return. One the function also returns is that
         output, as without remat (where the outputs are as it returned them)."""
-        assert self.written_made is not None and not self.escaped_at
+        assert self.written_made is not None
         extra: list[tuple[int, torch.Tensor]] = []
         for k, t, j in written:
             if j is not None and self.plan is None:
@@ -1550,10 +1555,10 @@ class UserRegion(Region):
             else:
                 self.written_made[id(t)] = len(tensors) + len(extra)
                 extra.append((k, t))
-        if extra:
+        if extra:  # (after those kept elsewhere, under plain autograd)
             self.tail = None  # (the recomputation's must have values)
-            self.escaped_at = [k for k, _ in extra]
-            self.escape_doubts = [None] * len(extra)
+            self.escaped_at = [*self.escaped_at, *(k for k, _ in extra)]
+            self.escape_doubts = [*self.escape_doubts, *[None] * len(extra)]
         return [*tensors, *(t for _, t in extra)]
 
     #: Do tensors escaping the forward run become outputs (a loop's region reverses its steps
@@ -1969,9 +1974,9 @@ class UserRegion(Region):
         # Under a transform, what the run computed and wrote into its copies of the caller's containers
         # (an output of the Function, at the end: see _outputs_for_written); not an escape.
         written = None
-        if self.written_copies:  # (set where the run wrote into them under a transform: see _container_writes)
-            if made:
-                written = self._written_made(tensors, made, substitute_nested=run.substitute is not None and run.substitute.made_nested)
+        if self.written_copies:  # (where the run wrote into them: see _container_writes)
+            if made and run.substitute is not None and not run.substitute.made_nested:
+                written = self._written_made(tensors, made, run.substitute.taint or self._taint_at_own_level, flat)
             self.written_copies = []
         if self.saved is not None:
             self.saved.finish_forward(tuple(tensors))

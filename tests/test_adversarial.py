@@ -3790,7 +3790,7 @@ def _writing(fn):
     def run(x):
         kept: list = []
         out = fn(x, kept)
-        return out + sum(k.sum() * k for k in kept if isinstance(k, torch.Tensor))
+        return out + sum(k.sin().sum() * k.sum() for k in kept if isinstance(k, torch.Tensor))
 
     return run
 
@@ -3835,6 +3835,21 @@ def test_under_a_transform_written_views_dicts_and_nested_entries_get_their_deri
     assert_close(derivative(how, run(remat(fn)), x), derivative(how, run(fn), x))
 
 
+@pytest.mark.parametrize("how", ALL)
+def test_a_view_of_an_input_written_into_an_argument_gets_its_derivative(how):
+    """``outs.append(x.t())``: the function's view is of remat's stand-in for the input, which has
+    no graph in the caller's autograd (kept in a global, it raises); written into a list the caller
+    passed, the caller's list gets the call's own output in its place, under plain autograd too."""
+
+    def fn(x, kept):
+        kept.append(x[1:])
+        kept.append(x.unsqueeze(0).t())
+        return x.sin()
+
+    x = randn(3, seed=1)
+    assert_close(derivative(how, _writing(remat(fn)), x), derivative(how, _writing(fn), x))
+
+
 @pytest.mark.parametrize("how", ["grad", "vmap_grad", "jacrev"])
 def test_under_a_transform_a_layer_appending_to_a_list_it_is_passed_runs_as_without_remat(how):
     """timm VoVNet's ``SequentialAppendList``, remat'd alone, under ``functional_call``."""
@@ -3877,6 +3892,13 @@ def test_under_a_transform_a_tensor_written_into_an_argument_after_a_nested_rema
     x = randn(3, seed=1)
     with pytest.raises(CheckpointError, match="outlived the call"):
         derivative(how, _writing(remat(fn)), x)
+
+    def detaching(x, kept):  # (what carries no derivative may be kept, as in any other place)
+        h = inner(x)
+        kept.append(h.cos().detach())
+        return h
+
+    assert_close(derivative(how, _writing(remat(detaching)), x), derivative(how, _writing(detaching), x))
 
 
 def test_under_a_transform_other_writes_into_an_argument_are_carried_back():
@@ -4024,16 +4046,17 @@ def test_an_input_inside_an_object_written_into_an_argument_raises():
 
 
 def test_a_failed_call_leaves_the_callers_container_as_it_was():
-    """A stored view of an input raises once the call knows the caller holds it: the writes go too."""
+    """A leaf the function makes and stores raises once the call knows the caller holds it (its
+    .grad would miss what flows into it through the call): the writes go too."""
 
     def fn(x, kept):
-        kept.append(x[0])
+        kept.append(torch.zeros(3, dtype=D, requires_grad=True))
         kept.append(1)
         return x.sin()
 
     kept = ["before"]
     x = randn(3, seed=1).requires_grad_()
-    with pytest.raises(CheckpointError):
+    with pytest.raises(CheckpointError, match="created to require grad itself"):
         remat(fn)(x.clone(), kept)
     assert kept == ["before"]
 
