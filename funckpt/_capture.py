@@ -1406,10 +1406,12 @@ class reparametrized:
         rebound_owners: set[int] = set()  # the modules a place of which the function rebound
         with _runs_lock:
             self._put_back(self._unregister(), keep, rebound_owners, in_loop, with_graph)
-        if rebound_owners and self.attributes is not None:
+        if self.attributes is not None:
             for m, then in snapshots:
                 if id(m) in rebound_owners:
                     self.attributes += _plain_rebinds(m, then)
+                else:  # (a module none of whose places the run rebound)
+                    self.attributes += _new_tensor_state(m, then)
         if in_loop:
             owner, key = in_loop[-1]
             raise CheckpointError(
@@ -1632,6 +1634,22 @@ def _plain_rebinds(m: torch.nn.Module, then: dict[str, Any]) -> list[tuple[torch
         if _plain(then[key]):
             found.append((m, key, then[key]))
     return found
+
+
+def _new_tensor_state(m: torch.nn.Module, then: dict[str, Any]) -> list[tuple[torch.nn.Module, str, Any]]:
+    """:func:`_plain_rebinds` of ``m`` where the run set one of its attributes that held no tensor at
+    the call (``None``, or nothing) to a tensor without a graph: state the module starts on its first
+    call (``if self.hidden is None: ...; self.hidden = h.detach()``, an RNN's hidden state carried
+    across batches), which no place of the call holds. The recomputation starts from ``None`` as the
+    forward run did, where it would otherwise read the forward run's new tensor and compute something
+    else (a ``CheckpointError``); the rebound tensor itself stays, as without remat."""
+    now = m.__dict__
+    if now.keys() == then.keys() and all(map(operator.is_, now.values(), then.values())):
+        return []  # (the common case, told in C: nothing rebound)
+    for key, value in now.items():
+        if isinstance(value, torch.Tensor) and not value.requires_grad and _plain(then.get(key, _ABSENT)):
+            return _plain_rebinds(m, then)
+    return []
 
 
 def _now_recorded(value: Any) -> bool:

@@ -564,6 +564,59 @@ def test_a_buffer_the_forward_updates_then_resized_before_the_backward_is_recomp
     assert_close(program(remat(Counting())), program(Counting()))
 
 
+class _CarriedHidden(nn.Module):
+    """An RNN carrying its hidden state across batches (truncated backpropagation through time):
+    ``None`` until its first call, then the last state, detached."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cell = nn.GRUCell(4, 5, dtype=D)
+        self.hidden = None
+        self.calls = 0
+
+    def forward(self, xs):
+        self.calls += 1
+        h = self.hidden
+        for x in xs:
+            h = self.cell(x, h)
+        self.hidden = h.detach()
+        return h
+
+
+@pytest.mark.parametrize("how", ["remat(module)", "checkpoint", "torch.func.grad"])
+def test_state_a_module_starts_on_its_first_call_is_recomputed_from_none(how):
+    """A tensor attribute that was ``None`` at the call and that the forward run sets (without a
+    graph) is state, as a tensor attribute rebound is: the recomputation starts from ``None``, as
+    the forward run did (it used to read the forward run's new state and raise "did not
+    reproduce"), and the module keeps the forward run's state, and the count of its calls, as
+    without remat."""
+    import funckpt
+
+    def program(rematted):
+        torch.manual_seed(0)
+        rnn = _CarriedHidden()
+        results = []
+        for step in range(3):
+            xs = torch.linspace(-1, 1, 24, dtype=D).view(3, 2, 4) * (step + 1)
+            if how == "torch.func.grad":
+                module = remat(rnn) if rematted else rnn
+                params = {k: v.detach() for k, v in rnn.named_parameters()}
+                results.append(tf.grad(lambda p: tf.functional_call(module, p, (xs,)).sin().sum())(params))
+            else:
+                if not rematted:
+                    out = rnn(xs)
+                elif how == "checkpoint":
+                    out = funckpt.checkpoint(rnn, xs, use_reentrant=False)
+                else:
+                    out = remat(rnn)(xs)
+                out.sin().sum().backward()
+                results.append([p.grad.clone() for p in rnn.parameters()])
+            results.append(rnn.hidden)
+        return results, rnn.calls
+
+    assert_close(program(True), program(False))
+
+
 def test_remat_module_reads_the_wrapped_modules_plain_attributes():
     """Models read their layers' attributes (HF ModernBERT's attention_type, Swin's downsample)."""
 
