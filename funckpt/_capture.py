@@ -1408,10 +1408,14 @@ class reparametrized:
             self._put_back(self._unregister(), keep, rebound_owners, in_loop, with_graph)
         if self.attributes is not None:
             for m, then in snapshots:
+                now = m.__dict__
+                if now.keys() == then.keys() and all(map(operator.is_, now.values(), then.values())):
+                    continue  # (the common case, told in C: nothing rebound)
                 if id(m) in rebound_owners:
-                    self.attributes += _plain_rebinds(m, then)
+                    found = _plain_rebinds(m, then)
                 else:  # (a module none of whose places the run rebound)
-                    self.attributes += _new_tensor_state(m, then)
+                    found = _new_tensor_state(m, then)
+                self.attributes += found + _kept_where_none_was(m, then, found)
         if in_loop:
             owner, key = in_loop[-1]
             raise CheckpointError(
@@ -1643,13 +1647,30 @@ def _new_tensor_state(m: torch.nn.Module, then: dict[str, Any]) -> list[tuple[to
     across batches), which no place of the call holds. The recomputation starts from ``None`` as the
     forward run did, where it would otherwise read the forward run's new tensor and compute something
     else (a ``CheckpointError``); the rebound tensor itself stays, as without remat."""
-    now = m.__dict__
-    if now.keys() == then.keys() and all(map(operator.is_, now.values(), then.values())):
-        return []  # (the common case, told in C: nothing rebound)
-    for key, value in now.items():
+    for key, value in m.__dict__.items():
         if isinstance(value, torch.Tensor) and not value.requires_grad and _plain(then.get(key, _ABSENT)):
             return _plain_rebinds(m, then)
     return []
+
+
+def _kept_where_none_was(
+    m: torch.nn.Module, then: dict[str, Any], found: list[tuple[torch.nn.Module, str, Any]]
+) -> list[tuple[torch.nn.Module, str, Any]]:
+    """``(m, key, value at the call)`` for each attribute of ``m`` that held no tensor at the call
+    (``None``, or nothing) and now holds a tensor with a graph (``self.last = h``, which the module
+    adds to its next output), not in ``found`` already.
+
+    Such a tensor escapes the run and is made an output of the call (a tensor kept outside it); the
+    recomputation must start without it, as the forward run did, or it reads it and computes something
+    else (a ``CheckpointError`` on a correct program). Only that attribute: the module's other plain
+    attributes (a count of its calls) are left to the recomputation, as under ``torch.utils.checkpoint``
+    (unlike a module's state, :func:`_new_tensor_state`)."""
+    listed = {key for _, key, _ in found}
+    return [
+        (m, key, then.get(key, _ABSENT))
+        for key, value in m.__dict__.items()
+        if isinstance(value, torch.Tensor) and value.requires_grad and key not in listed and _plain(then.get(key, _ABSENT))
+    ]
 
 
 def _now_recorded(value: Any) -> bool:

@@ -617,6 +617,38 @@ def test_state_a_module_starts_on_its_first_call_is_recomputed_from_none(how):
     assert_close(program(True), program(False))
 
 
+class _AddsItsLastOutput(nn.Module):
+    """Adds its previous output, graph and all, to the next one (``None`` before its first call)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 3, dtype=D)
+        self.last = None
+
+    def forward(self, x):
+        h = self.lin(x).tanh()
+        out = h if self.last is None else h + self.last
+        self.last = h
+        return out
+
+
+@pytest.mark.parametrize("calls", [1, 2, 3])
+def test_a_tensor_with_a_graph_a_module_keeps_from_its_first_call_is_recomputed_from_none(calls):
+    """As above, for a tensor the forward run computed with a graph: it is an output of the call
+    (a tensor kept outside it), and the recomputation starts from ``None`` as the forward run did
+    (it used to read the kept tensor and raise on a correct program)."""
+
+    def program(rematted):
+        torch.manual_seed(0)
+        module = _AddsItsLastOutput()
+        call = remat(module) if rematted else module
+        x = torch.linspace(-1, 1, 6, dtype=D).view(2, 3).requires_grad_()
+        sum(call(x * (i + 1)).sin().sum() for i in range(calls)).backward()
+        return x.grad, [p.grad for p in module.parameters()]
+
+    assert_close(program(True), program(False))
+
+
 def test_remat_module_reads_the_wrapped_modules_plain_attributes():
     """Models read their layers' attributes (HF ModernBERT's attention_type, Swin's downsample)."""
 
