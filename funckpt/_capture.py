@@ -1450,13 +1450,16 @@ _ABSENT = object()
 
 def _recomputed_at_every_call(owner: torch.nn.Module, key: str) -> bool:
     """Is ``owner.key`` set by one of its forward pre-hooks at every call, before the forward reads
-    it (the old-style ``nn.utils.spectral_norm`` and ``weight_norm`` compute ``weight`` so)? Then
-    the forward run's value is kept detached: the next call computes it again before any use."""
+    it (the old-style ``nn.utils.spectral_norm`` and ``weight_norm`` compute ``weight`` so, and
+    ``nn.utils.prune`` computes ``weight_orig * weight_mask``)? Then the forward run's value is kept
+    detached: the next call computes it again before any use."""
+    from torch.nn.utils.prune import BasePruningMethod
     from torch.nn.utils.spectral_norm import SpectralNorm
     from torch.nn.utils.weight_norm import WeightNorm
 
     return any(
-        isinstance(hook, (SpectralNorm, WeightNorm)) and hook.name == key
+        (isinstance(hook, (SpectralNorm, WeightNorm)) and hook.name == key)
+        or (isinstance(hook, BasePruningMethod) and getattr(hook, "_tensor_name", None) == key)
         for hook in owner._forward_pre_hooks.values()
     )
 

@@ -1626,6 +1626,44 @@ def test_old_style_weight_norm_whose_pre_hook_rebinds_the_weight_with_a_graph():
     assert_close(grads(remat(net)), grads(reference))
 
 
+@pytest.mark.parametrize("route", ["backward", "grad_of_functional_call", "vmap_of_grad"])
+def test_pruning_whose_pre_hook_rebinds_the_weight_with_a_graph(route):
+    """As spectral_norm's: ``nn.utils.prune``'s pre-hook sets ``weight = weight_orig * weight_mask``
+    at every call (two methods on one weight, a ``PruningContainer``, too). Under ``torch.func`` the
+    rebinding used to be refused as an average with a graph ("the function rebound Linear.weight"),
+    on a program that runs without remat."""
+    import torch.nn.utils.prune as prune
+
+    def pruned():
+        torch.manual_seed(0)
+        lin = torch.nn.Linear(4, 4, dtype=D)
+        prune.l1_unstructured(lin, "weight", amount=0.4)
+        prune.ln_structured(lin, "weight", amount=0.25, n=1, dim=1)
+        prune.random_unstructured(lin, "bias", amount=0.5)
+        return lin
+
+    def run(lin, model):
+        results = []
+        for step in range(2):
+            x = X * (step + 1)
+            params = {k: v.detach() for k, v in model.named_parameters()}
+            if route == "backward":
+                model(x).square().sum().backward()
+                results.append([p.grad.clone() for p in lin.parameters()])
+            elif route == "grad_of_functional_call":
+                results.append(tf.grad(lambda p: tf.functional_call(model, p, (x,)).square().sum())(params))
+            else:
+                one = lambda p, x: tf.functional_call(model, p, (x,)).square().sum()  # noqa: E731
+                results.append(tf.vmap(tf.grad(one), in_dims=(None, 0))(params, x))
+            results.append(lin.weight.detach())
+        return results
+
+    # (Inside the checkpointed function: a remat'd layer's own hooks run around its call.)
+    reference, net = pruned(), pruned()
+    expected = run(reference, torch.nn.Sequential(reference, torch.nn.Tanh()))
+    assert_close(run(net, remat(torch.nn.Sequential(net, torch.nn.Tanh()))), expected)
+
+
 class _KeepsItsAuxLoss(torch.nn.Module):
     """An MoE layer's pattern: each call stores a loss term it computed on the module."""
 
