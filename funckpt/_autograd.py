@@ -131,6 +131,9 @@ class Region:
     """A function of a flat tuple of tensors returning a flat tuple of tensors."""
 
     name: str = "region"
+    #: Outputs on which the function called ``retain_grad()``, by position, with the caller's
+    #: tensor for each (see ``funckpt._call._retain_grads``).
+    retained_grads: tuple[tuple[int, Callable[[], torch.Tensor | None]], ...] = ()
     #: The vmap level its forward run drew random numbers at, per example (see
     #: :func:`_forward_alone_at_vmap`): its vjp at that level recomputes per example.
     drew_at_level: int | None = None
@@ -188,6 +191,12 @@ class Region:
         """Known after the forward run: no output it returned shares storage with an input."""
         return False
 
+    def add_retained_parts(self, outs: Tensors, cotangents: Tensors) -> None:
+        """After a vjp of its recomputed ``outs``: complete the ``.grad`` of the caller's outputs
+        in :attr:`retained_grads` with what reached them through the call's other outputs."""
+        for k, caller in self.retained_grads:
+            _add_retained_part(caller(), outs[k], cotangents[k])
+
     def escaped_outputs(self) -> int:
         """Known after the forward run: how many of its outputs, the last ones, are tensors that
         escaped it (kept by a hook, a list, an attribute) rather than returned (see
@@ -201,10 +210,20 @@ class _SomeOutputs(Region):
 
     def __init__(self, base: Region, keep: Sequence[int]) -> None:
         self.base, self.keep, self.name = base, tuple(keep), base.name
+        self.retained_grads = base.retained_grads
+        self._all: Tensors = ()  # the base's outputs, where some retain their grad
 
     def run(self, flat: Tensors, phase: Phase) -> Tensors:
         outs = self.base.run(flat, phase)
+        if self.retained_grads:  # (one without a cotangent still gets what reached it through the others)
+            self._all = outs
         return tuple(outs[i] for i in self.keep)
+
+    def add_retained_parts(self, outs: Tensors, cotangents: Tensors) -> None:
+        given = dict(zip(self.keep, cotangents))
+        for k, caller in self.retained_grads:
+            _add_retained_part(caller(), self._all[k], given.get(k))
+        self._all = ()
 
     def release_kept(self) -> None:
         self.base.release_kept()
@@ -589,6 +608,8 @@ def vjp(
                 if not _refused_by_reentrant_checkpoint(e):
                     raise
                 grads = _vjp_around_reentrant_checkpoint(region, primals, cotangents, needs, wrt, create_graph, e)
+            if region.retained_grads:
+                region.add_retained_parts(outs, cotangents)
         finally:
             set_grad_enabled(grad_was)
             included.__exit__()
@@ -604,6 +625,16 @@ def vjp(
     for i, g in zip(wrt, grads):
         result[i] = g
     return result
+
+
+def _add_retained_part(caller: torch.Tensor | None, recomputed: torch.Tensor, cotangent: torch.Tensor | None) -> None:
+    """Add to the caller's output's retained ``.grad`` the gradient that reached the recomputed
+    output through the call's other outputs: all it got, less the cotangent autograd gave the caller's."""
+    if caller is None or recomputed.grad is None:
+        return
+    part = recomputed.grad.detach() if cotangent is None else recomputed.grad.detach() - cotangent.detach()
+    with torch.no_grad():
+        caller.grad = part if caller.grad is None else caller.grad + part
 
 
 def _func_vjp(

@@ -531,7 +531,31 @@ def finish(region: UserRegion, routed: list[torch.Tensor], outs: tuple[torch.Ten
     if escaped and region.plan is None:  # (the caller reaches those where fn left them)
         outs = outs[: len(outs) - escaped]
     # (With a plan, rebuild returns the outputs fn returned; views of escaped ones among them.)
-    return region.out_slots.fill(_aliasing.rebuild(region.plan, outs, routed))
+    tensors = _aliasing.rebuild(region.plan, outs, routed)
+    if region.retained_outputs:
+        _retain_grads(region, tensors)
+    return region.out_slots.fill(tensors)
+
+
+def _retain_grads(region: UserRegion, tensors: list[torch.Tensor]) -> None:
+    """``retain_grad()`` that fn called on tensors it returns, on the caller's outputs.
+
+    Autograd fills those with the gradient reaching the caller's output; where fn computed
+    another output from that one (``h.retain_grad(); return h, h.exp()``), the part through the
+    other output reaches ``h`` only in the recomputation, whose ``h`` retains its grad too: the
+    backward pass adds that part (:func:`funckpt._autograd.vjp`), so ``.grad`` is the whole
+    gradient, as without remat. (An output rebuilt as a view outside the call gets the first part.)
+    """
+    retained = []
+    for k in region.retained_outputs:
+        if tensors[k].requires_grad:
+            tensors[k].retain_grad()
+        # (Its position among the Function's outputs, which the recomputation returns.)
+        if region.plan is None:
+            retained.append((k, weakref.ref(tensors[k])))
+        elif k in region.plan.owned:
+            retained.append((region.plan.owned.index(k), weakref.ref(tensors[k])))
+    region.retained_grads = tuple(retained)
 
 
 def nothing_to_differentiate() -> bool:
@@ -1118,6 +1142,7 @@ class UserRegion(Region):
         # again in a recomputation at their position among what its operators return.
         self.escapes_allowed = self.escapes_become_outputs and not transforms_active()
         self.escaped_at: list[int] = []
+        self.retained_outputs: tuple[int, ...] = ()  # positions of the outputs fn called retain_grad() on
         self.escape_doubts: list[str | None] = []  # per escaped output (see _doubt)
 
     def _user_context(self, forward: bool) -> Any:
@@ -1970,6 +1995,10 @@ class UserRegion(Region):
             self._carry_data_rebinds(flat, given)
         tensors, slots = flatten(out)
         tensors = _substituted(tensors, run.substitute)
+        if grad_forward:
+            # ``h.retain_grad()`` on a tensor fn returns: the caller's output is another tensor
+            # (the Function's, or a view rebuilt from it), whose ``.grad`` it must fill instead.
+            self.retained_outputs = tuple(k for k, t in enumerate(tensors) if t.retains_grad)
         self._refuse_hidden_tensors(slots.leaves, plain_autograd)
         # Under a transform, what the run computed and wrote into its copies of the caller's containers
         # (an output of the Function, at the end: see _outputs_for_written); not an escape.

@@ -162,6 +162,51 @@ def test_retain_grad_on_an_input_inside_the_function(use_reentrant):
     assert_close(results[2], results[0])
 
 
+def _retaining(kind):
+    """A function that calls ``retain_grad()`` on a tensor it returns: alone, as a view of an
+    intermediate, or beside another output computed from it (whose gradient reaches it too), and
+    beside a view of it as well (which remat rebuilds outside the call)."""
+
+    def fn(a, w):
+        h = torch.tanh(a @ w)
+        if kind == "view":
+            h = h[1:].t()
+        h.retain_grad()
+        if kind == "sibling and view":
+            return h, h.exp(), h[1:]
+        return (h, h.exp()) if kind == "sibling" else h
+
+    return fn
+
+
+@pytest.mark.parametrize("kind", ["alone", "view", "sibling", "sibling and view"])
+@pytest.mark.parametrize("how", ["backward", "twice", "loss_without_it"])
+def test_retain_grad_on_a_returned_tensor_inside_the_function(kind, how):
+    """The caller's output gets the ``.grad`` it gets without remat and under torch.utils.checkpoint,
+    the part that reaches it through the call's other outputs included."""
+    fn = _retaining(kind)
+
+    def run(ckpt):
+        w = W.clone().requires_grad_()
+        outs = ckpt(fn, X, w)
+        outs = outs if isinstance(outs, tuple) else (outs,)
+        if how == "loss_without_it" and kind.startswith("sibling"):
+            loss = outs[1].sum()
+        else:
+            loss = sum((o * (k + 2)).square().sum() for k, o in enumerate(outs))
+        loss.backward(retain_graph=how == "twice")
+        if how == "twice":
+            loss.backward()
+        assert outs[0].retains_grad
+        return outs[0].grad, w.grad
+
+    expected = run(lambda fn, *a: fn(*a))
+    assert expected[0] is not None
+    assert_close(run(lambda fn, *a: upstream.checkpoint(fn, *a, use_reentrant=False)), expected)
+    assert_close(run(funckpt.checkpoint), expected)
+    assert_close(run(lambda fn, *a: funckpt.remat(fn)(*a)), expected)
+
+
 @pytest.mark.parametrize("use_reentrant", [True, False])
 def test_torch_reentrant_checkpoint_inside_the_function(use_reentrant):
     # torch.utils.checkpoint(use_reentrant=True) inside a checkpointed function: its backward
