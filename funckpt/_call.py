@@ -106,6 +106,7 @@ from ._internals import (
     module_trackers_off,
     forward_ad_level,
     forward_mode_active,
+    fwd_grad_enabled,
     get_creation_meta,
     is_functorch_wrapped,
     level_kinds,
@@ -114,6 +115,7 @@ from ._internals import (
     peek_interpreter_stack,
     register_tensor_hook,
     restore_saved_tensors_hooks,
+    set_fwd_grad_mode,
     set_grad_enabled,
     storage_of,
     TransformType,
@@ -952,6 +954,13 @@ class _Running:
                 grad_was = torch.is_grad_enabled()
                 set_grad_enabled(True)
                 self.exits.append(lambda *exc: set_grad_enabled(grad_was))
+            if region.caller_fwd_grad_enabled and not fwd_grad_enabled() and not forward_mode_active():
+                # A Function's forward (the forward run's, a differentiable recomputation's) runs with
+                # forward-mode AD off: on again, as at the call, so that a ``forward_ad.dual_level()``
+                # the function enters itself gets its tangents, in every run alike. No forward-mode
+                # level is active around it, so no tangent of the caller's is computed.
+                set_fwd_grad_mode(True)
+                self.exits.append(lambda *exc: set_fwd_grad_mode(False))
             if hide_saved_tensors_hooks():  # (the run's internals are not the user's hooks' to pack)
                 self.exits.append(restore_saved_tensors_hooks)
             if forward:
@@ -1111,6 +1120,7 @@ class UserRegion(Region):
         self._originals = {id(t): t for t in captured.tensors}
         # Like torch.utils.checkpoint, the forward run executes with the caller's grad mode.
         self.caller_grad_enabled = torch.is_grad_enabled()
+        self.caller_fwd_grad_enabled = fwd_grad_enabled()  # (forward-mode AD's own switch, see _Running)
         # Does a dropout here take functorch's kernel? Every run's then does too (see _draws).
         self.functorch_draws = functorch_at_the_call()
         self.out_digest: list[Digest | None] = []

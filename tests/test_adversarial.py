@@ -881,6 +881,27 @@ def test_torch_function_subclass_input_under_transforms(how):
     assert_close(got, plain(derivative(how, f_tanh_mm, x, w)))
 
 
+@pytest.mark.parametrize("how", ["backward", "autograd_create_graph", "grad", "vjp", "vmap_grad", "jacrev", "forward only"])
+def test_forward_ad_dual_level_entered_inside_the_function(how):
+    """A function that computes a directional derivative itself with ``forward_ad.dual_level()``
+    (a JVP inside a loss) gets its tangents in the forward run too, as without remat and under
+    torch.utils.checkpoint: a Function's forward runs with forward-mode AD off, where ``make_dual``
+    attaches no tangent (``unpack_dual(...).tangent`` was None in the forward run only)."""
+
+    def fn(x, w):
+        with fwAD.dual_level():
+            y = torch.tanh(fwAD.make_dual(x, torch.ones_like(x)) @ w)
+            primal, tangent = fwAD.unpack_dual(y)
+        return primal * tangent
+
+    x = randn(3, 4, seed=1)
+    w = randn(4, 2, seed=2)
+    if how == "forward only":
+        assert_close(remat(fn)(x, w.requires_grad_()), fn(x, w))
+        return
+    assert_close(derivative(how, remat(fn), x, w), derivative(how, fn, x, w))
+
+
 def test_forward_ad_dual_under_no_grad():
     net = mlp()
 
