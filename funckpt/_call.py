@@ -706,9 +706,9 @@ def _move_input_hooks(leaves: tuple[torch.Tensor, ...], given: tuple[torch.Tenso
                     "is not a leaf outside the call (torch refuses that: post accumulate grad hooks cannot "
                     "be registered on non-leaf tensors). Register it on the leaf tensor."
                 )
-            for hook in list(accumulated.values()):
-                t.register_post_accumulate_grad_hook(hook)  # type: ignore[no-untyped-call]
-            accumulated.clear()
+            for key, hook in list(accumulated.items()):
+                t.register_post_accumulate_grad_hook(_FollowingItsHandle(hook, accumulated, key))  # type: ignore[no-untyped-call]
+                accumulated[key] = _no_hook
             moved.add(i)
         hooks = getattr(leaf, "_backward_hooks", None)
         if hooks and leaf is not t and t.requires_grad:
@@ -720,11 +720,34 @@ def _move_input_hooks(leaves: tuple[torch.Tensor, ...], given: tuple[torch.Tenso
                     "inputs; remat runs it on copies of them, so the hook would never see their gradients. "
                     "Register the hook on the tensors outside the remat'd call."
                 )
-            for hook in list(hooks.values()):
-                register_tensor_hook(t, hook)
-            hooks.clear()
+            for key, hook in list(hooks.items()):
+                register_tensor_hook(t, _FollowingItsHandle(hook, hooks, key))
+                hooks[key] = _no_hook
             moved.add(i)
     return moved
+
+
+def _no_hook(*args: Any) -> None:
+    """What a moved hook leaves on the local leaf, under its key (see :class:`_FollowingItsHandle`)."""
+    return None
+
+
+class _FollowingItsHandle:
+    """A hook that fn registered on an input, moved to the caller's tensor by :func:`_move_input_hooks`,
+    still removed by the handle ``register_hook`` gave fn (``handle.remove()`` between the forward and
+    the backward pass: it then no longer runs, as without remat).
+
+    That handle deletes the hook's key from the local leaf's dict of hooks, kept here (the local leaf
+    itself is dropped), whose entry is a no-op meanwhile.
+    """
+
+    __slots__ = ("hook", "hooks", "key")
+
+    def __init__(self, hook: Callable[..., Any], hooks: dict[int, Any], key: int) -> None:
+        self.hook, self.hooks, self.key = hook, hooks, key
+
+    def __call__(self, *args: Any) -> Any:
+        return self.hook(*args) if self.key in self.hooks else None
 
 
 def _move_retain_grad(

@@ -1354,6 +1354,37 @@ def test_hook_registered_on_an_input_inside_the_function(leaf):
     assert_close(run(remat(fn)), run(fn))
 
 
+@pytest.mark.parametrize("kind", ["tensor hook", "post-accumulate hook"])
+@pytest.mark.parametrize("removed", [True, False])
+def test_hook_registered_on_an_input_inside_the_function_follows_its_handle(kind, removed):
+    """remat moves a hook the function registers on an input to the caller's tensor; the handle
+    ``register_hook`` gave the function still removes it (between the forward and the backward
+    pass), as without remat, and a hook left in place runs once."""
+    handles = []
+    seen = []
+
+    def fn(x, w):
+        if kind == "tensor hook":
+            handles.append(w.register_hook(lambda g: g * 100))
+        else:
+            handles.append(w.register_post_accumulate_grad_hook(lambda p: seen.append(p.grad.clone())))
+        return torch.tanh(x @ w)
+
+    def run(f):
+        handles.clear()
+        seen.clear()
+        x = randn(3, 4, seed=1).requires_grad_()
+        w = randn(4, 2, seed=2).requires_grad_()
+        out = f(x, w)
+        if removed:
+            for handle in handles:
+                handle.remove()
+        out.square().sum().backward()
+        return x.grad, w.grad, list(seen)
+
+    assert_close(run(remat(fn)), run(fn))
+
+
 @pytest.mark.parametrize("how", ["grad", "vjp", "autograd_create_graph"])
 def test_hook_registered_on_an_input_inside_the_function_under_transforms(how):
     def fn(x):
