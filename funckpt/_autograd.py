@@ -132,8 +132,9 @@ class Region:
 
     name: str = "region"
     #: Outputs on which the function called ``retain_grad()``, by position, with the caller's
-    #: tensor for each (see ``funckpt._call._retain_grads``).
-    retained_grads: tuple[tuple[int, Callable[[], torch.Tensor | None]], ...] = ()
+    #: tensor for each and whether autograd fills its ``.grad`` with the part that reaches it
+    #: directly (see ``funckpt._call._retain_grads``).
+    retained_grads: tuple[tuple[int, Callable[[], torch.Tensor | None], bool], ...] = ()
     #: The vmap level its forward run drew random numbers at, per example (see
     #: :func:`_forward_alone_at_vmap`): its vjp at that level recomputes per example.
     drew_at_level: int | None = None
@@ -194,8 +195,8 @@ class Region:
     def add_retained_parts(self, outs: Tensors, cotangents: Tensors) -> None:
         """After a vjp of its recomputed ``outs``: complete the ``.grad`` of the caller's outputs
         in :attr:`retained_grads` with what reached them through the call's other outputs."""
-        for k, caller in self.retained_grads:
-            _add_retained_part(caller(), outs[k], cotangents[k])
+        for k, caller, hooked in self.retained_grads:
+            _add_retained_part(caller(), outs[k], cotangents[k] if hooked else None)
 
     def escaped_outputs(self) -> int:
         """Known after the forward run: how many of its outputs, the last ones, are tensors that
@@ -221,8 +222,8 @@ class _SomeOutputs(Region):
 
     def add_retained_parts(self, outs: Tensors, cotangents: Tensors) -> None:
         given = dict(zip(self.keep, cotangents))
-        for k, caller in self.retained_grads:
-            _add_retained_part(caller(), self._all[k], given.get(k))
+        for k, caller, hooked in self.retained_grads:
+            _add_retained_part(caller(), self._all[k], given.get(k) if hooked else None)
         self._all = ()
 
     def release_kept(self) -> None:
@@ -629,7 +630,8 @@ def vjp(
 
 def _add_retained_part(caller: torch.Tensor | None, recomputed: torch.Tensor, cotangent: torch.Tensor | None) -> None:
     """Add to the caller's output's retained ``.grad`` the gradient that reached the recomputed
-    output through the call's other outputs: all it got, less the cotangent autograd gave the caller's."""
+    output through the call's other outputs: all it got, less the cotangent autograd gave the caller's
+    (``None``: where autograd gave the caller's tensor none of it)."""
     if caller is None or recomputed.grad is None:
         return
     part = recomputed.grad.detach() if cotangent is None else recomputed.grad.detach() - cotangent.detach()

@@ -530,33 +530,43 @@ def finish(region: UserRegion, routed: list[torch.Tensor], outs: tuple[torch.Ten
     if region.tainted_escapes:
         region.refuse_tainted_survivors()
     escaped = region.escaped_outputs()
+    kept: tuple[torch.Tensor, ...] = ()
     if escaped and region.plan is None:  # (the caller reaches those where fn left them)
-        outs = outs[: len(outs) - escaped]
+        outs, kept = outs[: len(outs) - escaped], outs[len(outs) - escaped :]
     # (With a plan, rebuild returns the outputs fn returned; views of escaped ones among them.)
     tensors = _aliasing.rebuild(region.plan, outs, routed)
-    if region.retained_outputs:
-        _retain_grads(region, tensors)
+    if region.retained_outputs or region.retains_kept:
+        _retain_grads(region, tensors, kept)
     return region.out_slots.fill(tensors)
 
 
-def _retain_grads(region: UserRegion, tensors: list[torch.Tensor]) -> None:
-    """``retain_grad()`` that fn called on tensors it returns, on the caller's outputs.
+def _retain_grads(region: UserRegion, tensors: list[torch.Tensor], escaped: Sequence[torch.Tensor]) -> None:
+    """``retain_grad()`` that fn called on tensors it returns or keeps, on the caller's tensors.
 
     Autograd fills those with the gradient reaching the caller's output; where fn computed
     another output from that one (``h.retain_grad(); return h, h.exp()``), the part through the
     other output reaches ``h`` only in the recomputation, whose ``h`` retains its grad too: the
     backward pass adds that part (:func:`funckpt._autograd.vjp`), so ``.grad`` is the whole
-    gradient, as without remat. (An output rebuilt as a view outside the call gets the first part.)
+    gradient, as without remat. A tensor the run kept outside the call (``kept.append(h)``, also
+    returned) is the caller's as it is, its own ``retain_grad`` left on the run's graph: it gets the
+    recomputation's whole gradient. (An output rebuilt as a view outside the call gets the first part.)
     """
-    retained = []
+    retained: list[tuple[int, Any, bool]] = []  # (position among the Function's outputs, the caller's tensor, hooked here)
     for k in region.retained_outputs:
-        if tensors[k].requires_grad:
-            tensors[k].retain_grad()
-        # (Its position among the Function's outputs, which the recomputation returns.)
+        t = tensors[k]
+        hooked = t.requires_grad and not t.retains_grad
+        if hooked:
+            t.retain_grad()
         if region.plan is None:
-            retained.append((k, weakref.ref(tensors[k])))
-        elif k in region.plan.owned:
-            retained.append((region.plan.owned.index(k), weakref.ref(tensors[k])))
+            retained.append((k, weakref.ref(t), hooked))
+        elif k in region.plan.owned:  # (its position among the Function's outputs, which the recomputation returns)
+            retained.append((region.plan.owned.index(k), weakref.ref(t), hooked))
+    if escaped and region.plan is None:
+        start = len(tensors)
+        listed = {id(tensors[k]) for k in region.retained_outputs}
+        retained += [
+            (start + j, weakref.ref(t), False) for j, t in enumerate(escaped) if t.retains_grad and id(t) not in listed
+        ]
     region.retained_grads = tuple(retained)
 
 
@@ -1176,6 +1186,7 @@ class UserRegion(Region):
         self.escapes_allowed = self.escapes_become_outputs and not transforms_active()
         self.escaped_at: list[int] = []
         self.retained_outputs: tuple[int, ...] = ()  # positions of the outputs fn called retain_grad() on
+        self.retains_kept = False  # does a tensor kept outside the call retain its grad?
         self.escape_doubts: list[str | None] = []  # per escaped output (see _doubt)
 
     def _user_context(self, forward: bool) -> Any:
@@ -2122,6 +2133,7 @@ class UserRegion(Region):
                 self.escaped_at = [k for k, _ in escaped]
                 inputs = {id(t) for t in flat}
                 self.escape_doubts = [self._doubt(t, inputs) for _, t in escaped]
+                self.retains_kept = any(t.retains_grad for _, t in escaped)
                 tensors += [t for _, t in escaped]
                 del escaped
         if written:

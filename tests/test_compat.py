@@ -207,6 +207,32 @@ def test_retain_grad_on_a_returned_tensor_inside_the_function(kind, how):
     assert_close(run(lambda fn, *a: funckpt.remat(fn)(*a)), expected)
 
 
+@pytest.mark.parametrize("returned", [True, False])
+def test_retain_grad_on_a_tensor_the_function_keeps_in_a_list(returned):
+    """``h.retain_grad(); kept.append(h)`` (an activation kept for a saliency map): the tensor the
+    forward pass kept gets its ``.grad`` after the backward pass, as without remat, also where the
+    function returns it too. (The recomputation appends its own copy as well.)"""
+    kept = []
+
+    def fn(a, w):
+        h = torch.tanh(a @ w)
+        h.retain_grad()
+        kept.append(h)
+        return h if returned else h.exp() * 2
+
+    def run(ckpt):
+        kept.clear()
+        w = W.clone().requires_grad_()
+        out = ckpt(fn, X, w)
+        out.square().sum().backward()
+        return kept[0].grad, out.grad if returned else None, w.grad
+
+    expected = run(lambda fn, *a: fn(*a))
+    assert expected[0] is not None
+    assert_close(run(lambda fn, *a: funckpt.remat(fn)(*a)), expected)
+    assert_close(run(funckpt.checkpoint), expected)
+
+
 @pytest.mark.parametrize("use_reentrant", [True, False])
 def test_torch_reentrant_checkpoint_inside_the_function(use_reentrant):
     # torch.utils.checkpoint(use_reentrant=True) inside a checkpointed function: its backward
