@@ -1077,6 +1077,8 @@ class UserRegion(Region):
     # What a region starts with, where a run may set its own value (class attributes: a
     # region is made on every call, and each assignment in __init__ costs there).
     values_reproducible = True  # false where the forward run read memory it allocated uninitialized
+    retained_outputs: tuple[int, ...] = ()  # positions of the outputs fn called retain_grad() on
+    retains_kept = False  # does a tensor kept outside the call retain its grad?
     plan: _aliasing.Plan | None = None
     planned = False  # did the forward run plan its outputs (_aliasing.plan)?
     # The torch-function modes the caller runs under (a device context, a mode of the user's), which
@@ -1185,8 +1187,6 @@ class UserRegion(Region):
         # again in a recomputation at their position among what its operators return.
         self.escapes_allowed = self.escapes_become_outputs and not transforms_active()
         self.escaped_at: list[int] = []
-        self.retained_outputs: tuple[int, ...] = ()  # positions of the outputs fn called retain_grad() on
-        self.retains_kept = False  # does a tensor kept outside the call retain its grad?
         self.escape_doubts: list[str | None] = []  # per escaped output (see _doubt)
 
     def _user_context(self, forward: bool) -> Any:
@@ -2042,7 +2042,8 @@ class UserRegion(Region):
         if grad_forward:
             # ``h.retain_grad()`` on a tensor fn returns: the caller's output is another tensor
             # (the Function's, or a view rebuilt from it), whose ``.grad`` it must fill instead.
-            self.retained_outputs = tuple(k for k, t in enumerate(tensors) if t.retains_grad)
+            if any(t.retains_grad for t in tensors):
+                self.retained_outputs = tuple(k for k, t in enumerate(tensors) if t.retains_grad)
         self._refuse_hidden_tensors(slots.leaves, plain_autograd)
         # Under a transform, what the run computed and wrote into its copies of the caller's containers
         # (an output of the Function, at the end: see _outputs_for_written); not an escape.
