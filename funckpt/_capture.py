@@ -226,6 +226,32 @@ def _walk(
         pending.extend(reversed(children) if depth_first else children)
 
 
+_C_functorch: Any = torch._C._functorch
+
+
+def _of_a_level_gone(t: torch.Tensor) -> bool:
+    """Is ``t`` a torch.func wrapper whose level has ended (a gradient that a hook logged into a
+    global list under an earlier ``vmap`` or ``grad``)? Such a tensor is not routed into a later call:
+    nothing can use it (torch refuses it as escaped), and as an input it would fail the call (its
+    batch size is another vmap's). Asked only outside every run, where the interpreter stack is the
+    caller's own (a run lowers it, and a live tensor of the caller's would look gone)."""
+    if not is_functorch_wrapped(t):
+        return False
+    if not _C_functorch.is_batchedtensor(t):
+        return bool(_C_functorch.is_dead_tensor_wrapper(t))  # (a grad or jvp level's: told by torch)
+    # A vmap level's: torch keeps no such flag, and levels are numbered again (a later vmap's, or a
+    # grad's, can have the number). Its level is the one of that number on the stack, if a vmap's
+    # of its batch size (the tensor of an ended vmap of the same size looks live: it is not used).
+    level = maybe_get_level(t)
+    for interpreter in interpreter_stack():
+        if interpreter.level() == level:
+            if interpreter.key() != TransformType.Vmap:
+                return True
+            size = _C_functorch.get_unwrapped(t).shape[_C_functorch.maybe_get_bdim(t)]
+            return bool(_C_functorch.CVmapInterpreterPtr(interpreter).batchSize() != size)
+    return True
+
+
 def spent_escape(t: torch.Tensor) -> bool:
     """Did ``t`` escape an earlier remat'd call whose one backward pass has run (an MoE layer's
     ``self.aux_loss`` of the previous step, a list of them kept across steps), or is it the copy
@@ -368,10 +394,12 @@ def find_captured(fn: Callable[..., Any] | Roots, modules_too: bool = True, reco
     edges: list[tuple[torch.nn.Module, str, Any]] = []
     direct: list[Any] = []  # (one tensor reached other than as a module's, or one module in a container, is enough)
     kept_outside: dict[int, list[tuple[str, Any]]] = {}  # (by module: for _tensor_places, without walking each again)
+    # (Outside every run the interpreter stack is the caller's: a wrapper of a level not on it is stale.)
+    outside_runs = not _active.internal and not _active.substitutes
 
     def leaf(obj: Any) -> bool:
         if isinstance(obj, torch.Tensor):
-            if not spent_escape(obj):
+            if not spent_escape(obj) and not (outside_runs and _of_a_level_gone(obj)):
                 found.setdefault(id(obj), obj)
                 if not direct:
                     direct.append(obj)

@@ -3377,3 +3377,41 @@ def test_a_closure_place_the_function_overwrites_with_what_it_made():
         (remat(f) if use_remat else f)(x).backward()
         grads.append([x.grad, w.grad])
     assert_close(grads[1], grads[0])
+
+
+GRADIENT_LOG: list = []  # a hook's log of gradients, kept across transforms (a debugging habit)
+
+
+def _logging_gradients(x, w):
+    h = x @ w
+    if h.requires_grad:
+        h.register_hook(GRADIENT_LOG.append)
+    return h.tanh()
+
+
+def test_gradients_a_hook_logged_under_ended_transforms_are_not_routed_into_later_calls():
+    """The log holds torch.func wrappers of levels that have ended (a vmap's of batch size 3, a grad's):
+    the function reaches them through the global it names, but nothing can use them. Routed as inputs,
+    they failed every later call (another vmap's batch size, a dead level); without remat each runs."""
+    x, w = torch.randn(3, 4, dtype=D), torch.randn(4, 2, dtype=D)
+
+    def steps(f):
+        GRADIENT_LOG.clear()
+        loss = lambda x, w: f(x, w).square().sum()  # noqa: E731
+        per_example = lambda xs: tf.vmap(tf.grad(loss, argnums=1), in_dims=(0, None))(xs, w)  # noqa: E731
+
+        def backward():
+            w2 = w.clone().requires_grad_()
+            loss(x, w2).backward()
+            return w2.grad
+
+        return [
+            per_example(x.unsqueeze(1)),
+            tf.jacrev(f, argnums=1)(x, w),
+            per_example(torch.cat([x, x.cos()]).unsqueeze(1)),  # (another batch size)
+            tf.grad(loss, argnums=1)(x, w),
+            backward(),
+            len(GRADIENT_LOG),
+        ]
+
+    assert_close(steps(remat(_logging_gradients)), steps(_logging_gradients))
