@@ -39,7 +39,7 @@ import optree
 import torch
 
 from . import _autocast, _rng, _schedule
-from ._autograd import Phase, Region, StepVjp, Tensors, apply, eager_under_compile
+from ._autograd import Phase, Region, StepVjp, Tensors, apply
 from ._call import UserRegion, finish, nothing_to_differentiate, prepare, recorded_as_the_function, run_prepared
 from ._capture import Roots, Substitute, changed_captures, reparametrized
 from ._draws import Drawing, differs_here
@@ -47,6 +47,7 @@ from ._errors import CheckpointError, Digest, check_same_values, digest, rebound
 from ._internals import (
     FunctionModesBack,
     autograd_included,
+    compiler_disable,
     forward_mode_active,
     graph_task_keeps_graph,
     has_gradient_dtype,
@@ -351,7 +352,14 @@ def _loop(
     return carry, ys
 
 
-_run_eagerly = eager_under_compile(_loop)
+#: Dynamo shows this where it refuses the loop (``fullgraph=True``): remat's own reason
+#: (``eager_under_compile``) would advise an operator-based policy, which cannot make a loop one graph.
+_LOOP_REASON = (
+    "funckpt.scan, fori_loop and while_loop run eagerly under torch.compile: the loop is a graph break "
+    "(the code before and after it is compiled, the loop's steps are not), whatever its policy or "
+    "checkpoints, so fullgraph=True cannot include it: compile without fullgraph=True"
+)
+_run_eagerly = compiler_disable(_LOOP_REASON)(_loop)
 
 
 def _placeholder(init: Any, xs: Any) -> Any:  # LoopRegion runs the loop itself

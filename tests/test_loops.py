@@ -505,6 +505,21 @@ def test_under_torch_compile_a_loop_is_an_eager_region(checkpoints):
     assert_close(got, tf.grad(without, argnums=(0, 3))(w, b, xs, c0))
 
 
+@pytest.mark.parametrize("checkpoints", [None, 2])
+def test_fullgraph_compile_of_a_loop_says_the_loop_is_a_graph_break(checkpoints):
+    """The refusal names the loop and says to compile without fullgraph=True, not remat's
+    advice (an operator-based policy), which cannot make a loop one graph."""
+    w, b, xs, c0 = make(n=3)
+    with_scan, _ = losses(checkpoints)
+    torch._dynamo.reset()
+    compiled = torch.compile(with_scan, backend="aot_eager", fullgraph=True)
+    with pytest.raises(Exception, match="fullgraph") as info:
+        compiled(w, b, xs, c0)
+    torch._dynamo.reset()
+    assert "funckpt.scan, fori_loop and while_loop" in str(info.value)
+    assert "operator-based policy" not in str(info.value)
+
+
 @pytest.mark.parametrize("checkpoints", CHECKPOINTS)
 def test_a_step_that_computes_differently_when_run_again_raises(checkpoints):
     calls = []
