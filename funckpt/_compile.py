@@ -15,7 +15,8 @@ Inside a function Dynamo is compiling, a remat'd call takes one of two paths.
     compiler's checkpoint uses saved-tensor hooks, which those refuse);
   - the policy decides by operator alone (``checkpoint_name`` tags are a
     funckpt mechanism the compiler does not see);
-  - no ``context_fn`` and no ``debug`` (both are eager-mode features).
+  - no ``context_fn`` and no ``debug`` (both are eager-mode features);
+  - Dynamo's ``nested_graph_breaks`` is off (see :func:`_nested_graph_breaks`).
 
 * **Eager** (a graph break): the call runs funckpt's eager remat, whose entry
   points are ``torch.compiler.disable``d (see ``_autograd.py``). Dynamo compiles
@@ -75,9 +76,22 @@ def can_lower(options: RematOptions) -> bool:
         and not debug_enabled(options.debug)
         # Not a policy that uses names, offloads, or chooses per call (a memory budget).
         and (options.policy is None or lowerable(options.policy))
+        and not _nested_graph_breaks()
         # Last: Dynamo records this call in the graph rather than folding it.
         and not transforms_active()
     )
+
+
+def _nested_graph_breaks() -> bool:
+    """Is Dynamo's ``nested_graph_breaks`` setting on (torch >= 2.13, experimental)?
+
+    With it, a graph break inside a lowered region (an explicit generator, a write of
+    an input) resumes inside :func:`lowered_call`'s frame and runs
+    ``torch.utils.checkpoint`` eagerly, instead of funckpt's eager remat: a generator's
+    draws are not replayed (a wrong gradient), an input written is recomputed from or
+    refused by its version check. Every call is then an eager region.
+    """
+    return bool(getattr(torch._dynamo.config, "nested_graph_breaks", False))
 
 
 def _selective(policy: Policy) -> Callable[..., CheckpointPolicy]:

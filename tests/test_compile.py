@@ -333,6 +333,35 @@ def test_a_graph_break_inside_a_region_falls_back_to_eager_remat(where):
     torch.testing.assert_close(got, torch.autograd.grad(expected, x))
 
 
+@pytest.mark.skipif(not hasattr(torch._dynamo.config, "nested_graph_breaks"), reason="torch without nested_graph_breaks")
+@pytest.mark.parametrize("region", ["generator", "writes its input"])
+def test_with_nested_graph_breaks_a_region_that_cannot_lower_still_runs_eager_remat(region):
+    """With Dynamo's nested_graph_breaks, a break inside a lowered region would resume inside
+    funckpt's frame and run torch.utils.checkpoint eagerly: a generator's draws not replayed
+    (a wrong gradient), an input written refused by its version check. remat does not lower
+    there, so such regions give the plain program's values and gradients."""
+    g = torch.Generator()
+
+    def f(x, c):
+        if region == "generator":
+            return x.sin() * torch.rand(x.shape, generator=g, dtype=x.dtype) * c
+        out = x.sin() * (c * 1)
+        c.add_(1)
+        return out + x.cos() * (c * 1)
+
+    def run(fn, compiled):
+        torch._dynamo.reset()
+        g.manual_seed(0)
+        c = torch.tensor([0.5, -1.0, 2.0, 1.0], dtype=torch.double)
+        x = torch.linspace(0.1, 1, 4, dtype=torch.double, requires_grad=True)
+        program = lambda x, c: fn(x.cos(), c).sin().sum()  # noqa: E731
+        with torch._dynamo.config.patch(nested_graph_breaks=True):
+            out = (torch.compile(program, backend="aot_eager") if compiled else program)(x, c)
+        return out, torch.autograd.grad(out, x), c
+
+    torch.testing.assert_close(run(remat(f), compiled=True), run(f, compiled=False))
+
+
 def test_torch_func_transform_of_a_compiled_function_with_remat():
     w = torch.randn(D, D, dtype=torch.double)
     block = lambda x: torch.tanh(x @ w)  # noqa: E731
