@@ -45,8 +45,10 @@ from ._capture import Roots, Substitute, changed_captures, reparametrized
 from ._draws import Drawing, differs_here
 from ._errors import CheckpointError, Digest, check_same_values, digest, rebound_error
 from ._internals import (
+    DisableFuncTorch,
     FunctionModesBack,
     autograd_included,
+    bottom,
     compiler_disable,
     forward_mode_active,
     graph_task_keeps_graph,
@@ -547,6 +549,7 @@ class LoopRegion(UserRegion):
         self._inputs = flat
         out = super().forward_run(flat)
         if self.snapshots and any(self.differentiable):  # (with nothing to differentiate, nothing runs again)
+            self._undo_writes(flat)
             raise CheckpointError(
                 f"{self.loop.api}({self.name}): a step modified one of the loop's inputs in place (for example a "
                 "BatchNorm's running statistics in training mode). A checkpointed loop runs steps again "
@@ -555,6 +558,22 @@ class LoopRegion(UserRegion):
                 "each step (for x in xs: carry, y = funckpt.remat(f)(carry, x)), which replays them."
             )
         return out
+
+    def _undo_writes(self, flat: Tensors) -> None:
+        """Put the inputs the forward sweep wrote in place back as they were at the call.
+
+        The sweep ran every step before the writes could be refused (a BatchNorm's running
+        statistics updated once per step): the call then raises, and a caller that catches the
+        error and runs the loop another way (a Python loop of remat'd steps, as the error says)
+        must find its modules as they were, not advanced by the refused call's steps.
+        """
+        with torch.no_grad():
+            for i, before in self.snapshots.items():
+                if i in self.unbatched_snapshots:  # (copied from under functorch's wrappers: written there)
+                    with DisableFuncTorch():
+                        bottom(flat[i]).copy_(before)
+                else:
+                    flat[i].copy_(before)
 
     def _refuse_escape_under_transform(self, t: torch.Tensor) -> None:
         api = self.loop.api

@@ -381,6 +381,38 @@ def test_in_place_update_of_module_state_in_a_step_raises():
             funckpt.scan(lambda c, _: (bn(c), None), c0, length=3, checkpoints=checkpoints)
 
 
+@pytest.mark.parametrize("route", ["backward", "grad", "jvp"])
+@pytest.mark.parametrize("loop", ["scan", "fori_loop", "while_loop"])
+def test_a_refused_in_place_update_of_module_state_leaves_the_state_as_it_was(loop, route):
+    """The sweep runs every step before it can refuse their in-place writes (BatchNorm's
+    running statistics): the refused call leaves the module's buffers as it found them, as a
+    refused rebinding does, so that the Python loop of remat'd steps the error suggests starts
+    from the same state as the plain loop."""
+    for checkpoints in (None, 2):
+        bn = torch.nn.BatchNorm1d(3).double()
+        before = {k: v.clone() for k, v in bn.state_dict().items()}
+        c0 = torch.randn(4, 3, dtype=D)
+        w = torch.randn(3, 3, dtype=D, requires_grad=True)
+
+        def loss(w):
+            if loop == "scan":
+                c = funckpt.scan(lambda c, _: (bn(c @ w), None), c0, length=3, checkpoints=checkpoints)[0]
+            elif loop == "fori_loop":
+                c = funckpt.fori_loop(0, 3, lambda i, c: bn(c @ w), c0, checkpoints=checkpoints)
+            else:
+                c = funckpt.while_loop(lambda t: t[1] < 3, lambda t: (bn(t[0] @ w), t[1] + 1), (c0, 0), checkpoints=checkpoints)[0]
+            return c.sum()
+
+        with pytest.raises(funckpt.CheckpointError, match="funckpt.remat on each step"):
+            if route == "backward":
+                loss(w).backward()
+            elif route == "grad":
+                tf.grad(loss)(w)
+            else:
+                tf.jvp(loss, (w,), (torch.ones_like(w),))
+        assert_close(bn.state_dict(), before, rtol=0, atol=0)
+
+
 class _Counting(torch.nn.Module):
     """A cell that rebinds its own state at each call, as without remat it may."""
 
