@@ -679,8 +679,13 @@ def _refused_by_reentrant_checkpoint(e: RuntimeError) -> bool:
     """Is ``e`` the refusal of a ``torch.utils.checkpoint(..., use_reentrant=True)`` inside ``fn``?
 
     Its backward runs only in a backward pass that names no ``inputs``
-    (``torch.autograd.grad`` always does).
+    (``torch.autograd.grad`` always does). Also that refusal as a region nested in this one's
+    recomputation passes it on (a remat'd call or a loop's step whose ``fn`` uses the reentrant
+    checkpoint): it met it under this region's ``torch.autograd.grad``, and runs in the
+    ``.backward()`` this region falls back to.
     """
+    if getattr(e, "reentrant_checkpoint_refused", False):
+        return True
     return "use_reentrant=True" in str(e) and "incompatible with .grad()" in str(e)
 
 
@@ -700,11 +705,15 @@ def _vjp_around_reentrant_checkpoint(
     backward pass that names none either, into fresh detached leaves.
     """
     if create_graph or not backward_names_no_inputs():
-        raise CheckpointError(
+        refusal = CheckpointError(
             f"remat({region.name}): the function calls torch.utils.checkpoint(..., use_reentrant=True), "
             "whose backward runs only in a .backward() that passes no inputs= and no create_graph "
             "(as without remat). Use use_reentrant=False (or funckpt.checkpoint) inside the function."
-        ) from error
+        )
+        # (Where this region runs in an enclosing region's recomputation, that region's
+        # torch.autograd.grad is what names inputs: it falls back to .backward() on seeing this.)
+        refusal.reentrant_checkpoint_refused = True  # type: ignore[attr-defined]
+        raise refusal from error
     leaves = tuple(p.detach().requires_grad_(True) if need else p.detach() for p, need in zip(primals, needs))
     outs = region.run(leaves, Phase.RECOMPUTE)
     pairs = [(o, c) for o, c in zip(outs, cotangents) if o.requires_grad and not made_under_no_grad(o)]

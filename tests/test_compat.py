@@ -259,6 +259,38 @@ def test_torch_reentrant_checkpoint_inside_the_function(use_reentrant):
         torch.autograd.grad(funckpt.checkpoint(fn, X.clone().requires_grad_()).sum(), layer[0].weight)
 
 
+@pytest.mark.parametrize("inner", ["remat", "scan", "scan-checkpoints"])
+def test_torch_reentrant_checkpoint_in_a_region_nested_in_a_checkpointed_function(inner):
+    """The reentrant checkpoint one level deeper: in a remat'd call or a loop's step inside a
+    checkpointed function. The nested region meets the refusal under the enclosing region's
+    torch.autograd.grad, which then falls back to a backward pass without inputs= as it does
+    for a reentrant checkpoint of its own: a .backward() gives the plain function's gradients."""
+    layer = torch.nn.Sequential(torch.nn.Linear(4, 4, dtype=D), torch.nn.Tanh())
+
+    def step(h):
+        return upstream.checkpoint(layer, torch.sin(h), use_reentrant=True)
+
+    def fn(a, nested):
+        if not nested:
+            return step(step(a)).exp()
+        if inner == "remat":
+            return funckpt.remat(step)(funckpt.remat(step)(a)).exp()
+        checkpoints = 1 if inner == "scan-checkpoints" else None
+        return funckpt.scan(lambda h, _: (step(h), None), a, length=2, checkpoints=checkpoints)[0].exp()
+
+    def run(nested):
+        for p in layer.parameters():
+            p.grad = None
+        x = X.clone().requires_grad_()
+        out = funckpt.checkpoint(fn, x, nested) if nested else fn(x, False)
+        out.sum().backward()
+        return out, x.grad, [p.grad for p in layer.parameters()]
+
+    assert_close(run(True), run(False))
+    with pytest.raises(funckpt.CheckpointError, match="use_reentrant=True"):
+        torch.autograd.grad(funckpt.checkpoint(fn, X.clone().requires_grad_(), True).sum(), layer[0].weight)
+
+
 @pytest.mark.parametrize("backward_inside", [False, True])
 def test_saved_tensors_hooks_see_what_they_see_under_torch_checkpoint(backward_inside):
     """A user's ``saved_tensors_hooks`` (``save_on_cpu``, an activation offloader) pack the
