@@ -41,10 +41,11 @@ import torch
 from . import _autocast, _rng, _schedule
 from ._autograd import Phase, Region, StepVjp, Tensors, apply
 from ._call import UserRegion, finish, nothing_to_differentiate, prepare, recorded_as_the_function, run_prepared
-from ._capture import Roots, Substitute, changed_captures, reparametrized
+from ._capture import Roots, Substitute, changed_captures, next_sequence_nr, reparametrized
 from ._draws import Drawing, differs_here
 from ._errors import CheckpointError, Digest, check_same_values, digest, rebound_error
 from ._internals import (
+    AccumulateGrad,
     DisableFuncTorch,
     FunctionModesBack,
     autograd_included,
@@ -853,9 +854,12 @@ class StepRegion(Region):
         carry = self.carry_slots.fill(flat[:nc])
         x = None if self.x_slots is None else self.x_slots.fill(flat[nc : nc + nx])
         with self.region.substituted(flat[nc + nx :], flat) as mapping:
+            first_node = next_sequence_nr()
             new, y = self.region.run_step_again(self.k, carry, x)
         outputs = _step_outputs(new, _tensor_leaves(y))
         self.region.check_step_again(self.k, outputs)
+        if mapping and torch.is_grad_enabled():
+            self._refuse_unrouted(outputs, flat, mapping, first_node)
         tensors = self.region.stood_in_again(outputs, mapping)
         for t, (shape, dtype) in zip(tensors, self.expected):
             if t.shape != shape or (has_gradient_dtype(t) and t.dtype != dtype):
@@ -867,6 +871,48 @@ class StepRegion(Region):
                     "iterator). Pass such values in the carry or xs."
                 )
         return tuple(tensors)
+
+
+    def _refuse_unrouted(
+        self, outputs: list[torch.Tensor], flat: Tensors, mapping: dict[int, torch.Tensor], first_node: int
+    ) -> None:
+        """Refuse a step whose graph reaches a captured tensor itself rather than its stand-in.
+
+        The stand-ins are what the step's vjp differentiates; a captured tensor passed straight to
+        a custom ``autograd.Function`` (whose ``.apply`` no torch-function mode sees, so the
+        substitution cannot route it) is a graph edge to the caller's tensor, whose gradient the
+        vjp would silently drop (remat's forward run refuses the same; a loop's forward sweep
+        records no graph, so it is told here, the first time the step is differentiated). Found as
+        in :func:`~funckpt._capture.local_graph_leaves`: the captured tensor's own leaf, or a node
+        made before the step ran (a captured tensor computed outside) other than the inputs'.
+        """
+        stack = [t.grad_fn for t in outputs if t.grad_fn is not None]
+        seen: dict[int, Any] = {}  # (holds the nodes visited: see local_graph_leaves)
+        inputs: set[int] | None = None  # the inputs' own nodes, where older ones are met (create_graph)
+        foreign = False
+        while stack and not foreign:
+            node = stack.pop()
+            if id(node) in seen:
+                continue
+            seen[id(node)] = node
+            if type(node) is AccumulateGrad:
+                foreign = id(node.variable) in mapping
+                continue
+            number = node._sequence_nr()
+            if number < first_node:
+                if inputs is None:
+                    inputs = {t.grad_fn._sequence_nr() for t in (*flat, *mapping.values()) if t.grad_fn is not None}
+                foreign = number not in inputs
+                continue
+            stack.extend(edge[0] for edge in node.next_functions if edge[0] is not None)
+        if foreign:
+            raise CheckpointError(
+                f"{self.region.loop.api}({self.name}): a differentiable tensor the step reaches without "
+                "receiving it (in its closure, a global) reached its result without being routed through "
+                "the loop: typically passed straight to a custom autograd.Function (whose .apply remat "
+                "cannot intercept). Its gradient would be missing. Pass the tensor in the carry (or "
+                "xs), or call the Function inside a remat'd function that takes it as an argument."
+            )
 
 
 def _step_outputs(carry: Any, y: Any) -> list[torch.Tensor]:

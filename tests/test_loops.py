@@ -413,6 +413,65 @@ def test_a_refused_in_place_update_of_module_state_leaves_the_state_as_it_was(lo
         assert_close(bn.state_dict(), before, rtol=0, atol=0)
 
 
+class _MatMul(torch.autograd.Function):
+    """``h @ w`` as a custom autograd.Function (whose ``.apply`` no torch-function mode sees)."""
+
+    @staticmethod
+    def forward(h, w):
+        return h @ w
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(*inputs)
+
+    @staticmethod
+    def backward(ctx, g):
+        h, w = ctx.saved_tensors
+        return g @ w.T, h.T @ g
+
+
+@pytest.mark.parametrize("route", ["backward", "create_graph", "grad"])
+@pytest.mark.parametrize("loop", ["scan", "fori_loop", "while_loop"])
+@pytest.mark.parametrize("checkpoints", [None, 1])
+def test_a_closure_tensor_passed_straight_to_a_custom_function_raises(checkpoints, loop, route):
+    """A step passing a tensor of its closure straight to a custom autograd.Function: the loop
+    cannot route it (as remat cannot), and its gradient was silently missing or partial. Refused,
+    as remat refuses it; passed in the carry it gets the plain loop's gradient."""
+    c0 = torch.randn(2, 3, dtype=D)
+    w0 = torch.randn(3, 3, dtype=D)
+
+    def run(w, step, init):
+        if loop == "scan":
+            return funckpt.scan(lambda c, _: (step(c), None), init, length=2, checkpoints=checkpoints)[0]
+        if loop == "fori_loop":
+            return funckpt.fori_loop(0, 2, lambda i, c: step(c), init, checkpoints=checkpoints)
+        return funckpt.while_loop(
+            lambda t: t[1] < 2, lambda t: (step(t[0]), t[1] + 1), (init, 0), checkpoints=checkpoints
+        )[0]
+
+    def closing_over(w):
+        return run(w, lambda c: torch.tanh(_MatMul.apply(c, w)), c0)
+
+    def in_the_carry(w):
+        return run(w, lambda c: (torch.tanh(_MatMul.apply(c[0], c[1])), c[1]), (c0, w))[0]
+
+    def plain(w):
+        return torch.tanh(torch.tanh(c0 @ w) @ w)
+
+    def gradient(f):
+        w = w0.clone().requires_grad_()
+        if route == "grad":
+            return tf.grad(lambda w: f(w).sum())(w)
+        if route == "create_graph":
+            return torch.autograd.grad(f(w).sum(), w, create_graph=True)[0]
+        f(w).sum().backward()
+        return w.grad
+
+    with pytest.raises(funckpt.CheckpointError, match="custom autograd.Function"):
+        gradient(closing_over)
+    assert_close(gradient(in_the_carry), gradient(plain))
+
+
 class _Counting(torch.nn.Module):
     """A cell that rebinds its own state at each call, as without remat it may."""
 
