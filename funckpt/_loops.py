@@ -58,6 +58,7 @@ from ._internals import (
     is_dead_tensor_wrapper,
     peek_interpreter_stack,
     restore_saved_tensors_hooks,
+    unwrap_if_dead,
     vmap_active,
 )
 from ._options import RematOptions, callable_name
@@ -770,7 +771,7 @@ class LoopRegion(UserRegion):
 
     @contextlib.contextmanager
     def substituted(
-        self, captured: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor]
+        self, captured: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor], differentiated: bool = False
     ) -> Iterator[dict[int, torch.Tensor]]:
         """The step function sees ``captured`` where it reaches the tensors captured at the call.
 
@@ -778,7 +779,8 @@ class LoopRegion(UserRegion):
         that returns a captured tensor as it is (``lambda c, x: (c * w, w)``) hands back the
         tensor itself, which no operator received; :func:`_stood_in` puts the stand-in there.
         Where the step function reaches tensors it did not at the call (:attr:`reached`, during
-        a reversal), the substitution runs to refuse a use of one."""
+        a reversal), the substitution runs to refuse a use of one. ``differentiated``: the step runs
+        to be differentiated (not to advance from a kept carry, where values are all it needs)."""
         replace, mapping = self.replacements(captured)
         with contextlib.ExitStack() as stack:
             if self.captured.modules:
@@ -787,8 +789,30 @@ class LoopRegion(UserRegion):
                 substitute = Substitute(mapping, tuple(inputs), False, self.name, 0)
                 if self.reached:
                     substitute.reached_since_the_call(self.reached, self.rebound)
+                # Below torch.func.vjp's vjp_fn the captured tensors are wrappers of a level that is
+                # gone, and a custom autograd.Function's .apply hands its forward the tensor under
+                # such a wrapper, not the wrapper the substitution swaps: a use of it is refused (its
+                # gradient would be silently missing; see StepRegion._refuse_unrouted for the rest).
+                dead = {
+                    id(u): u
+                    for u in (unwrap_if_dead(t) for t in self.captured.tensors if id(t) in mapping and is_dead_tensor_wrapper(t))
+                } if differentiated else {}
+                if dead:
+                    rebound = substitute.rebound
+                    substitute.reached_since = {**substitute.reached_since, **dead}
+                    substitute.rebound = lambda t: self.unrouted() if id(t) in dead else rebound(t)  # type: ignore[misc]
                 stack.enter_context(substitute)
             yield mapping
+
+    def unrouted(self) -> CheckpointError:
+        """The error for a step that uses a tensor it reaches without routing it (see StepRegion._refuse_unrouted)."""
+        return CheckpointError(
+            f"{self.loop.api}({self.name}): a differentiable tensor the step reaches without "
+            "receiving it (in its closure, a global) reached its result without being routed through "
+            "the loop: typically passed straight to a custom autograd.Function (whose .apply remat "
+            "cannot intercept). Its gradient would be missing. Pass the tensor in the carry (or "
+            "xs), or call the Function inside a remat'd function that takes it as an argument."
+        )
 
     def stood_in_again(self, tensors: list[torch.Tensor], mapping: dict[int, torch.Tensor]) -> list[torch.Tensor]:
         """:func:`_stood_in` for what steps run again in a reversal returned; a tensor among them the
@@ -853,7 +877,7 @@ class StepRegion(Region):
         nc, nx = self.n_carry, self.n_x
         carry = self.carry_slots.fill(flat[:nc])
         x = None if self.x_slots is None else self.x_slots.fill(flat[nc : nc + nx])
-        with self.region.substituted(flat[nc + nx :], flat) as mapping:
+        with self.region.substituted(flat[nc + nx :], flat, differentiated=True) as mapping:
             first_node = next_sequence_nr()
             new, y = self.region.run_step_again(self.k, carry, x)
         outputs = _step_outputs(new, _tensor_leaves(y))
@@ -906,13 +930,7 @@ class StepRegion(Region):
                 continue
             stack.extend(edge[0] for edge in node.next_functions if edge[0] is not None)
         if foreign:
-            raise CheckpointError(
-                f"{self.region.loop.api}({self.name}): a differentiable tensor the step reaches without "
-                "receiving it (in its closure, a global) reached its result without being routed through "
-                "the loop: typically passed straight to a custom autograd.Function (whose .apply remat "
-                "cannot intercept). Its gradient would be missing. Pass the tensor in the carry (or "
-                "xs), or call the Function inside a remat'd function that takes it as an argument."
-            )
+            raise self.region.unrouted()
 
 
 def _step_outputs(carry: Any, y: Any) -> list[torch.Tensor]:

@@ -430,7 +430,7 @@ class _MatMul(torch.autograd.Function):
         return g @ w.T, h.T @ g
 
 
-@pytest.mark.parametrize("route", ["backward", "create_graph", "grad"])
+@pytest.mark.parametrize("route", ["backward", "create_graph", "grad", "vjp"])
 @pytest.mark.parametrize("loop", ["scan", "fori_loop", "while_loop"])
 @pytest.mark.parametrize("checkpoints", [None, 1])
 def test_a_closure_tensor_passed_straight_to_a_custom_function_raises(checkpoints, loop, route):
@@ -462,6 +462,8 @@ def test_a_closure_tensor_passed_straight_to_a_custom_function_raises(checkpoint
         w = w0.clone().requires_grad_()
         if route == "grad":
             return tf.grad(lambda w: f(w).sum())(w)
+        if route == "vjp":  # (its vjp_fn runs the steps again once the transform's level is gone)
+            return tf.vjp(lambda w: f(w).sum(), w)[1](torch.ones((), dtype=D))[0]
         if route == "create_graph":
             return torch.autograd.grad(f(w).sum(), w, create_graph=True)[0]
         f(w).sum().backward()
