@@ -896,7 +896,6 @@ class StepRegion(Region):
                 )
         return tuple(tensors)
 
-
     def _refuse_unrouted(
         self, outputs: list[torch.Tensor], flat: Tensors, mapping: dict[int, torch.Tensor], first_node: int
     ) -> None:
@@ -920,7 +919,7 @@ class StepRegion(Region):
                 continue
             seen[id(node)] = node
             if type(node) is AccumulateGrad:
-                foreign = id(node.variable) in mapping
+                foreign = id(node.variable) in mapping  # type: ignore[attr-defined]
                 continue
             number = node._sequence_nr()
             if number < first_node:
