@@ -259,6 +259,9 @@ class Saved:
         # weak reference guards against a freed tensor's id being reused by another.
         self.producer: dict[int, tuple[weakref.ref[torch.Tensor], int, int]] = {}
         self.written: set[int | None] = set()  # storages written by in-place ops in the forward run
+        # position -> an alias of its output as made, where an in-place view operator reshaped it since
+        # (what checkpoint_name keeps of it: see Recorder._reshaping), forward run only.
+        self.reshaped: dict[int, torch.Tensor] = {}
         self._outputs: dict[int, tuple[Any, list[weakref.ref[torch.Tensor] | _Plain], list[int]]] = {}
 
     # forward run
@@ -301,9 +304,14 @@ class Saved:
         if entry is None or entry[0]() is not value:
             return
         position = entry[1]
-        if _versions(value) != [entry[2]]:
-            # Written since the operator made it (``x @ w`` of a vector ends in ``squeeze_``, an
-            # in-place view): no longer what the operator returns, so never handed back for it.
+        reshaped = self.reshaped.get(position)
+        if reshaped is not None:  # (``x @ w`` of a vector ends in ``squeeze_``: kept as mm returned it)
+            if storage_of(reshaped) in self.written:
+                return
+            value = reshaped
+        elif _versions(value) != [entry[2]]:
+            # Written since the operator made it: no longer what the operator returns, so never
+            # handed back for it.
             return
         verdict = self.ask(CHECKPOINT_NAME, (x, name), {})
         if verdict:
@@ -318,7 +326,7 @@ class Saved:
                 return
             # (Every producer noted is an operator whose results may be kept: see Recorder.)
             refs = self._outputs.get(position)
-            if refs is None:  # a single-tensor output: the named tensor is that output
+            if refs is None:  # a single-tensor output: the named tensor is that output (as made)
                 self.keep(position, value, label=name, verdict=verdict)
                 return
             structure, weak, made = refs
@@ -358,6 +366,7 @@ class Saved:
             else:
                 self.kept[position] = _detached(self.kept[position])
         self.producer.clear()
+        self.reshaped.clear()
         self._outputs.clear()
         self.written.clear()
         if self.budget is not None:
@@ -853,6 +862,9 @@ class Recorder(OnThreadStack, WriteWatch):  # type: ignore[no-untyped-call]  # t
         meta = _meta(args)  # before running: in-place ops change their arguments' shapes
         saved = self.saved
         saved.written.update(self._watch(func, args, kwargs))
+        reshaped = _reshaped_args(func)
+        if reshaped:  # (rare: an in-place view operator, x @ w of a vector ends in squeeze_)
+            return self._reshaping(func, args, kwargs, reshaped, meta)
         out = func(*args, **kwargs)
         position = len(saved.trace)
         saved.trace.append((func, meta))
@@ -875,6 +887,42 @@ class Recorder(OnThreadStack, WriteWatch):  # type: ignore[no-untyped-call]  # t
                 for t in _tensors(out):
                     saved.producer[id(t)] = (weakref.ref(t), position, _versions(t)[0])
         return out
+
+
+    def _reshaping(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], reshaped: tuple[int, ...], meta: Any) -> Any:
+        """Run an in-place view operator (``squeeze_``, ``t_``), which changes the shape of its
+        argument, not its values: where that is a value kept (or one whose producer is noted for
+        ``checkpoint_name``), what is kept from here on is an alias of it as the operator that made
+        it returned it, with the version the write left (``x @ w`` of a vector is ``mm`` then
+        ``squeeze_``: without this, ``dots_saveable`` kept nothing of it, its version having moved)."""
+        saved = self.saved
+        targets = [t for i in reshaped for t in _tensors(_argument(func, args, kwargs, i))]
+        kept = {id(v): p for p, v in saved.kept.items() if isinstance(v, torch.Tensor)}
+        aliases: list[tuple[torch.Tensor, torch.Tensor, int | None, int | None]] = []
+        for t in targets:
+            entry = saved.producer.get(id(t))
+            produced = entry[1] if entry is not None and entry[0]() is t and entry[2] == t._version else None
+            position = kept.get(id(t))
+            if position is not None and saved.versions.get(position) != _versions(t):
+                position = None  # (written since it was kept: dropped at the end of the run)
+            if position is not None or produced is not None:
+                aliases.append((t, _own_alias(t), position, produced))
+        out = func(*args, **kwargs)
+        saved.trace.append((func, meta))
+        for t, alias, position, produced in aliases:
+            if position is not None:
+                saved.kept[position] = alias
+                saved.versions[position] = _versions(alias)
+            if produced is not None:
+                saved.reshaped[produced] = alias
+        return out
+
+
+def _own_alias(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as it is now, over its memory, with a version counter of its own: the operator that
+    reshapes ``t`` in place moves ``t``'s (autograd does so after this mode returns), and a write
+    into the memory is seen as one into its storage (:attr:`Saved.written`)."""
+    return torch.empty((0,), dtype=t.dtype, device=t.device).set_(t.untyped_storage(), t.storage_offset(), t.size(), t.stride())
 
 
 class Replayer(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's untyped __init_subclass__

@@ -96,6 +96,24 @@ def test_dots_saveable_recomputes_no_matmul(transform):
     assert dots.count(aten.tanh) == nothing.count(aten.tanh)  # the elementwise work still is
 
 
+@pytest.mark.parametrize("transform", ["grad", "vjp", "backward"])
+@pytest.mark.parametrize("policy", ["dots_saveable", "save_only_these_names"])
+def test_a_vector_times_a_matrix_is_kept_as_any_matmul(transform, policy):
+    """``v @ w`` of a vector (an ODE's or an unbatched RNN's state) is ``mm`` then ``squeeze_``, an
+    in-place view that reshapes the kept value: kept as ``mm`` returned it, no matmul runs again."""
+
+    def vector_block(w1, w2, x):
+        h = torch.tanh(checkpoint_name(x[0] @ w1, "up"))
+        return x + checkpoint_name(h.sin() @ w2, "down")
+
+    kept = policies.dots_saveable if policy == "dots_saveable" else policies.save_only_these_names("up", "down")
+    plain_grads, plain = grads_and_counts(vector_block, transform)
+    grads, counts = grads_and_counts(remat(vector_block, policy=kept), transform)
+    assert_close(grads, plain_grads)
+    mm = (aten.mm, aten.mv, aten.addmm)
+    assert counts.count(*mm) == plain.count(*mm)  # none recomputed
+
+
 @pytest.mark.parametrize("check", ["default", "none"])
 def test_a_recomputation_writing_a_kept_value_in_place_leaves_it_for_the_next(check):
     """A recomputation may write a replayed value in place where the forward run did not (under
