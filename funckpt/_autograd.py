@@ -73,6 +73,8 @@ from ._internals import (
     compiler_disable,
     custom_function_call,
     forward_ad_level,
+    forward_mode_active,
+    func_jvp_nests,
     functorch_dispatches_first,
     grad_levels_active,
     graph_task_keeps_graph,
@@ -501,11 +503,21 @@ class VjpRegion(Region):
 
     def run(self, flat: Tensors, phase: Phase) -> Tensors:
         primals, cotangents = flat[: self.n], flat[self.n :]
-        grads = vjp(self.base, primals, cotangents, self.needs, create_graph=_needs_graph(flat))
+        # Differentiated in forward mode too (a jvp region's recomputation of this backward: a
+        # Hessian of a loss that takes a gradient), it runs with grad mode on, as torch.func.grad's
+        # own backward does: the backward formulas then take their differentiable form (SiLU's
+        # and Mish's infinitely_differentiable_*_backward, not the fused silu_backward and
+        # mish_backward kernels, which have no forward-mode derivative); see _vjp_here.
+        create_graph = _needs_graph(flat) or forward_mode_active()
+        grads = vjp(self.base, primals, cotangents, self.needs, create_graph=create_graph)
         needed = [(p, g) for p, g, need in zip(primals, grads, self.needs) if need]
         if phase is Phase.FORWARD:
             self.unused = {k for k, (_, g) in enumerate(needed) if g is None}
         return tuple(torch.zeros_like(p) if g is None else g for p, g in needed)
+
+
+#: The constant output JvpRegion appends for torch.func.jvp, which refuses a function returning none.
+_NO_OUTPUT = torch.zeros(())
 
 
 class JvpRegion(Region):
@@ -521,6 +533,12 @@ class JvpRegion(Region):
         self.base, self.n = base, n_primals
         self.with_tangent = tuple(with_tangent)
         self.name = base.name
+        # The caller's grad mode, which the recomputation runs in, as the function without remat
+        # does: applied as a Function (its result needs a graph), its forward runs without. A
+        # forward-mode formula consults it (SiLU's tangent is silu_backward(t, x) without grad
+        # mode, which has no forward-mode derivative): a function taking a jvp of its own
+        # (torch.func.jvp inside remat, differentiated by a Hessian-vector product) needs it on.
+        self.grad_mode = torch.is_grad_enabled()
 
     def release_kept(self) -> None:
         self.base.release_kept()
@@ -529,8 +547,13 @@ class JvpRegion(Region):
         # torch's fused attention kernels have no forward-mode AD: the function without remat gets
         # the math kernel here, as its mask or inputs require grad at a level this recomputation
         # runs below (a learned attention bias under hessian); so does the recomputation.
-        with sdpa_kernel([SDPBackend.MATH]):
-            return self._run(flat, phase)
+        grad_was = torch.is_grad_enabled()
+        set_grad_enabled(self.grad_mode)
+        try:
+            with sdpa_kernel([SDPBackend.MATH]):
+                return self._run(flat, phase)
+        finally:
+            set_grad_enabled(grad_was)
 
     def _run(self, flat: Tensors, phase: Phase) -> Tensors:
         primals, tangents = flat[: self.n], flat[self.n :]
@@ -546,9 +569,15 @@ class JvpRegion(Region):
 
         diff_p = tuple(primals[i] for i in diff)
         diff_t = tuple(tangents[i] for i in diff)
-        if peek_interpreter_stack() is None and forward_ad_level() >= 0:
-            # Plain forward-mode AD (inside the user's fwAD.dual_level): torch.func.jvp
-            # cannot nest there, so make duals at the user's level instead.
+        if peek_interpreter_stack() is None and forward_ad_level() >= 0 and not func_jvp_nests():
+            # Plain forward-mode AD (inside the user's fwAD.dual_level): torch.func.jvp cannot nest
+            # there, so make duals at the user's level instead. Below the levels of a torch.func.jvp,
+            # whose dual level is in force, torch.func.jvp nests, as a functorch level of its own,
+            # and is used: duals made at that one plain level met those of the forward-mode levels
+            # the function itself enters or that another jvp region's run made there, silently
+            # (a Hessian-vector product of a MAML loss, jvp(grad(f)) with f taking a gradient
+            # through remat, was wrong) or loudly ("Setting a forward grad that itself has a forward
+            # gradient at the same level0": jvp of grad of jvp).
             with set_fwd_grad_enabled(True):
                 # (an inference tensor carries no tangent: a dual of it would be silently constant)
                 outs = f(*(make_dual(_not_inference(unpack_dual(p).primal), t) for p, t in zip(diff_p, diff_t)))
@@ -556,7 +585,14 @@ class JvpRegion(Region):
             outs = tuple(u.primal for u in unpacked)
             out_tangents = tuple(torch.zeros_like(u.primal) if u.tangent is None else u.tangent for u in unpacked)
         else:
-            outs, out_tangents = cast("tuple[Tensors, Tensors]", torch.func.jvp(f, diff_p, diff_t))
+            if not diff_p:  # (nothing carries a tangent: torch.func.jvp refuses no primals)
+                outs = f()
+                out_tangents = tuple(torch.zeros_like(o) for o in outs)
+            else:
+                # (one constant output more: torch.func.jvp refuses a function returning none, as a
+                # region does whose outputs are all inputs returned as they are, remat(lambda: y))
+                outs, out_tangents = torch.func.jvp(lambda *xs: (*f(*xs), _NO_OUTPUT), diff_p, diff_t)
+                outs, out_tangents = tuple(outs[:-1]), tuple(out_tangents[:-1])
         return tuple(t if has_gradient_dtype(o) else torch.zeros_like(o) for o, t in zip(outs, out_tangents))
 
 
@@ -889,7 +925,11 @@ def _vjp_of_batched_cotangents(
     def advancing() -> contextlib.AbstractContextManager[Any]:
         stack = contextlib.ExitStack()
         stack.enter_context(lowered(interpreter))
-        if not create_graph:
+        # (Under a jvp level (a Hessian: jacfwd of this jacrev) the steps run forward keep grad
+        # mode on, as without remat, so that their forward-mode formulas take their differentiable
+        # form: a step taking a jvp of its own (SiLU's tangent is silu_backward(t, x) under no_grad,
+        # which has no forward-mode derivative) is differentiated by that level again.)
+        if not create_graph and not jvp_levels_active():
             stack.enter_context(torch.no_grad())
         return stack
 

@@ -69,6 +69,7 @@ __all__ = [
     "define_operator",
     "forward_ad_level",
     "forward_mode_active",
+    "func_jvp_nests",
     "fsdp2_training_state",
     "grad_levels_active",
     "graph_task_keeps_graph",
@@ -337,6 +338,22 @@ def unpack_dual(t: torch.Tensor) -> _fwAD.UnpackedDualTensor:
 #: ``forward_ad.make_dual``, typed: a dual tensor of ``t`` and ``tangent`` at the innermost dual level.
 def make_dual(t: torch.Tensor, tangent: torch.Tensor) -> torch.Tensor:
     return cast(torch.Tensor, _fwAD.make_dual(t, tangent))  # type: ignore[no-untyped-call]
+
+
+import torch._functorch.eager_transforms as _eager_transforms  # noqa: E402
+
+
+def func_jvp_nests() -> bool:
+    """Can ``torch.func.jvp`` run here, below every transform, inside the dual level in force?
+
+    Plain forward-mode AD has one dual level. ``torch.func.jvp`` enters it when it is the
+    outermost jvp (its private ``JVP_NESTING`` counter is 0) and, inside one, nests as a
+    functorch level of its own: so below every transform, where a dual level is in force, it
+    can run where that level is a ``torch.func.jvp``'s (the counter is positive: entered by a
+    transform whose levels remat's recomputation runs below), not the user's own
+    ``fwAD.dual_level``, inside which it raises "nested forward mode AD is not supported".
+    """
+    return _eager_transforms.JVP_NESTING > 0
 
 
 def forward_mode_active() -> bool:

@@ -584,6 +584,93 @@ def test_forward_over_reverse_through_activations_with_fused_backward(how, act):
         assert_close(SECOND_ORDER_OVER_REVERSE[how](remat(fn), x), SECOND_ORDER_OVER_REVERSE[how](fn, x))
 
 
+def test_hessian_of_a_loss_that_takes_a_gradient_through_remat():
+    """A loss built from a gradient through a remat'd call (an input gradient: a gradient
+    penalty, a score, Hutchinson's estimator with vjp), differentiated twice: the Hessian's jvp
+    level recomputes remat's backward as a VjpRegion inside a JvpRegion, whose vjp ran with grad
+    mode off, so SiLU's backward took its fused form and torch raised "Trying to use forward AD
+    with aten::silu_backward that does not support it", where the function without remat runs."""
+    g = torch.Generator().manual_seed(4)
+    w, x, eps = (torch.randn(*shape, dtype=D, generator=g) for shape in ((4, 4), (3, 4), (3, 4)))
+
+    def loss(b):
+        return lambda w: (tf.grad(lambda x: b(w, x).sum())(x) * eps).sum()
+
+    def b(w, x):
+        return F.silu(x @ w)
+
+    assert_close(tf.hessian(loss(remat(b)))(w), tf.hessian(loss(b))(w))
+
+
+def test_hvp_of_a_loss_that_takes_a_jvp_whose_tangent_depends_on_the_parameters():
+    """``jvp(grad(loss))`` where ``loss`` takes a jvp through a remat'd call whose input tangent
+    itself depends on the parameters (a continuous normalizing flow's divergence by forward mode,
+    then a Hessian-vector product): remat's forward-mode recomputation nests a jvp region inside
+    another below every transform, where both made duals at the one plain dual level, and the
+    inner one's tangent, a dual already, raised "Setting a forward grad that itself has a forward
+    gradient at the same level0 is not supported"."""
+    g = torch.Generator().manual_seed(5)
+    c, x, eps, v = (torch.randn(*shape, dtype=D, generator=g) for shape in ((4,), (3, 4), (3, 4), (4,)))
+
+    def loss(b):
+        return lambda c: (tf.jvp(lambda x: b(x * c), (x,), (eps,))[1] * eps).sum()
+
+    assert_close(tf.jvp(tf.grad(loss(remat(torch.tanh))), (c,), (v,)), tf.jvp(tf.grad(loss(torch.tanh)), (c,), (v,)))
+
+
+@pytest.mark.parametrize("transform", ["jvp_of_grad", "hessian"])
+def test_second_order_of_a_remat_that_takes_a_jvp_of_a_module(transform):
+    """A remat'd function that takes a jvp of its own (a flow's step: the divergence by forward
+    mode) through a module whose parameters require grad (a model's do), differentiated to second
+    order: its jvp region, applied as a Function (a parameter requires grad), recomputed it in the
+    Function's forward, without grad mode, so SiLU's tangent took the fused silu_backward, whose
+    own tangent torch cannot compute (NotImplementedError), where the function without remat runs."""
+    torch.manual_seed(6)
+    lin = torch.nn.Linear(4, 4).to(D)
+    params = {k: p.detach() for k, p in lin.named_parameters()}
+    x, e = torch.randn(4, dtype=D), torch.randn(4, dtype=D)
+
+    def make(wrap):
+        def loss(p):
+            def step(c):
+                return c + 0.1 * tf.jvp(lambda c: F.silu(tf.functional_call(lin, p, (c,))), (c,), (e,))[1]
+
+            s = wrap(step)
+            return s(s(x)).square().sum()
+
+        return loss
+
+    if transform == "hessian":
+        run = lambda f: tf.hessian(f)(params)  # noqa: E731
+    else:
+        run = lambda f: tf.jvp(tf.grad(f), (params,), ({k: torch.ones_like(p) for k, p in params.items()},))  # noqa: E731
+    assert_close(run(make(remat)), run(make(lambda f: f)))
+
+
+@pytest.mark.parametrize("inner_steps", [1, 2])
+def test_hvp_of_a_maml_loss_through_remat(inner_steps):
+    """The Hessian-vector product (``jvp(grad(outer))``) of a MAML loss: ``outer`` takes inner SGD
+    steps with ``torch.func.grad`` through a remat'd block. remat's forward-mode recomputation,
+    below every transform, made its duals at the plain dual level ``torch.func.jvp`` had entered,
+    where the forward-mode levels of the function's own derivatives also live: the product was
+    silently wrong (all of it, by up to 30%), while ``hessian`` and ``grad`` of ``grad`` were right."""
+    g = torch.Generator().manual_seed(9)
+    w, x, v = (torch.randn(*shape, dtype=D, generator=g) for shape in ((3, 3), (2, 3), (3, 3)))
+
+    def block(w, x):
+        return torch.tanh(x @ w)
+
+    def outer(b):
+        def f(w):
+            for _ in range(inner_steps):
+                w = w - 0.1 * tf.grad(lambda w: b(w, x).square().sum())(w)
+            return b(w, x).square().sum()
+
+        return f
+
+    assert_close(tf.jvp(tf.grad(outer(remat(block))), (w,), (v,)), tf.jvp(tf.grad(outer(block)), (w,), (v,)))
+
+
 @pytest.mark.parametrize("transform", ["jvp", "jacfwd", "hessian"])
 def test_forward_mode_over_vmap_where_an_output_is_not_batched(transform):
     """``jvp(vmap(f))`` with one of the remat'd call's outputs computed from unbatched inputs only:

@@ -130,6 +130,32 @@ def test_a_closed_over_tensor_a_step_returns_as_it_is_gets_its_gradient(transfor
     assert_close(got, expected)
 
 
+@pytest.mark.parametrize("loop", ["scan", "fori_loop"])
+@pytest.mark.parametrize("checkpoints", [None, 2])
+def test_hessian_of_a_loop_whose_step_takes_a_jvp(loop, checkpoints):
+    """A step that takes a jvp of its own (a flow's divergence by forward mode), under a Hessian:
+    its vjp below jacrev's vmap ran the steps forward from a kept carry under no_grad, where
+    SiLU's tangent takes the fused silu_backward, which the Hessian's jvp level cannot
+    differentiate (torch raised NotImplementedError); the plain loop runs them with grad mode on."""
+    g = torch.Generator().manual_seed(8)
+    x, e = torch.randn(5, dtype=D, generator=g), torch.randn(5, dtype=D, generator=g)
+
+    def step(c):
+        return c + 0.1 * tf.jvp(torch.nn.functional.silu, (c,), (e,))[1]
+
+    def plain(x):
+        for _ in range(3):
+            x = step(x)
+        return x.square().sum()
+
+    def ours(x):
+        if loop == "scan":
+            return funckpt.scan(lambda c, _: (step(c), None), x, length=3, checkpoints=checkpoints)[0].square().sum()
+        return funckpt.fori_loop(0, 3, lambda i, c: step(c), x, checkpoints=checkpoints).square().sum()
+
+    assert_close(tf.hessian(ours)(x), tf.hessian(plain)(x))
+
+
 @pytest.mark.parametrize("checkpoints", [None, 2])
 def test_second_backward_with_retain_graph_and_create_graph(checkpoints):
     args = [t.requires_grad_() for t in make()]

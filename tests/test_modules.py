@@ -1521,13 +1521,17 @@ def test_a_torchscript_module_as_without_remat(wrap, how):
     whose submodules sit in a dictionary without ``get``), remat'd, in a closure or in a remat'd
     ``nn.Sequential``: the same values and gradients, its parameters' included, as without remat.
     (``vmap`` of a scripted module fails without remat too once TorchScript has optimized its graph,
-    which reads ``.data``; so does ``jacrev``, whose remat'd recomputation runs under ``vmap``.)"""
+    which reads ``.data``; so does ``jacrev``, whose remat'd recomputation runs under ``vmap``.)
+    ``torch.func.jvp`` of the scripted module itself gives wrong tangents once TorchScript has
+    optimized its graph (torch 2.13 and 2.14: a test earlier in the session that calls it warms it
+    up), while remat's recomputation runs it under a jvp level of its own and gets them right: the
+    jvp is compared with the same module unscripted.)"""
     torch.manual_seed(0)
     x = torch.randn(4, 3, dtype=torch.float64)
 
     def results(use_remat):
         torch.manual_seed(0)
-        m = torch.jit.script(_ScriptedBlock())
+        m = _ScriptedBlock() if how == "jvp" and not use_remat else torch.jit.script(_ScriptedBlock())
         if wrap == "module":
             f = m
         elif wrap == "closure":
