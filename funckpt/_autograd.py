@@ -657,7 +657,14 @@ def vjp(
         outs, vjp_fn = _func_vjp(f, [primals[i] for i in wrt])
         if not outs:
             return [None] * len(primals)
-        grads = vjp_fn(tuple(c for c, d in zip(cotangents, differentiable) if d), create_graph=create_graph)
+        # With grad mode on whatever create_graph says, as torch.func.grad's own backward runs (it
+        # passes create_graph=True): a backward formula then takes its differentiable form
+        # (group_norm's, rms_norm's, dropout's, SiLU's, ...; derivatives.yaml's
+        # GradMode::is_enabled() branches), whose batching rules and forward-mode derivatives
+        # exist where the fused kernels' do not (group_norm's backward under vmap refuses a
+        # bfloat16 input with a float32 gradient, as bf16 autocast gives it). The graph it records
+        # is at this vjp's own level, dropped with the results' wrappers: nothing outlives the call.
+        grads = vjp_fn(tuple(c for c, d in zip(cotangents, differentiable) if d), create_graph=True)
     result: list[torch.Tensor | None] = [None] * len(primals)
     for i, g in zip(wrt, grads):
         result[i] = g

@@ -671,6 +671,30 @@ def test_hvp_of_a_maml_loss_through_remat(inner_steps):
     assert_close(tf.jvp(tf.grad(outer(remat(block))), (w,), (v,)), tf.jvp(tf.grad(outer(block)), (w,), (v,)))
 
 
+def test_vmap_of_grad_under_bf16_autocast_through_group_norm():
+    """Per-example gradients (``vmap(grad)``) under bf16 autocast through a GroupNorm (the
+    normalization of DP-SGD models and diffusion UNets): autocast gives the layer a bfloat16
+    input and float32 weights, and group_norm's fused backward kernel, which its formula takes
+    with grad mode off, refuses that mix under vmap ("Expected scalar types of X and dY are
+    same"). torch.func.grad runs its backward with grad mode on (the differentiable form); remat's
+    vjp below the vmap now does too."""
+    torch.manual_seed(7)
+    gn, lin = torch.nn.GroupNorm(4, 16), torch.nn.Linear(16, 16)
+    xs, r = torch.randn(3, 1, 6, 16), torch.randn(1, 6, 16)
+
+    def block(x):
+        return gn(lin(x).transpose(1, 2)).transpose(1, 2)
+
+    def loss(b):
+        def f(x):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                return (b(x).float() * r).sum()
+
+        return f
+
+    assert_close(tf.vmap(tf.grad(loss(remat(block))))(xs), tf.vmap(tf.grad(loss(block)))(xs))
+
+
 @pytest.mark.parametrize("transform", ["jvp", "jacfwd", "hessian"])
 def test_forward_mode_over_vmap_where_an_output_is_not_batched(transform):
     """``jvp(vmap(f))`` with one of the remat'd call's outputs computed from unbatched inputs only:
