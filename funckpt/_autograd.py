@@ -591,8 +591,8 @@ class JvpRegion(Region):
             else:
                 # (one constant output more: torch.func.jvp refuses a function returning none, as a
                 # region does whose outputs are all inputs returned as they are, remat(lambda: y))
-                outs, out_tangents = torch.func.jvp(lambda *xs: (*f(*xs), _NO_OUTPUT), diff_p, diff_t)
-                outs, out_tangents = tuple(outs[:-1]), tuple(out_tangents[:-1])
+                both = cast("tuple[Tensors, Tensors]", torch.func.jvp(lambda *xs: (*f(*xs), _NO_OUTPUT), diff_p, diff_t))
+                outs, out_tangents = tuple(both[0][:-1]), tuple(both[1][:-1])
         return tuple(t if has_gradient_dtype(o) else torch.zeros_like(o) for o, t in zip(outs, out_tangents))
 
 
