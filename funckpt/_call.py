@@ -914,6 +914,10 @@ class _OwnParametrizationCache:
         self.cache.update(self.outer)
 
 
+def _forward_ad_off(*exc: Any) -> None:
+    set_fwd_grad_mode(False)
+
+
 class _Running:
     """:meth:`UserRegion._running`: enters its contexts in order and leaves them in reverse.
 
@@ -993,7 +997,7 @@ class _Running:
                 # the function enters itself gets its tangents, in every run alike. No forward-mode
                 # level is active around it, so no tangent of the caller's is computed.
                 set_fwd_grad_mode(True)
-                self.exits.append(lambda *exc: set_fwd_grad_mode(False))
+                self.exits.append(_forward_ad_off)
             if hide_saved_tensors_hooks():  # (the run's internals are not the user's hooks' to pack)
                 self.exits.append(restore_saved_tensors_hooks)
             if forward:

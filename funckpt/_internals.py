@@ -306,15 +306,15 @@ def level_kinds() -> set[Any]:
 
 
 def vmap_active() -> bool:
-    return TransformType.Vmap in level_kinds()
+    return transforms_active() and TransformType.Vmap in level_kinds()  # (the C check first: asked per run)
 
 
 def grad_levels_active() -> bool:
-    return TransformType.Grad in level_kinds()
+    return transforms_active() and TransformType.Grad in level_kinds()
 
 
 def jvp_levels_active() -> bool:
-    return TransformType.Jvp in level_kinds()
+    return transforms_active() and TransformType.Jvp in level_kinds()
 
 
 # ------------------------------------------------------------ forward-mode AD
