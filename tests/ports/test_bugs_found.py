@@ -1,4 +1,5 @@
-"""The bugs the ports found, each a statement of behaviour; the one not fixed (bug 5) is a strict xfail."""
+"""The bugs the ports found, each a statement of behaviour (bug 5, the last open, was fixed when the
+jvp recomputation below every transform came to nest torch.func.jvp rather than make duals at its level)."""
 import pytest
 import torch, torch.func as tf
 from torch.testing import assert_close
@@ -49,7 +50,6 @@ class _DoubleFn(torch.autograd.Function):
     @staticmethod
     def jvp(ctx, t): return 2 * t
 
-@pytest.mark.xfail(strict=True, reason="BUG 5: jvp recomputation uses autograd forward AD, which refuses view-returning Functions")
 def test_bug5_jvp_of_remat_with_view_returning_function():
     f = lambda x: _DoubleFn.apply(x * 1.0).sin()
     x = torch.tensor(3.0, dtype=D)
