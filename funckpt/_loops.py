@@ -114,7 +114,7 @@ def scan(
             )
         return out
 
-    options = RematOptions(policy=policy, preserve_rng_state=preserve_rng_state)
+    options = _options("scan", policy=policy, preserve_rng_state=preserve_rng_state)
     return _run(step, callable_name(f), f, init, xs, n, reverse, checkpoints, options, reaches=f)
 
 
@@ -140,7 +140,7 @@ def fori_loop(
     def step(k: int, carry: Any, x: Any) -> tuple[Any, Any]:
         return body(lower + k, carry), None
 
-    options = RematOptions(policy=policy)
+    options = _options("fori_loop", policy=policy)
     n = max(upper - lower, 0)
     carry, _ = _run(step, callable_name(body), body, init, None, n, False, checkpoints, options, reaches=body, api="fori_loop")
     return carry
@@ -157,7 +157,7 @@ def while_loop(
 ) -> Any:
     """``jax.lax.while_loop``: ``carry = body(carry)`` while ``cond(carry)``, at most ``max_steps`` times.
 
-    ``cond`` returns a Python bool or a one-element bool tensor. The number of
+    ``cond`` returns a Python (or NumPy) bool or a one-element bool tensor. The number of
     steps is not known in advance, so ``checkpoints=c`` places its carries with
     Stumm and Walther's online schedule. ``policy`` as in :func:`scan`.
     """
@@ -173,7 +173,7 @@ def while_loop(
     def go_on(k: int, carry: Any) -> bool:
         return (max_steps is None or k < max_steps) and _truth(cond(carry))
 
-    options = RematOptions(policy=policy)
+    options = _options("while_loop", policy=policy)
     carry, _ = _run(
         step, callable_name(body), body, init, None, None, False, checkpoints, options, go_on, reaches=Roots((body, cond)),
         api="while_loop",
@@ -222,6 +222,24 @@ def _length(where: str, xs: Any, length: Any) -> int:
     return int(length)
 
 
+def _is_numpy_bool(value: Any) -> bool:
+    """A NumPy bool (``np.bool_``, what a comparison of NumPy values returns), as JAX's while_loop
+    takes it; told without importing NumPy."""
+    kind = type(value)
+    return kind.__module__ == "numpy" and kind.__name__ in ("bool_", "bool")
+
+
+def _options(api: str, **options: Any) -> RematOptions:
+    """The loop's options, checked as remat's are, each error naming the loop rather than remat."""
+    try:
+        return RematOptions(**options)
+    except (TypeError, ValueError) as e:
+        message = str(e)
+        if not message.startswith("remat:"):
+            raise
+        raise type(e)(api + message[len("remat") :]) from None
+
+
 def _truth(value: Any) -> bool:
     if isinstance(value, torch.Tensor):
         if value.numel() != 1 or value.dtype != torch.bool:
@@ -245,9 +263,9 @@ def _truth(value: Any) -> bool:
                 "Make cond independent of the batched values (a step count, a reduction outside vmap), "
                 "or use fori_loop/scan with a fixed number of steps and torch.where to stop updating."
             ) from e
-    if isinstance(value, (bool, numbers.Integral)):
+    if isinstance(value, (bool, numbers.Integral)) or _is_numpy_bool(value):
         return bool(value)
-    raise TypeError(f"while_loop: cond must return a Python bool or a one-element bool tensor, got {value!r}")
+    raise TypeError(f"while_loop: cond must return a Python or NumPy bool or a one-element bool tensor, got {value!r}")
 
 
 # ------------------------------------------------------------------------ the loops

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 
+import numpy as np
 import pytest
 import torch
 import torch.func as tf
@@ -1575,3 +1576,27 @@ def test_a_steps_closure_list_of_modules_reordered_before_the_backward_raises(ch
     layers.reverse()
     with pytest.raises(funckpt.CheckpointError, match=r"module at 'layers\[0\]'.*reached at the call elsewhere.*nn.ModuleList"):
         c.sum().backward()
+
+
+def test_while_loop_takes_a_numpy_bool_from_cond_as_jax_does():
+    """``np.float64(v) < 5.0`` is a NumPy bool, not a Python one: taken as its truth value."""
+    body = lambda c: c * 1.5 + 1  # noqa: E731
+    cond = lambda c: np.float64(c.sum().item()) < 20.0  # noqa: E731
+    init = torch.ones(2, dtype=D).requires_grad_()
+    expected = init
+    while bool(np.float64(expected.sum().item()) < 20.0):
+        expected = body(expected)
+    got = funckpt.while_loop(cond, body, init, checkpoints=2)
+    assert_close(got, expected)
+    assert_close(torch.autograd.grad(got.sum(), init), torch.autograd.grad(expected.sum(), init))
+
+
+@pytest.mark.parametrize("api", ["scan", "fori_loop", "while_loop"])
+def test_a_bad_policy_is_named_by_the_loop_it_was_given_to(api):
+    calls = {
+        "scan": lambda: funckpt.scan(lambda c, x: (c, None), torch.zeros(2), length=2, policy="dots_saveable"),
+        "fori_loop": lambda: funckpt.fori_loop(0, 2, lambda i, c: c, torch.zeros(2), policy="dots_saveable"),
+        "while_loop": lambda: funckpt.while_loop(lambda c: False, lambda c: c, torch.zeros(2), policy="dots_saveable"),
+    }
+    with pytest.raises(TypeError, match=rf"^{api}: policy must be a callable"):
+        calls[api]()
