@@ -1131,8 +1131,9 @@ class UserRegion(Region):
     caller_arguments: tuple[tuple[Any, ...], dict[str, Any], tuple[torch.Tensor, ...]] | None = None
     container_writes: list[tuple[Any, list[Any]]] | None = None
     returned_container: Any = None  # (the caller's container whose copy the function returned)
-    # Under a transform, the outputs the caller's containers get in place of the tensors the run
-    # wrote there: by the run's tensor's id, its position among the outputs (_outputs_for_written).
+    # The outputs the caller's containers get in place of the tensors the run wrote there (under a
+    # transform; a view of an input under plain autograd): by the id of the detached alias the
+    # containers hold, its position among the outputs (_outputs_for_written).
     written_made: dict[int, int] | None = None
     written_copies: list[Any] = []  # (the function's copies it wrote into, until _written_made has read them)
 
@@ -1518,8 +1519,8 @@ class UserRegion(Region):
         wrote one of its inputs (remat gave it a copy), its own container where one of the
         copies; a tensor the run computed is kept outside the call as one in any other place is
         (under plain autograd an output of the Function, its gradient flowing as without remat:
-        :meth:`_escaped_tensors`; under a torch.func transform refused where it carries a
-        derivative, held here until the checks for escapes are done). A checkpointed loop's
+        :meth:`_escaped_tensors`; under a torch.func transform an output as well, which the
+        caller's container gets in its place: :meth:`_outputs_for_written`). A checkpointed loop's
         steps, which run again one at a time, write nothing back.
 
         Where the write cannot be the caller's as without remat, it raises: a container passed at
@@ -1605,7 +1606,6 @@ class UserRegion(Region):
         self.container_writes = [(mine, [map_back(v, back) for v in content]) for mine, content in self.container_writes]
         for copy in copies:
             _fill(copy, [map_back(v, back) for v in _shallow(copy)])
-        self.written_made = {id(alias): -1 for _, alias, _ in found.values()}  # (not escapes: their checks skip them)
         return list(found.values())
 
     def _outputs_for_written(self, tensors: list[torch.Tensor], written: list[tuple[int, torch.Tensor, int | None]]) -> list[torch.Tensor]:
@@ -1620,7 +1620,7 @@ class UserRegion(Region):
         autograd (:meth:`_escaped_tensors`); the recomputation computes them again, found by their
         position among the tensors its operators return. One the function also returns is that
         output, as without remat (where the outputs are as it returned them)."""
-        assert self.written_made is not None
+        self.written_made = {}
         extra: list[tuple[int, torch.Tensor]] = []
         for k, t, j in written:
             if j is not None and self.plan is None:
@@ -1668,7 +1668,6 @@ class UserRegion(Region):
         substitute.made = None
         # An operator may return its input itself (x.to(x.dtype), eval-mode dropout): not made here.
         given = {id(t) for t in inputs}
-        written = self.written_made or {}  # (outputs too, under a transform: see _outputs_for_written)
 
         def alive() -> list[tuple[int, torch.Tensor]]:
             # A tensor returned again (an in-place operator's result, a nested region's output
@@ -1676,7 +1675,7 @@ class UserRegion(Region):
             found: dict[int, tuple[int, torch.Tensor]] = {}
             for k, r in enumerate(made):
                 t = r()
-                if t is not None and t.requires_grad and id(t) not in given and id(t) not in written:
+                if t is not None and t.requires_grad and id(t) not in given:
                     found.setdefault(id(t), (k, t))
             return list(found.values())
 
@@ -2049,8 +2048,9 @@ class UserRegion(Region):
             if any(t.retains_grad for t in tensors):
                 self.retained_outputs = tuple(k for k, t in enumerate(tensors) if t.retains_grad)
         self._refuse_hidden_tensors(slots.leaves, plain_autograd)
-        # Under a transform, what the run computed and wrote into its copies of the caller's containers
-        # (an output of the Function, at the end: see _outputs_for_written); not an escape.
+        # What the run computed and wrote into its copies of the caller's containers, under a transform
+        # (and a view of an input under plain autograd): outputs of the Function, at the end (see
+        # _outputs_for_written). The containers hold detached aliases of them from here on.
         written = None
         if self.written_copies:  # (where the run wrote into them: see _container_writes)
             if made and run.substitute is not None and not run.substitute.made_nested:
@@ -2071,7 +2071,7 @@ class UserRegion(Region):
                 tensors = _detached_if_made(tensors, made or [], flat)
                 out = None  # (nor does the function's own result hold them on)
             detach_kept_since(marks)
-            self._refuse_tainted_escapes(taint, made or [], [*tensors, *(t for _, t, _ in written or ())], flat)
+            self._refuse_tainted_escapes(taint, made or [], tensors, flat)
         del made
         substitute = run.substitute
         assert substitute is not None
@@ -2261,7 +2261,6 @@ class UserRegion(Region):
 
         def alive() -> list[torch.Tensor]:
             returned = {id(o) for o in outs}
-            returned.update(self.written_made or ())  # (outputs too: see _outputs_for_written)
             held = held_by_recording_regions() if taint is not None else set()
             return [
                 t

@@ -73,6 +73,7 @@ from ._internals import (
     AccumulateGrad,
     StorageWeakRef,
     TransformType,
+    VmapInterpreter,
     bottom,
     class_forward,
     forward_ad_level,
@@ -90,6 +91,7 @@ from ._internals import (
     storage_weak_ref,
     torch_function_modes,
     unpack_dual,
+    unwrap_batched,
     unwrap_one_level,
 )
 
@@ -226,30 +228,27 @@ def _walk(
         pending.extend(reversed(children) if depth_first else children)
 
 
-_C_functorch: Any = torch._C._functorch
-
-
 def _of_a_level_gone(t: torch.Tensor) -> bool:
     """Is ``t`` a torch.func wrapper whose level has ended (a gradient that a hook logged into a
     global list under an earlier ``vmap`` or ``grad``)? Such a tensor is not routed into a later call:
     nothing can use it (torch refuses it as escaped), and as an input it would fail the call (its
     batch size is another vmap's). Asked only outside every run, where the interpreter stack is the
-    caller's own (a run lowers it, and a live tensor of the caller's would look gone)."""
+    caller's own (a run lowers it, and a live tensor of the caller's would look gone).
+
+    Dead (a grad or jvp level's, told by torch), or of no level of its kind on the stack
+    (:func:`_foreign_level`: levels are numbered again, and a later transform's can have the
+    number), or a vmap's of another batch size than the vmap of its number (an ended vmap's of
+    the same size looks live: it is not used)."""
     if not is_functorch_wrapped(t):
         return False
-    if not _C_functorch.is_batchedtensor(t):
-        return bool(_C_functorch.is_dead_tensor_wrapper(t))  # (a grad or jvp level's: told by torch)
-    # A vmap level's: torch keeps no such flag, and levels are numbered again (a later vmap's, or a
-    # grad's, can have the number). Its level is the one of that number on the stack, if a vmap's
-    # of its batch size (the tensor of an ended vmap of the same size looks live: it is not used).
+    if is_dead_tensor_wrapper(t) or _foreign_level(t):
+        return True
+    if not is_batchedtensor(t):
+        return False
     level = maybe_get_level(t)
-    for interpreter in interpreter_stack():
-        if interpreter.level() == level:
-            if interpreter.key() != TransformType.Vmap:
-                return True
-            size = _C_functorch.get_unwrapped(t).shape[_C_functorch.maybe_get_bdim(t)]
-            return bool(_C_functorch.CVmapInterpreterPtr(interpreter).batchSize() != size)
-    return True
+    interpreter = next(i for i in interpreter_stack() if i.level() == level)
+    value, dim = unwrap_batched(t, level)
+    return dim is None or VmapInterpreter(interpreter).batch_size() != value.shape[dim]
 
 
 def spent_escape(t: torch.Tensor) -> bool:
@@ -2799,6 +2798,7 @@ def local_graph_leaves(
     leaves: tuple[torch.Tensor, ...],
     first_node: int,
     own: Callable[[torch.Tensor], bool],
+    older_input: Callable[[int], bool] | None = None,
 ) -> tuple[bool, set[int]]:
     """Walk a run's local graph: does it reach anything foreign, and which of ``leaves``?
 
@@ -2809,7 +2809,9 @@ def local_graph_leaves(
     ``torch.utils.checkpoint``); an ``autograd.Function.apply`` bypasses torch-function
     modes, so a captured tensor passed straight to one is foreign there. The second
     result is the ids of the ``leaves`` the outputs depend on (the others are
-    reachable but unused).
+    reachable but unused). ``older_input``: is a node built before the run (by its sequence
+    number) one of the run's inputs' own, where the walk stops (a loop's step run again, whose
+    carry has a graph: see ``StepRegion._refuse_unrouted``)?
 
     The walk holds every node it visited: a node's Python object may be made
     afresh on each access, and a freed one's ``id`` reused by the next.
@@ -2831,8 +2833,10 @@ def local_graph_leaves(
             elif not own(variable):
                 foreign = True
             continue
-        if node._sequence_nr() < first_node:
-            foreign = True
+        number = node._sequence_nr()
+        if number < first_node:
+            if older_input is None or not older_input(number):
+                foreign = True
             continue
         for edge in node.next_functions:
             if edge[0] is not None:

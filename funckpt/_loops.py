@@ -41,11 +41,10 @@ import torch
 from . import _autocast, _rng, _schedule
 from ._autograd import Phase, Region, StepVjp, Tensors, apply
 from ._call import UserRegion, finish, nothing_to_differentiate, prepare, recorded_as_the_function, run_prepared
-from ._capture import Roots, Substitute, changed_captures, next_sequence_nr, reparametrized
+from ._capture import Roots, Substitute, changed_captures, local_graph_leaves, next_sequence_nr, reparametrized
 from ._draws import Drawing, differs_here
 from ._errors import CheckpointError, Digest, check_same_values, digest, rebound_error
 from ._internals import (
-    AccumulateGrad,
     DisableFuncTorch,
     FunctionModesBack,
     autograd_included,
@@ -927,25 +926,15 @@ class StepRegion(Region):
         in :func:`~funckpt._capture.local_graph_leaves`: the captured tensor's own leaf, or a node
         made before the step ran (a captured tensor computed outside) other than the inputs'.
         """
-        stack = [t.grad_fn for t in outputs if t.grad_fn is not None]
-        seen: dict[int, Any] = {}  # (holds the nodes visited: see local_graph_leaves)
         inputs: set[int] | None = None  # the inputs' own nodes, where older ones are met (create_graph)
-        foreign = False
-        while stack and not foreign:
-            node = stack.pop()
-            if id(node) in seen:
-                continue
-            seen[id(node)] = node
-            if type(node) is AccumulateGrad:
-                foreign = id(node.variable) in mapping  # type: ignore[attr-defined]
-                continue
-            number = node._sequence_nr()
-            if number < first_node:
-                if inputs is None:
-                    inputs = {t.grad_fn._sequence_nr() for t in (*flat, *mapping.values()) if t.grad_fn is not None}
-                foreign = number not in inputs
-                continue
-            stack.extend(edge[0] for edge in node.next_functions if edge[0] is not None)
+
+        def older_input(number: int) -> bool:
+            nonlocal inputs
+            if inputs is None:
+                inputs = {t.grad_fn._sequence_nr() for t in (*flat, *mapping.values()) if t.grad_fn is not None}
+            return number in inputs
+
+        foreign, _ = local_graph_leaves(outputs, (), first_node, lambda leaf: id(leaf) not in mapping, older_input)
         if foreign:
             raise self.region.unrouted()
 

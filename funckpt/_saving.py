@@ -893,8 +893,9 @@ class Recorder(OnThreadStack, WriteWatch):  # type: ignore[no-untyped-call]  # t
         """Run an in-place view operator (``squeeze_``, ``t_``), which changes the shape of its
         argument, not its values: where that is a value kept (or one whose producer is noted for
         ``checkpoint_name``), what is kept from here on is an alias of it as the operator that made
-        it returned it, with the version the write left (``x @ w`` of a vector is ``mm`` then
-        ``squeeze_``: without this, ``dots_saveable`` kept nothing of it, its version having moved)."""
+        it returned it (:func:`_own_alias`; ``x @ w`` of a vector is ``mm`` then ``squeeze_``: without
+        this, ``dots_saveable`` kept nothing of it, its shape having changed). Not a keepable operator
+        itself: nothing else of :meth:`__torch_dispatch__` applies to it."""
         saved = self.saved
         targets = [t for i in reshaped for t in _tensors(_argument(func, args, kwargs, i))]
         kept = {id(v): p for p, v in saved.kept.items() if isinstance(v, torch.Tensor)}
