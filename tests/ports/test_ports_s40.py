@@ -1171,3 +1171,52 @@ def test_tags_must_save_tensor_that_has_backward_hook():
         assert len(calls) == 1
         grads.append((x.grad, [p.grad for p in mod.parameters()]))
     assert_close(grads[1], grads[0])
+
+
+@pytest.mark.parametrize("checkpoints", [None, 1, 3])
+@pytest.mark.parametrize("where", ["remat", "scan", "both"])
+def test_remat_scan_layout_change_offloadable(checkpoints, where):
+    """memories_test.py test_remat_scan_layout_change_offloadable (its computation; the sharding
+    constraint and the compiled-HLO checks have no counterpart): a scan over a one-element list
+    of xs whose step names ``y`` (saved) and ``z``, ``w`` (offloaded), with a transpose between
+    ``z`` and ``w``, under ``save_and_offload_only_these_names`` given to a remat around the
+    scan, to the scan itself, or both; ``grad``, ``.backward()`` and grad-of-grad as without
+    remat, and the named values kept as the policy says."""
+    inp = torch.arange(32, dtype=D).reshape(8, 4) / 32
+    policy = policies.save_and_offload_only_these_names(
+        names_which_can_be_saved=["y"], names_which_can_be_offloaded=["z", "w"],
+        offload_src="device", offload_dst="pinned_host",
+    )
+
+    def g(ys, _):
+        y, _unused = ys
+        y = checkpoint_name(torch.sin(y), "y")
+        z = checkpoint_name(torch.sin(y), "z")
+        z = z.T
+        w = checkpoint_name(torch.sin(z), "w")
+        return (w.T, torch.sum(w)), None
+
+    def python_scan(f, init, xs):
+        carry = init
+        for i in range(xs[0].shape[0]):
+            carry, _ = f(carry, [xs[0][i]])
+        return carry, None
+
+    def make(scanner):
+        def f(x):
+            (_, scan_out), _ = scanner(g, (x, torch.tensor(1.0, dtype=D)), [inp])
+            return scan_out
+
+        return f
+
+    ref = make(python_scan)
+    f = make(functools.partial(funckpt.scan, checkpoints=checkpoints, policy=None if where == "remat" else policy))
+    if where != "scan":
+        f = remat(f, policy=policy)
+    assert_close(tf.grad(f)(inp), tf.grad(ref)(inp))
+    x = inp.clone().requires_grad_()
+    assert_close(torch.autograd.grad(f(x), x), torch.autograd.grad(ref(x), x))
+    assert_close(tf.grad(lambda x: tf.grad(f)(x).sum())(inp), tf.grad(lambda x: tf.grad(ref)(x).sum())(inp))
+    if where != "scan":
+        kept = [(r.source.split("named ")[-1], r.offloaded) for r in funckpt.saved_residuals(f, inp.clone().requires_grad_()) if r.kind != "input"]
+        assert kept and all(off == (name != "'y'") for name, off in kept), kept
