@@ -1220,3 +1220,100 @@ def test_remat_scan_layout_change_offloadable(checkpoints, where):
     if where != "scan":
         kept = [(r.source.split("named ")[-1], r.offloaded) for r in funckpt.saved_residuals(f, inp.clone().requires_grad_()) if r.kind != "input"]
         assert kept and all(off == (name != "'y'") for name, off in kept), kept
+
+
+# ----------------------------------------------- lax_control_flow_test.py: cond_with_new_checkpoint
+
+
+def _cond_with_new_checkpoint(pred, true_fun, false_fun, *args):
+    """lax_control_flow_test.py's ``cond_with_new_checkpoint``: the predicate, converted to an
+    integer tensor, is passed as an argument to a remat'd function that selects the branch
+    (``lax.switch`` on a concrete index: Python indexing)."""
+    index = torch.as_tensor(pred).to(torch.int32)
+    return remat(lambda index, *args: [false_fun, true_fun][int(index)](*args))(index, *args)
+
+
+def _cond_plain(pred, true_fun, false_fun, *args):
+    return true_fun(*args) if bool(pred) else false_fun(*args)
+
+
+@pytest.mark.parametrize("xv", [3.14, 2.72])
+def test_lcf_cond_jvp2_and_grad3(xv):
+    """lax_control_flow_test.py testCondJVP2 / testCondGrad3 with ``cond_with_new_checkpoint``:
+    one branch returns a constant, the other ``2 x``; jvp, grads to order 2 in both modes."""
+
+    def mk(cond):
+        return lambda x: cond(x < 3, lambda _: torch.tensor(2.0, dtype=D), lambda x: 2.0 * x, x)
+
+    f, ref = mk(_cond_with_new_checkpoint), mk(_cond_plain)
+    x = t(xv)
+    assert_close(tf.jvp(f, (x,), (x,)), tf.jvp(ref, (x,), (x,)))
+    assert_close(tf.grad(f)(x), tf.grad(ref)(x))
+    assert_close(tf.grad(tf.grad(f))(x), tf.grad(tf.grad(ref))(x))
+    assert_close(tf.jacfwd(tf.jacfwd(f))(x), tf.jacfwd(tf.jacfwd(ref))(x))
+
+
+@pytest.mark.parametrize("xv", [2.14, 1.72])
+def test_lcf_cond_grad2(xv):
+    """lax_control_flow_test.py testCondGrad2 (its default ``cond_with_new_checkpoint``): a
+    branch multiplying by a constant made inside it, the other ``sin``; grads to order 2, both
+    modes, and gradgradcheck."""
+
+    def mk(cond):
+        return lambda x: cond(
+            x[0] < 2, lambda x: torch.tensor([1.0, 2.0], dtype=x.dtype) * x, lambda x: torch.sin(x), x
+        ).sum()
+
+    f, ref = mk(_cond_with_new_checkpoint), mk(_cond_plain)
+    x = xv * torch.ones(2, dtype=D)
+    assert_close(tf.grad(f)(x), tf.grad(ref)(x))
+    for J in (tf.jacrev, tf.jacfwd):
+        assert_close(J(J(f))(x), J(J(ref))(x))
+    assert torch.autograd.gradgradcheck(f, (x.clone().requires_grad_(),))
+
+
+@pytest.mark.parametrize("xv", [3.14, 2.72])
+def test_lcf_cond_grad4_closure(xv):
+    """lax_control_flow_test.py testCondGrad4 with ``cond_with_new_checkpoint``: the true branch
+    ignores its operand and uses ``y`` from the enclosing function's closure; gradients with
+    respect to ``y`` (and ``x``), Hessians, and plain autograd."""
+
+    def mk(cond):
+        return lambda x, y: cond(x < 3, lambda _: 2.0 * torch.sin(y), lambda x: 2.0 * x, x)
+
+    f, ref = mk(_cond_with_new_checkpoint), mk(_cond_plain)
+    x, y = t(xv), t(5.8)
+    assert_close(tf.grad(f, 1)(x, y), tf.grad(ref, 1)(x, y))
+    assert_close(tf.grad(f, (0, 1))(x, y), tf.grad(ref, (0, 1))(x, y))
+    assert_close(tf.hessian(f, (0, 1))(x, y), tf.hessian(ref, (0, 1))(x, y))
+    xx, yy = x.clone().requires_grad_(), y.clone().requires_grad_()
+    kw = dict(allow_unused=True, materialize_grads=True)
+    assert_close(torch.autograd.grad(f(xx, yy), (xx, yy), **kw), torch.autograd.grad(ref(xx, yy), (xx, yy), **kw))
+
+
+def test_lcf_cond_linearize2_and_switch_grad():
+    """lax_control_flow_test.py testCondLinearize2 (as jvp: ``torch.func.linearize`` traces, and
+    a branch chosen by a tensor's value cannot be traced, with or without remat) and
+    testSwitchGrad (an index out of range clamped, as ``lax.switch`` clamps), through a remat'd
+    branch selection."""
+    for v in (2.14, -2.14):
+
+        def mk(cond):
+            return lambda x: cond(
+                x[0] < 2, lambda x: torch.tensor([1.0, 2.0], dtype=x.dtype) * x, lambda x: torch.cos(torch.sin(x)), x
+            ).sum()
+
+        x = v * torch.ones(2, dtype=D)
+        assert_close(tf.jvp(mk(_cond_with_new_checkpoint), (x,), (x,)), tf.jvp(mk(_cond_plain), (x,), (x,)))
+
+    branches = [
+        (lambda i: (lambda x: torch.sin(x) * (i + 1)) if i % 2 else (lambda x: torch.cos(x) ** (i + 1)))(i)
+        for i in range(4)
+    ]
+    x = torch.linspace(0.1, 1, 3, dtype=D)
+    for i in range(-1, 5):
+        idx = torch.tensor(i)
+        f = lambda x: remat(lambda idx, x: branches[int(torch.clamp(idx, 0, 3))](x))(idx, x).sum()  # noqa: E731
+        ref = lambda x: branches[min(max(i, 0), 3)](x).sum()  # noqa: E731
+        assert_close(tf.grad(f)(x), tf.grad(ref)(x))
+        assert_close(tf.hessian(f)(x), tf.hessian(ref)(x))
