@@ -475,6 +475,8 @@ def prepare(
             region.required_grad_at_call = required
         kinds = level_kinds()
         region.rewrapped_for_caller = TransformType.Grad in kinds or TransformType.Jvp in kinds
+        top = peek_interpreter_stack()  # (None where a level is alive but lowered off the stack)
+        region.vmap_innermost_at_call = top is not None and top.key() == TransformType.Vmap
     region.function_modes = callers_function_modes()
     if not argspec.tensors_only and holds_containers(argspec.dynamic.treespec):  # (see UserRegion._container_writes)
         region.caller_arguments = (tuple(a for i, a in enumerate(args) if i not in static), kwargs, tuple(flat))
@@ -1100,6 +1102,9 @@ class UserRegion(Region):
     # Under a transform: which inputs required grad at the call (None outside transforms, or
     # where none did), and whether the forward run is under its grad level already.
     required_grad_at_call: list[bool] | None = None
+    # Under a transform: was the caller's innermost level a vmap? (Then the forward run takes no
+    # grad level of its own, which would change what autocast does: _forward_run_at_a_grad_level.)
+    vmap_innermost_at_call = False
     _at_a_grad_level = False
     _made_at_own_level: list[weakref.ref[torch.Tensor]] | None = None  # (during that run, what it made)
     _taint_at_own_level: Taint | None = None  # (that run's, where a forward-mode derivative flows)
@@ -1934,6 +1939,7 @@ class UserRegion(Region):
         if (
             not plain_autograd
             and self.required_grad_at_call is not None
+            and not self.vmap_innermost_at_call
             and not self._at_a_grad_level
             and self.saved is None
             and self.caller_grad_enabled  # (not a checkpointed loop's forward sweep, which records nothing)
@@ -2220,6 +2226,17 @@ class UserRegion(Region):
         ``torch.func.vjp`` level whose primals are the inputs that required grad at the call; its
         graph is dropped with the vjp function. Not with a policy that keeps values: what it keeps
         must be the values of the level the recomputation replays them at.
+
+        Not where the caller's innermost transform is a vmap (``vmap(f)``, ``grad(vmap(f))``,
+        ``vmap(f)`` then ``.backward()``): the function without remat sees batched tensors there,
+        which say they require no grad, and its recomputation runs below the vmap too, or at a
+        vjp of its own above it only as ``vmap(grad(f))``'s does. A grad level on top would change
+        what ``torch.autocast`` computes: functorch leaves the autocast dispatch keys alone, and a
+        vmap's batching rules dispatch before autocast, a grad level's autograd after it, so under
+        a vmap autocast casts what the batching rules make of an operator (a bfloat16 matmul plus
+        a float32 bias: a float32 Linear), under a grad level on top the operator itself (a
+        bfloat16 ``addmm``). The forward run then returned other dtypes and values than the
+        function without remat, and than its recomputation (a false CheckpointError).
         """
         required = self.required_grad_at_call
         assert required is not None

@@ -3528,12 +3528,13 @@ def _keeps_what_it_returns(returns):
 def test_a_tensor_both_returned_and_kept_below_a_vmap(returns, how, policy):
     """Under a grad or jvp level the caller gets each output as another tensor (that level's
     wrapper): the one the function kept carries no derivative there, and is refused. Below a vmap
-    that ``.backward()`` differentiates with a policy, the output is the caller's tensor itself, and
-    right; the base of a returned view is not, and is refused."""
+    that ``.backward()`` differentiates, the output is the caller's tensor itself, and right (with
+    or without a policy: the forward run has no grad level of its own where the caller's innermost
+    transform is a vmap); the base of a returned view is not, and is refused."""
     w, xs = randn(4, 4, seed=1), randn(3, 2, 4, seed=2)
     loss = _keeps_what_it_returns(returns)
     ours = loss(lambda f: remat(f, policy=policy))
-    if how == "vmap, then backward" and policy is not None and returns == "it":
+    if how == "vmap, then backward" and returns == "it":
         assert_close(_BELOW_A_VMAP[how](ours, w, xs), _BELOW_A_VMAP[how](loss(lambda f: f), w, xs))
         return
     with pytest.raises(CheckpointError, match="outlived the call other than as its return value"):
@@ -3546,7 +3547,8 @@ def test_a_view_of_an_input_both_returned_and_kept_below_a_vmap(how, policy):
     """A returned view of an input that the function keeps as well (a layer recording a slice of
     its weight): under a grad level with a policy the caller gets another tensor, and the kept one
     carries no derivative (it was excused as an output). Refused as the returned-and-kept tensor
-    the run made; below a vmap that ``.backward()`` differentiates with a policy it is right."""
+    the run made; below a vmap that ``.backward()`` differentiates it is right (with or without a
+    policy)."""
     w, xs = randn(4, 4, seed=1), randn(3, 2, 4, seed=2)
 
     def loss(wrap):
@@ -3563,7 +3565,7 @@ def test_a_view_of_an_input_both_returned_and_kept_below_a_vmap(how, policy):
         return g
 
     ours = loss(lambda f: remat(f, policy=policy))
-    if how == "vmap, then backward" and policy is not None:
+    if how == "vmap, then backward":
         assert_close(_BELOW_A_VMAP[how](ours, w, xs), _BELOW_A_VMAP[how](loss(lambda f: f), w, xs))
         return
     with pytest.raises(CheckpointError, match="outlived the call other than as its return value"):

@@ -695,6 +695,57 @@ def test_vmap_of_grad_under_bf16_autocast_through_group_norm():
     assert_close(tf.vmap(tf.grad(loss(remat(block))))(xs), tf.vmap(tf.grad(loss(block)))(xs))
 
 
+@pytest.mark.parametrize(
+    "transform", ["vmap", "vmap of vmap", "grad of vmap", "vjp of vmap", "jvp of vmap", "vmap then backward"]
+)
+def test_autocast_under_a_vmap_computes_what_the_function_without_remat_does(transform):
+    """Under ``vmap``, torch's autocast acts on what the batching rules make of an operator,
+    not on the operator itself (functorch leaves the autocast keys alone, and its batching key
+    dispatches first): a Linear with a bias under bf16 autocast is a bfloat16 matmul plus a
+    float32 bias there, a float32 output, where it is a bfloat16 ``addmm`` without the vmap. A
+    grad level on top of the vmap makes autocast act first again. The forward run under a grad
+    level of its own (see ``UserRegion._forward_run_at_a_grad_level``) thus returned bfloat16
+    where the function without remat returns float32, and its recomputation (which runs below
+    the vmap, or from the values' dtypes it found) raised a false CheckpointError. Where the
+    caller's innermost transform is a vmap the forward run now has no grad level of its own."""
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(8, 8)
+    xs = torch.randn(4, 3, 8)
+
+    def under_autocast(b):
+        def f(x):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                return b(x)
+
+        return f
+
+    def run(b):
+        f = under_autocast(b)
+        if transform == "vmap":
+            return (tf.vmap(f)(xs),)
+        if transform == "vmap of vmap":
+            return (tf.vmap(tf.vmap(f))(xs),)
+        if transform == "grad of vmap":
+            return tf.grad(lambda x: (lambda y: (y.float().sum(), y))(tf.vmap(f)(x)), has_aux=True)(xs)
+        if transform == "vjp of vmap":
+            out, vjp_fn = tf.vjp(tf.vmap(f), xs)
+            return (out, *vjp_fn(torch.ones_like(out)))
+        if transform == "jvp of vmap":
+            return tf.jvp(tf.vmap(f), (xs,), (torch.ones_like(xs),))
+        x = xs.clone().requires_grad_()
+        out = tf.vmap(f)(x)
+        out.float().sum().backward()
+        grads = (x.grad, lin.weight.grad, lin.bias.grad)
+        lin.zero_grad(set_to_none=True)
+        return (out, *grads)
+
+    expected = run(lin)
+    got = run(remat(lin))
+    assert [t.dtype for t in got] == [t.dtype for t in expected]
+    for g, e in zip(got, expected):
+        assert torch.equal(g, e)  # the same operators in the same dtypes: bitwise equal
+
+
 @pytest.mark.parametrize("transform", ["jvp", "jacfwd", "hessian"])
 def test_forward_mode_over_vmap_where_an_output_is_not_batched(transform):
     """``jvp(vmap(f))`` with one of the remat'd call's outputs computed from unbatched inputs only:
