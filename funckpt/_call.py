@@ -71,6 +71,7 @@ from ._capture import (
 from ._compile import can_lower, lowered_call, skip_as_frame
 from ._draws import Redraw, differs_here, enter_run, functorch_at_the_call, leave_run
 from ._errors import (
+    AUTOCAST_UNDER_TRANSFORMS_HINT,
     KEPT_HINT,
     CheckpointError,
     Digest,
@@ -2544,31 +2545,36 @@ class UserRegion(Region):
             frontier = None  # (the skipped results, computed, are compared as outputs)
         # (Where the tail was skipped, the outputs are uninitialized: the tensors it read are compared.)
         if self.options.determinism_check == "default" and (frontier is not None or not self._reproduced(tensors, slots)):
-            assert self.out_slots is not None
-            traces = (self.forward_trace or [], run.trace.lines) if run.trace is not None else None
-            if slots.treespec != self.out_slots.treespec:
-                raise CheckpointError(
-                    f"remat({self.name}): the recomputation returned a different structure than the "
-                    f"forward pass: {slots.treespec} vs {self.out_slots.treespec}. "
-                    "Pass determinism_check='none' to skip this check."
-                )
-            kept_from = len(self.out_meta) - len(self.escaped_at) if self.escaped_at else None
-            check_same_outputs(self.name, self.out_meta, tensors, traces, kept_from)
-            if self._compares_values() and frontier is not None:
-                assert self.tail is not None and self.tail.frontier_digest is not None
-                # The outputs no skipped call made (an auxiliary output computed before the tail)
-                # are no function of the frontier: compared as without a tail.
-                returned = self.tail.returns
-                others = [k for k, r in enumerate(returned) if r is None]
-                if others:
-                    recomputed: list[Any] = [None] * len(tensors)
-                    for k, d in zip(others, digest([tensors[k] for k in others])):
-                        recomputed[k] = d
-                    forward = [d if r is None else None for d, r in zip(self.out_digest, returned)]
-                    check_same_values(self.name, forward, recomputed, traces, kept_from)
-                check_same_values(self.name, self.tail.frontier_digest, digest(frontier), traces, frontier=True)
-            elif self._compares_values():
-                check_same_values(self.name, self.out_digest, digest(tensors), traces, kept_from)
+            try:
+                assert self.out_slots is not None
+                traces = (self.forward_trace or [], run.trace.lines) if run.trace is not None else None
+                if slots.treespec != self.out_slots.treespec:
+                    raise CheckpointError(
+                        f"remat({self.name}): the recomputation returned a different structure than the "
+                        f"forward pass: {slots.treespec} vs {self.out_slots.treespec}. "
+                        "Pass determinism_check='none' to skip this check."
+                    )
+                kept_from = len(self.out_meta) - len(self.escaped_at) if self.escaped_at else None
+                check_same_outputs(self.name, self.out_meta, tensors, traces, kept_from)
+                if self._compares_values() and frontier is not None:
+                    assert self.tail is not None and self.tail.frontier_digest is not None
+                    # The outputs no skipped call made (an auxiliary output computed before the tail)
+                    # are no function of the frontier: compared as without a tail.
+                    returned = self.tail.returns
+                    others = [k for k, r in enumerate(returned) if r is None]
+                    if others:
+                        recomputed: list[Any] = [None] * len(tensors)
+                        for k, d in zip(others, digest([tensors[k] for k in others])):
+                            recomputed[k] = d
+                        forward = [d if r is None else None for d, r in zip(self.out_digest, returned)]
+                        check_same_values(self.name, forward, recomputed, traces, kept_from)
+                    check_same_values(self.name, self.tail.frontier_digest, digest(frontier), traces, frontier=True)
+                elif self._compares_values():
+                    check_same_values(self.name, self.out_digest, digest(tensors), traces, kept_from)
+            except CheckpointError as e:
+                if self.autocast is _autocast.OFF or not transforms_active():
+                    raise
+                raise CheckpointError(str(e) + AUTOCAST_UNDER_TRANSFORMS_HINT) from None
         return tuple(tensors)
 
     def _reproduced(self, tensors: list[torch.Tensor], slots: TreeSlots) -> bool:

@@ -177,6 +177,22 @@ KEPT_HINT = (
 )
 
 
+#: Said where a recomputation under ``torch.autocast`` and a ``torch.func`` transform differs (see
+#: ``UserRegion.recompute``, ``LoopRegion.check_step_again``): torch.func changes what autocast computes.
+AUTOCAST_UNDER_TRANSFORMS_HINT = (
+    "\nUnder torch.autocast this can come from torch.func itself: what autocast computes depends on the "
+    "transforms the function runs under (a vmap's batching rules dispatch before autocast, a grad or jvp "
+    "level's autograd after it: a Linear with a bias gives float32 under vmap(f), bfloat16 under "
+    "vmap(grad(f))), and so does how a composite operator decomposes (linear of a vector is one fused addmm "
+    "on plain tensors, a matmul then an add, rounded twice in bfloat16, on a transform's). remat runs this "
+    "call's forward run and its recomputation under different transforms with a saving policy under "
+    "vmap(grad), vmap(jvp) or vmap(jacrev) (policy=None runs these as the function without remat does), "
+    "in a checkpointed loop differentiated under vmap or jacrev, and in jacfwd or hessian of an input the "
+    "vmap does not batch. Casting explicitly inside the function (x.to(torch.bfloat16), and the weights) in "
+    "place of autocast gives the same dtypes under every transform."
+)
+
+
 def _output_words(i: int, kept_from: int | None) -> str:
     if kept_from is None or i < kept_from:
         return f"output tensor {i}"

@@ -43,7 +43,7 @@ from ._autograd import Phase, Region, StepVjp, Tensors, apply
 from ._call import UserRegion, finish, nothing_to_differentiate, prepare, recorded_as_the_function, run_prepared
 from ._capture import Roots, Substitute, changed_captures, local_graph_leaves, next_sequence_nr, reparametrized
 from ._draws import Drawing, differs_here
-from ._errors import CheckpointError, Digest, check_same_values, digest, rebound_error
+from ._errors import AUTOCAST_UNDER_TRANSFORMS_HINT, CheckpointError, Digest, check_same_values, digest, rebound_error
 from ._internals import (
     DisableFuncTorch,
     FunctionModesBack,
@@ -57,6 +57,7 @@ from ._internals import (
     is_dead_tensor_wrapper,
     peek_interpreter_stack,
     restore_saved_tensors_hooks,
+    transforms_active,
     unwrap_if_dead,
     vmap_active,
 )
@@ -673,7 +674,12 @@ class LoopRegion(UserRegion):
                 "global, an iterator). Pass such values in the carry or xs."
             )
         if k < len(self.step_digests) and self._compares_values():
-            check_same_values(f"{self.loop.api}({self.name})", self.step_digests[k], digest(outputs), None)
+            try:
+                check_same_values(f"{self.loop.api}({self.name})", self.step_digests[k], digest(outputs), None)
+            except CheckpointError as e:
+                if self.autocast is _autocast.OFF or not transforms_active():
+                    raise
+                raise CheckpointError(str(e) + AUTOCAST_UNDER_TRANSFORMS_HINT) from None
 
     def _forward_sweep(self, init: Any, xs: Any) -> tuple[Any, Any]:
         loop = self.loop

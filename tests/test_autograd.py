@@ -746,6 +746,30 @@ def test_autocast_under_a_vmap_computes_what_the_function_without_remat_does(tra
         assert torch.equal(g, e)  # the same operators in the same dtypes: bitwise equal
 
 
+def test_autocast_under_vmap_of_grad_with_a_policy_says_what_differs_and_what_works():
+    """A saving policy's forward run has no grad level of its own (what it keeps must be the values
+    of the level its recomputation replays them at), so under ``vmap(grad)`` it runs below the vmap
+    where the function without remat and the recomputation run below a grad level: under bf16
+    autocast the dtypes differ (see the test above), and the determinism check fails. Until the
+    policy's forward run takes the caller's transforms, the error says why, and what to do: the
+    workaround it names, ``policy=None``, computes what the function without remat does."""
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(8, 8)
+    xs = torch.randn(4, 3, 8)
+
+    def loss(b):
+        def f(x):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                return b(x).float().sum()
+
+        return f
+
+    expected = tf.vmap(tf.grad(loss(lin)))(xs)
+    with pytest.raises(CheckpointError, match="Under torch.autocast this can come from torch.func itself"):
+        tf.vmap(tf.grad(loss(remat(lin, policy=policies.dots_saveable))))(xs)
+    assert torch.equal(tf.vmap(tf.grad(loss(remat(lin))))(xs), expected)
+
+
 @pytest.mark.parametrize("transform", ["jvp", "jacfwd", "hessian"])
 def test_forward_mode_over_vmap_where_an_output_is_not_batched(transform):
     """``jvp(vmap(f))`` with one of the remat'd call's outputs computed from unbatched inputs only:
