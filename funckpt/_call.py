@@ -471,12 +471,16 @@ def prepare(
     if refused:
         region.refused = refused
     if transforms_active():
-        required = [t.requires_grad for t in routed]
+        top = peek_interpreter_stack()  # (None where a level is alive but lowered off the stack)
+        # Only a tensor of the innermost level requires grad there: what the function computes from
+        # one of a level below (a module's parameter, a tensor an outer grad wraps) is a tensor of
+        # the innermost level that says it requires none, as without remat.
+        innermost = -1 if top is None else top.level()
+        required = [t.requires_grad and maybe_get_level(t) == innermost for t in routed]
         if any(required) and torch.is_grad_enabled():
             region.required_grad_at_call = required
         kinds = level_kinds()
         region.rewrapped_for_caller = TransformType.Grad in kinds or TransformType.Jvp in kinds
-        top = peek_interpreter_stack()  # (None where a level is alive but lowered off the stack)
         region.vmap_innermost_at_call = top is not None and top.key() == TransformType.Vmap
     region.function_modes = callers_function_modes()
     if not argspec.tensors_only and holds_containers(argspec.dynamic.treespec):  # (see UserRegion._container_writes)

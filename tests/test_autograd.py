@@ -846,6 +846,36 @@ def test_the_forward_run_sees_grad_mode_and_requires_grad_as_without_remat(trans
     assert_close(runs[transform](remat(f, determinism_check="none")), expected)
 
 
+@pytest.mark.parametrize("check", ["default", "none"])
+def test_under_vmap_of_grad_a_tensor_computed_from_a_parameter_alone_requires_no_grad_as_without_remat(check):
+    """Under ``vmap(grad(f))`` a module's parameter is a tensor of no transform's level: what the
+    function computes from it alone is a tensor of the grad level that says it requires no grad.
+    The forward run's own grad level differentiates only the inputs of that level (a parameter
+    is not one of them), so code branching on it computes as without remat: no false alarm, and
+    no other values with the check off. The parameters' own gradient (a gradient penalty) is kept."""
+    lin = torch.nn.Linear(4, 4).double()
+    seen = []
+
+    def f(x):
+        w2 = lin.weight * 2
+        seen.append(w2.requires_grad)
+        return ((x @ w2) * (2.0 if w2.requires_grad else 5.0)).sum()
+
+    xs = torch.randn(3, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+
+    def run(g):
+        lin.zero_grad()
+        per_example = tf.vmap(tf.grad(g))(xs)
+        per_example.square().sum().backward()
+        return per_example, lin.weight.grad
+
+    expected = run(f)
+    assert seen == [False]
+    seen.clear()
+    assert_close(run(remat(f, determinism_check=check)), expected)
+    assert set(seen) == {False}
+
+
 @pytest.mark.parametrize("transform", ["vmap of grad", "hessian", "vmap of jacrev"])
 def test_integer_and_boolean_outputs_below_a_vmap_or_forward_mode_level(transform):
     """The forward run under a grad level of its own (see the grad-mode test above) hands vjp its
