@@ -1029,6 +1029,8 @@ class _Running:
             substitute = Substitute(mapping, flat, forward, region.name, first_node, self.watch) if substitutes else None
             if substitute is not None and forward and region.refused:
                 substitute.refused = region.refused
+            if substitute is not None and forward and region.rng is not None:
+                substitute.watch_generators(region.generators, region.generator_found)
             if substitute is not None and self.reached:
                 substitute.reached_since_the_call(self.reached, region.rebound)
             if substitute is None:  # (what a call nested in it may take as an input: see refused_around)
@@ -2441,6 +2443,14 @@ class UserRegion(Region):
         self.autocast = _autocast.capture(flat)
         if self.options.preserve_rng_state:
             self.rng = _rng.capture(flat, self.generators)
+
+    def generator_found(self, generator: torch.Generator) -> None:
+        """The forward run draws from ``generator``, which the walk at the call did not find (see
+        ``Substitute.watch_generators``): from now on it is replayed as one found there, from its
+        state now, before that first draw."""
+        assert self.rng is not None
+        if _rng.add(self.rng, generator):
+            self.generators.append(generator)
 
     def _replay_state(self, autocast: bool = True) -> contextlib.ExitStack[bool | None]:
         """Put back the state the forward run recorded, for the recomputation.

@@ -133,6 +133,9 @@ def _stdlib_service(module: str) -> bool:
 _PLAIN_TYPES = frozenset({bool, int, float, str, dict, list, tuple, set, type(None), collections.OrderedDict})
 
 
+_GENERATOR = torch.Generator
+
+
 def is_generator(obj: object) -> bool:
     """``isinstance(obj, torch.Generator)``, answered without it for the common types.
 
@@ -2345,6 +2348,35 @@ class Substitute(OnThreadStack, TorchFunctionMode):
         # The tensors the call reaches that a run around it would refuse, left to that run's
         # substitution (see refused_around), by id.
         self.refused: dict[int, weakref.ref[Substitute] | None] = {}
+        # A forward run that replays random numbers: the ids of the generators its region replays,
+        # and what to tell it of another one its function draws from (see watch_generators).
+        self.generator_ids: set[int] | None = None
+        self.generator_found: Callable[[torch.Generator], None] | None = None
+
+    def watch_generators(self, known: Iterable[torch.Generator], found: Callable[[torch.Generator], None]) -> None:
+        """Have this forward run tell ``found`` of each ``torch.Generator`` its function passes to a
+        torch function, other than ``known`` (those its region replays already), before the first draw.
+
+        The walk of the call's closure and modules finds most generators (:func:`find_captured`),
+        not every one: one held by a module inside a plain object, a list or a dict of its own, or
+        read off a class attribute (``self.cfg.generator``, ``Config.generator``). Its draws would
+        not be replayed: the recomputation would draw other numbers (a false "did not reproduce",
+        a silently wrong gradient with the check off) and advance the caller's generator. Its state
+        before the run's first draw from it is the state at the call: nothing the run's torch
+        functions did drew from it before. The runs this one is nested in are told too: each
+        recomputation of theirs runs this call's function again, from their replayed state.
+        """
+        self.generator_ids = {id(g) for g in known}
+        self.generator_found = found
+
+    def _note_generator(self, g: torch.Generator) -> None:
+        """``g`` is passed to a torch function in this run (see :meth:`watch_generators`)."""
+        for substitute in (*_active.substitutes, self):
+            ids = substitute.generator_ids
+            if ids is not None and id(g) not in ids:
+                ids.add(id(g))
+                assert substitute.generator_found is not None
+                substitute.generator_found(g)
 
     def _thread_stack(self) -> list[Any]:
         return _active.substitutes
@@ -2619,7 +2651,12 @@ class Substitute(OnThreadStack, TorchFunctionMode):
                     if swapped is None:
                         swapped = list(args)
                     swapped[i] = b
+            elif type(a) is _GENERATOR and self.generator_ids is not None and not compiling:
+                self._note_generator(a)  # (one given positionally: torch.poisson(x, g))
         if kwargs:
+            generator = kwargs.get("generator")
+            if type(generator) is _GENERATOR and self.generator_ids is not None and not compiling:
+                self._note_generator(generator)
             for v in kwargs.values():
                 if isinstance(v, (torch.Tensor, list, tuple)):  # else nothing to swap or check
                     check = func not in _CUTS_GRADIENT
@@ -2748,6 +2785,8 @@ class Substitute(OnThreadStack, TorchFunctionMode):
             elif isinstance(a, (list, tuple)) and a and not self._plain(a):
                 # (a shape, as layer_norm's; an index, x[..., :n]; the tensors torch.cat joins)
                 return False
+            elif type(a) is _GENERATOR and self.generator_ids is not None and id(a) not in self.generator_ids:
+                return False  # (one the run is to note: see watch_generators)
         return True
 
     def _note_made_here(self, out: Any, made: list[weakref.ref[torch.Tensor]]) -> Any:

@@ -545,6 +545,7 @@ class LoopRegion(UserRegion):
         self._run_inputs: Tensors = ()  # the run's inputs (see _distinct)
         self._online: _schedule.Online | EveryStep | None = None
         self._last_rng: _rng.RngState | None = None
+        self._sweep_kept: dict[int, _State] | None = None  # what the forward sweep has stored, while it runs
         # During a reversal: the differentiable tensors the step function reaches and did not at the
         # call (see reached_since_the_call), whose use its steps run again refuse (see substituted).
         self.reached: list[torch.Tensor] = []
@@ -685,6 +686,7 @@ class LoopRegion(UserRegion):
         loop = self.loop
         tensors, self.carry_slots = flatten(init)
         kept: dict[int, _State] = {}
+        self._sweep_kept = kept  # (for generator_found, while the sweep runs)
         prefix: list[_schedule.Action] = []
         ys: list[Any] = []
         # (A carry of containers the first step may write into, as in JAX its own: not the run's
@@ -726,6 +728,7 @@ class LoopRegion(UserRegion):
             self.n_steps = k
             self._online = online
         self.kept, self.prefix = kept, prefix
+        self._sweep_kept = None
         tensors, _ = flatten(carry)
         self.n_carry = len(tensors)
         stacked = self._stacked(ys)
@@ -747,6 +750,17 @@ class LoopRegion(UserRegion):
             k += 1
         carry, stacked = _distinct((carry, self._stacked(ys)), self._run_inputs)
         return carry, stacked
+
+    def generator_found(self, generator: torch.Generator) -> None:
+        """As a remat'd call's (see ``UserRegion.generator_found``), and the carries the forward sweep
+        has stored so far replay it too, from the same state: the steps before the first draw from
+        it left it as it was at the call."""
+        assert self.rng is not None
+        state = generator.get_state()
+        super().generator_found(generator)
+        for kept in (self._sweep_kept or {}).values():
+            if kept.rng is not None and kept.rng is not self.rng:
+                _rng.add(kept.rng, generator, state)
 
     def _generators_now(self) -> _rng.RngState | None:
         """The generators' states here, to replay from a kept carry.

@@ -7,7 +7,9 @@ forward run, the state of
 * the current generator of every device its tensors live on, for every device
   type at once (``torch.utils.checkpoint`` saves one non-CPU device type only),
 * every ``torch.Generator`` it was handed explicitly, anywhere in its
-  arguments' pytree, or reaches through its closure,
+  arguments' pytree, or reaches through its closure, and every other one its
+  forward run draws from (noted at its first draw, :func:`add`: one held where
+  the walk of the closure does not look),
 
 and each recomputation runs with those states restored. Around the
 recomputation the current states are saved and put back, so the recomputation
@@ -23,7 +25,7 @@ from typing import Any, cast
 
 import torch
 
-__all__ = ["RngState", "capture", "replay", "restore", "same"]
+__all__ = ["RngState", "add", "capture", "replay", "restore", "same"]
 
 
 def _device_module(device: torch.device) -> Any:
@@ -84,6 +86,21 @@ def capture(tensors: Iterable[torch.Tensor], generators: Sequence[torch.Generato
 _CPU = torch.default_generator  # what torch.get_rng_state and set_rng_state read and write
 
 
+def add(state: RngState, generator: torch.Generator, now: torch.Tensor | None = None) -> bool:
+    """Record ``generator``'s state now (``now``, if given) in ``state``, unless ``state`` records it
+    already: among its explicit generators, or as the CPU generator or the current generator of one
+    of its devices (whose states ``state`` has from its capture, which a later one must not
+    override). Was it added?"""
+    if generator is _CPU or any(g is generator for g, _ in state.explicit):
+        return False
+    for d in state.devices:
+        defaults = getattr(_device_module(d), "default_generators", ())
+        if d.index is not None and d.index < len(defaults) and defaults[d.index] is generator:
+            return False
+    state.explicit.append((generator, generator.get_state() if now is None else now))
+    return True
+
+
 def same(a: RngState, b: RngState) -> bool:
     """Do ``a`` and ``b`` record the same states (so one object can stand for both)?"""
     return (
@@ -128,3 +145,4 @@ class replay:
         saved, self.saved = self.saved, None
         assert saved is not None
         restore(saved)
+

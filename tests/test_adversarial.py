@@ -1828,6 +1828,78 @@ def test_explicit_generator_in_the_closure_under_transforms(how):
     assert_close(run(remat(fn)), run(fn))
 
 
+class _GeneratorConfig:
+    """A generator read off a class attribute (a configuration class): no walk of the call reaches it."""
+
+    gen = torch.Generator()
+
+
+class _Sampler:
+    def __init__(self, gen):
+        self.gen = gen
+
+
+class _NoisyThroughHolder(nn.Module):
+    """A module holding its generator inside something of its own (a plain object, a dict, a list)."""
+
+    def __init__(self, holder):
+        super().__init__()
+        self.lin = nn.Linear(4, 4, dtype=D)
+        self.holder = holder
+
+    def forward(self, x):
+        h = self.holder
+        gen = h.gen if isinstance(h, _Sampler) else h["gen"] if isinstance(h, dict) else h[0]
+        return self.lin(x).tanh() * torch.rand(x.shape, generator=gen, dtype=D)
+
+
+@pytest.mark.parametrize("determinism_check", ["default", "none"])
+@pytest.mark.parametrize("how", ["backward", "autograd_create_graph", "grad", "vjp", "jvp"])
+@pytest.mark.parametrize("where", ["module_object", "module_dict", "module_list", "class_attribute", "nested", "scan", "fori_loop"])
+def test_explicit_generator_no_walk_reaches_is_replayed_from_its_first_draw(where, how, determinism_check):
+    """A generator the function draws from that the walk at the call does not find (held by a module
+    inside an object, dict or list of its own, read off a class attribute) is noted at the forward
+    run's first draw from it and replayed as one passed: the values and gradients, and the
+    generator's state after forward and backward, are the function's without remat. (The
+    recomputation drew other numbers: a false "did not reproduce", or with the check off a silently
+    wrong gradient, and the caller's generator advanced.)"""
+    if determinism_check == "none" and where in ("scan", "fori_loop"):
+        pytest.skip("loops have no determinism_check option")
+    gen = _GeneratorConfig.gen
+    torch.manual_seed(0)
+    holders = {"module_object": _Sampler(gen), "module_dict": {"gen": gen}, "module_list": [gen]}
+    module = _NoisyThroughHolder(holders.get(where, [gen]))
+
+    def noisy(x):
+        return (x.tanh() * torch.rand(x.shape, generator=_GeneratorConfig.gen, dtype=D)).cos()
+
+    def step(c):
+        return noisy(c) * c
+
+    def build(rematted):
+        wrap = functools.partial(remat, determinism_check=determinism_check) if rematted else (lambda fn: fn)
+        if where in holders:
+            return wrap(module)
+        if where == "class_attribute":
+            return wrap(noisy)
+        if where == "nested":
+            inner = wrap(noisy)
+            return wrap(lambda x: inner(inner(x) * x))
+        if not rematted:
+            return lambda x: functools.reduce(lambda c, _: step(c), range(4), x)
+        if where == "scan":
+            return lambda x: funckpt.scan(lambda c, _: (step(c), None), x, length=4, checkpoints=2)[0]
+        return lambda x: funckpt.fori_loop(0, 4, lambda i, c: step(c), x, checkpoints=1)
+
+    def run(rematted):
+        gen.manual_seed(5)
+        torch.manual_seed(6)
+        result = derivative(how, build(rematted), randn(3, 4, seed=1))
+        return result, gen.get_state(), torch.get_rng_state()
+
+    assert_close(run(True), run(False))
+
+
 def test_allow_unused_through_nested_remat_and_keywords():
     inner = remat(lambda x, y: x.sin() * 2)
 
