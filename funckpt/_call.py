@@ -986,6 +986,12 @@ class _Running:
                 self._enter(FunctionModesBack(region.function_modes))
             if region.options.context_fn is not None:
                 recording = torch.is_grad_enabled() and not torch.is_inference_mode_enabled()
+                if not forward and region.rng is not None:
+                    # What the recomputation's context draws, entering or leaving, is put back too,
+                    # as torch.utils.checkpoint's fork_rng does around it: a recomputation leaves the
+                    # caller's generators where they were. (The function draws from the forward
+                    # run's states all the same: the replay inside restores those.)
+                    self._enter(_rng.kept(region.rng))
                 self._enter(region._user_context(forward))
                 if not forward and recording and not (torch.is_grad_enabled() and not torch.is_inference_mode_enabled()):
                     raise CheckpointError(

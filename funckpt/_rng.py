@@ -14,7 +14,9 @@ forward run, the state of
 and each recomputation runs with those states restored. Around the
 recomputation the current states are saved and put back, so the recomputation
 is invisible to the caller's random streams: after forward and backward every
-generator is where it would be without remat.
+generator is where it would be without remat. (Around a ``context_fn``'s
+recomputation context too, :class:`kept`, as ``torch.utils.checkpoint``'s
+``fork_rng`` holds that context.)
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from typing import Any, cast
 
 import torch
 
-__all__ = ["RngState", "add", "capture", "replay", "restore", "same"]
+__all__ = ["RngState", "add", "capture", "kept", "replay", "restore", "same"]
 
 
 def _device_module(device: torch.device) -> Any:
@@ -121,6 +123,15 @@ def restore(state: RngState) -> None:
         g.set_state(s)
 
 
+def _now(state: RngState) -> RngState:
+    """The states now of the generators ``state`` records."""
+    return RngState(
+        _CPU.get_state(),
+        {d: _get_state(d) for d in state.devices} if state.devices else {},
+        [(g, g.get_state()) for g, _ in state.explicit] if state.explicit else [],
+    )
+
+
 class replay:
     """Run the body from ``state``; put every generator back as it was afterwards."""
 
@@ -130,11 +141,7 @@ class replay:
 
     def __enter__(self) -> None:
         state = self.state
-        self.saved = RngState(
-            _CPU.get_state(),
-            {d: _get_state(d) for d in state.devices} if state.devices else {},
-            [(g, g.get_state()) for g, _ in state.explicit] if state.explicit else [],
-        )
+        self.saved = _now(state)
         try:
             restore(state)
         except BaseException:
@@ -146,3 +153,19 @@ class replay:
         assert saved is not None
         restore(saved)
 
+
+class kept:
+    """Put every generator ``state`` records back as it was before the body, which draws from them
+    where they are (a recomputation's ``context_fn`` context, around its :class:`replay`)."""
+
+    def __init__(self, state: RngState) -> None:
+        self.state = state
+        self.saved: RngState | None = None
+
+    def __enter__(self) -> None:
+        self.saved = _now(self.state)
+
+    def __exit__(self, *exc: Any) -> None:
+        saved, self.saved = self.saved, None
+        assert saved is not None
+        restore(saved)

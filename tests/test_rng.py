@@ -200,6 +200,53 @@ def test_explicit_generator_is_threaded_and_not_advanced_by_recomputation(where)
     assert torch.equal(state_got, state_expected)
 
 
+@pytest.mark.parametrize("how", ["checkpoint", "remat"])
+def test_a_recomputation_context_that_draws_leaves_the_callers_generators_where_they_were(how):
+    """A ``context_fn`` context that draws random numbers (entering and leaving) in the recomputation
+    moves neither the CPU generator nor an explicit one the function draws from: the backward pass
+    leaves them where the forward pass did, as ``torch.utils.checkpoint``'s ``fork_rng`` does. The
+    values and gradients are those of the function without remat run inside the forward context."""
+    gen = torch.Generator()
+
+    class Draws:
+        def __enter__(self):
+            torch.rand(3)
+            torch.rand(3, generator=gen)
+
+        def __exit__(self, *exc):
+            torch.rand(2)
+            torch.rand(2, generator=gen)
+
+    def context_fn():
+        return Draws(), Draws()
+
+    def fn(w, x):
+        return noisy(w, x) * torch.rand(x.shape, generator=gen, dtype=D)
+
+    def run(call):
+        torch.manual_seed(3)
+        gen.manual_seed(4)
+        w = W.clone().requires_grad_()
+        out = call(w, X).square().sum()
+        after_forward = torch.get_rng_state(), gen.get_state()
+        out.backward()
+        return out.detach(), w.grad, after_forward, (torch.get_rng_state(), gen.get_state())
+
+    def without_remat(w, x):
+        with Draws():
+            return fn(w, x)
+
+    def rematted(w, x):
+        if how == "checkpoint":
+            return funckpt.checkpoint(fn, w, x, use_reentrant=False, context_fn=context_fn)
+        return remat(fn, context_fn=context_fn)(w, x)
+
+    got, expected = run(rematted), run(without_remat)
+    assert_close(got[:2], expected[:2])
+    states = (*got[2], *got[3], *expected[2], *expected[3])
+    assert all(torch.equal(s, states[i % 2]) for i, s in enumerate(states)), "a generator moved in the backward pass"
+
+
 def test_rng_devices_cover_every_non_cpu_device_type():
     from funckpt._rng import accelerator_devices
 
