@@ -781,8 +781,13 @@ class LoopRegion(UserRegion):
         super().release_kept()
         self.kept = None
 
-    def run_step_again(self, k: int, carry: Any, x: Any) -> tuple[Any, Any]:
-        """Step ``k`` in the backward pass; what it raises that the forward pass did not is a CheckpointError."""
+    def run_step_again(self, k: int, carry: Any, x: Any, cond_first: bool = False) -> tuple[Any, Any]:
+        """Step ``k`` in the backward pass; what it raises that the forward pass did not is a CheckpointError.
+
+        ``cond_first``: a while loop's ``cond`` runs before it, as in the forward sweep (see
+        :meth:`cond_again`)."""
+        if cond_first:
+            self.cond_again(k, carry)
         try:
             # Autocast as in the forward run, around the step only: its vjp runs under the
             # backward's autocast, as the loop's would without remat.
@@ -797,6 +802,30 @@ class LoopRegion(UserRegion):
                 finally:
                     if cache_was_on:
                         _autocast.cache_on()
+        except CheckpointError:
+            raise
+        except Exception as e:
+            if isinstance(e, torch.OutOfMemoryError):
+                raise
+            raise self._recomputation_raised(e) from e
+
+    def cond_again(self, k: int, carry: Any) -> None:
+        """A while loop's ``cond`` at position ``k`` in the backward pass, for the random numbers it draws.
+
+        The forward sweep calls ``cond`` before each step, and stores each carry with the generators'
+        states after that call: a ``cond`` that draws (a loop that stops at random) moves them
+        between two steps. A run of steps again from a stored carry calls it before each step but
+        the first, and at the position it stops at, so that each step draws what it drew in the
+        forward sweep, and a carry stored again has the states after ``cond``, as the sweep's.
+        (Its answer was the forward sweep's: the steps it ran again are checked.)"""
+        if self.loop.n is not None or not self.options.preserve_rng_state:
+            return
+        assert self.loop.go_on is not None
+        try:
+            functorch = self.functorch_draws
+            drawing = Drawing(functorch, self.draws_by_layout and differs_here(functorch))
+            with _autocast.replay(self.autocast), drawing, FunctionModesBack(self.function_modes):
+                self.loop.go_on(k, carry)
         except CheckpointError:
             raise
         except Exception as e:
@@ -1030,7 +1059,11 @@ class Reversal:
                 stored = {}
                 init = [self.primals[i] for i in self.init_index]
                 assert region.carry_slots is not None
-                state: _State | None = _State.of(init, region.carry_slots, region.rng)
+                start = _State.of(init, region.carry_slots, region.rng)
+                if region.loop.n is None:  # (the generators as at position 0: after cond, see cond_again)
+                    with self.advancing(), region.substituted(self.captured, self.primals):
+                        region.cond_again(0, start.carry)
+                state: _State | None = start
                 position: int | None = 0
             else:
                 state, position = None, None
@@ -1104,8 +1137,10 @@ class Reversal:
         with self.advancing(), self.region.substituted(self.captured, self.primals) as mapping:
             for k in range(start, stop):
                 x = None if self.x_slots is None else self.x_slots.fill(self._x(k))
-                carry, y = self.region.run_step_again(k, carry, x)
+                carry, y = self.region.run_step_again(k, carry, x, cond_first=k > start)
                 self.region.check_step_again(k, _step_outputs(carry, _tensor_leaves(y)))
+            if stop < self.region.n_steps:
+                self.region.cond_again(stop, carry)  # (the generators as stored at position stop)
         tensors, slots = flatten(carry)
         return _State.of(self.region.stood_in_again(tensors, mapping), slots, None)
 

@@ -667,6 +667,53 @@ def test_explicit_generator_in_the_carry(checkpoints):
     assert torch.equal(state, gen2.get_state())
 
 
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("how", ["backward", "retain_graph", "create_graph", "grad", "jacrev"])
+@pytest.mark.parametrize("checkpoints", [1, 2, 4])
+def test_while_loop_whose_cond_draws_random_numbers(checkpoints, how, seed):
+    """A ``cond`` that draws (a loop that stops at random, from the CPU generator and an explicit
+    one) moves the generators between steps: a run of steps again from a kept carry calls it as the
+    forward sweep did, so every step draws what it drew there. Values, gradients and the generators
+    after the backward pass are the Python loop's. (Steps after the first run again from a kept carry
+    drew from where the previous step had left the generators, a false "did not reproduce".)"""
+    gen = torch.Generator()
+    w = rnd(3, 3, seed=4)
+
+    def cond(c):
+        return bool(torch.rand(()) < 0.85) and bool(torch.rand((), generator=gen) < 0.95) and bool(c[1] < 9)
+
+    def body(c):
+        h, i = c
+        return torch.tanh(h @ w) * (1 + torch.rand(h.shape, dtype=D)) + torch.rand(h.shape, dtype=D, generator=gen), i + 1
+
+    def run(loop):
+        torch.manual_seed(seed)
+        gen.manual_seed(seed + 10)
+        x = rnd(3, seed=5)
+        f = lambda x: loop(cond, body, (x, 0))[0]
+        if how in ("backward", "retain_graph", "create_graph"):
+            x.requires_grad_()
+            y = f(x).pow(2).sum()
+            if how == "create_graph":
+                (g,) = torch.autograd.grad(y, x, create_graph=True)
+                result = (y, g, torch.autograd.grad(g.sin().sum(), x)[0])
+            else:
+                y.backward(retain_graph=how == "retain_graph")
+                result = (y, x.grad.clone())
+                if how == "retain_graph":
+                    torch.rand(3)
+                    y.backward()
+                    result += (x.grad,)
+        elif how == "grad":
+            result = tf.grad_and_value(lambda x: f(x).pow(2).sum())(x)
+        else:
+            result = tf.jacrev(f)(x)
+        return result, torch.get_rng_state(), gen.get_state()
+
+    got = run(lambda cond, body, init: funckpt.while_loop(cond, body, init, max_steps=20, checkpoints=checkpoints))
+    assert_close(got, run(py_while))
+
+
 @pytest.mark.parametrize("checkpoints", [None, 2])
 @pytest.mark.parametrize("randomness", ["same", "different"])
 def test_vmap_randomness_modes(checkpoints, randomness):
