@@ -203,6 +203,8 @@ def _call_eagerly(
         # then records its graph, as it would without remat).
         check_static_argnums(callable_name(fn), options, args)
         return call_with_own_hooks(fn, args, kwargs) if wrapped else fn(*args, **kwargs)
+    if issubclass(type(fn), _DDP):  # (by its type: a remat wrapper poses as the class it wraps)
+        return _ddp_around(cast(torch.nn.parallel.DistributedDataParallel, fn), options, args, kwargs, wrapped)
     _initialize_if_lazy(fn, args, kwargs)
     if wrapped and has_own_hooks(fn) and cast(Any, fn)._compiled_call_impl is None and not is_sharded(fn):
         # (FSDP's hooks, inside the call, are refused there: see _capture._refuse_sharded)
@@ -212,6 +214,42 @@ def _call_eagerly(
         name = callable_name(fn)
         fn, args, kwargs = _partial_arguments(fn, args, kwargs, positional=not options.static_argnums)
     return run_prepared(*prepare(fn, options, args, kwargs, make_region=WrappedModuleRegion if wrapped else None, name=name))
+
+
+_DDP = torch.nn.parallel.DistributedDataParallel
+
+
+def _ddp_around(
+    ddp: torch.nn.parallel.DistributedDataParallel,
+    options: RematOptions,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    wrapped: bool,
+) -> Any:
+    """The checkpointed call of a ``DistributedDataParallel`` module is DDP's forward around the
+    checkpointed call of the module it wraps: ``remat(DDP(m))`` and ``checkpoint(ddp, x)`` compute
+    what ``DDP(remat(m))`` does.
+
+    DDP prepares its gradient reduction in its forward, from the caller's autograd graph: with
+    ``find_unused_parameters`` it walks the graph of the outputs for the parameters used, and
+    with ``static_graph`` a node on the outputs schedules the first step's all-reduce for the end
+    of the backward pass. Inside the checkpointed call the forward run records no graph to the
+    parameters, and the recomputation runs DDP's forward again in the middle of the backward
+    pass: the reducer took every parameter for unused (then raised "marked ready twice"), or
+    reduced before the gradients existed (silently wrong ones). So DDP's forward runs here, on
+    the caller's tensors and grad mode, with the module it wraps standing as a remat wrapper of
+    it for the call (its ``module`` attribute is put back after; the same module object must not
+    run in two threads at once, as for any remat'd module).
+    """
+    from ._modules import Remat  # (that module builds on this one)
+
+    inner = ddp._modules["module"]
+    assert inner is not None
+    ddp._modules["module"] = Remat(inner, options)
+    try:
+        return call_with_own_hooks(ddp, args, kwargs) if wrapped else ddp(*args, **kwargs)
+    finally:
+        ddp._modules["module"] = inner
 
 
 def _partial_arguments(

@@ -961,6 +961,7 @@ def _module_state(module: torch.nn.Module) -> _ModuleState:
     outside: list[tuple[str, Any]] = []
     visited: set[int] = set()
     sharded = _sharded_types()
+    ddp = _ddp_type()
     # ``named_modules(remove_duplicate=False)``'s order (depth first, children in order), without its
     # nested generators and their per-level prefixes: a stack of (dotted prefix, module, whether its
     # children are still to be pushed). A class's own ``named_modules`` answers for its subtree (the
@@ -973,6 +974,8 @@ def _module_state(module: torch.nn.Module) -> _ModuleState:
         dot, m, expand, depth = pending.pop()
         if sharded and isinstance(m, sharded) and _fsdp_hooks_would_run(m):
             _refuse_sharded(m, dot[:-1])
+        if ddp is not None and issubclass(type(m), ddp) and (m.find_unused_parameters or m.static_graph):
+            _refuse_ddp(m, dot[:-1])
         if not expand:
             pass
         elif type(m).named_modules is not _NAMED_MODULES:
@@ -1193,6 +1196,31 @@ def _refuse_sharded(m: torch.nn.Module, prefix: str) -> None:
         "first and shard the result: fully_shard(remat(block)), not remat(fully_shard(block)); "
         "and do not fully_shard the layers inside a remat'd nn.Sequential (remat each layer "
         "and shard that instead)."
+    )
+
+
+def _ddp_type() -> type[torch.nn.parallel.DistributedDataParallel] | None:
+    """``DistributedDataParallel``, where a process group is up (else no module can be one)."""
+    dist = torch.distributed
+    return torch.nn.parallel.DistributedDataParallel if dist.is_available() and dist.is_initialized() else None
+
+
+def _refuse_ddp(m: torch.nn.Module, prefix: str) -> None:
+    """A DDP module reached inside a remat'd function, whose forward prepares the gradient reduction
+    from the caller's autograd graph (``find_unused_parameters``, ``static_graph``): the forward
+    run records no graph to its parameters, and the recomputation runs DDP's forward again in the
+    middle of the backward pass, so the reducer would raise "marked ready twice" or reduce before
+    the gradients exist (silently wrong). remat of the DDP module itself runs DDP's forward
+    around the checkpointed module instead (see ``_call._ddp_around``)."""
+    flags = [f"{k}=True" for k in ("find_unused_parameters", "static_graph") if getattr(m, k, False)]
+    raise CheckpointError(
+        f"remat: the DistributedDataParallel module{f' at {prefix!r}' if prefix else ''} "
+        f"({', '.join(flags)}) is reached inside the remat'd function: DDP prepares its gradient "
+        "reduction in its forward from the autograd graph of its outputs, which remat's forward run "
+        "does not record and its recomputation runs again in the middle of the backward pass, so the "
+        "gradients would be reduced wrongly. Checkpoint the DDP module itself (remat(ddp), or "
+        "checkpoint(ddp, x): remat then runs DDP's forward around the checkpointed module), or "
+        "remat the layers inside it and wrap the model in DDP (DDP(model) with remat'd layers)."
     )
 
 

@@ -19,7 +19,7 @@ import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
 
-from funckpt import CheckpointError, checkpoint_name, policies, remat
+from funckpt import CheckpointError, checkpoint, checkpoint_name, policies, remat
 
 pytestmark = pytest.mark.skipif(
     not (dist.is_available() and dist.is_gloo_available()), reason="needs torch.distributed with gloo"
@@ -86,7 +86,8 @@ def _state(model: nn.Module) -> dict[str, torch.Tensor]:
     """Parameters and their last gradients, gathered, by the un-wrapped names."""
     out = {}
     for name, p in model.named_parameters():
-        name = name.removeprefix("module.")
+        while name.startswith("module."):  # (DDP's, and a module holding DDP as its "module")
+            name = name.removeprefix("module.")
         out[name] = _full(p.detach())
         out[name + ".grad"] = _full(p.grad)
     return out
@@ -111,6 +112,33 @@ def _ddp_policy(model: Net) -> nn.Module:
 def _ddp_segments(model: Net) -> nn.Module:
     model.blocks = remat(model.blocks, segments=2)
     return nn.parallel.DistributedDataParallel(model)
+
+
+def _remat_of_ddp_static(model: Net) -> nn.Module:
+    """remat of the DDP module itself: DDP's forward (which, with ``static_graph``, schedules the
+    first step's all-reduce from a node on its outputs) runs around the checkpointed model."""
+    return remat(nn.parallel.DistributedDataParallel(model, static_graph=True))
+
+
+def _remat_of_ddp_unused(model: Net) -> nn.Module:
+    """... and with ``find_unused_parameters``, which walks the graph of DDP's outputs for the
+    parameters used: the checkpointed call's node, whose inputs they are."""
+    return remat(nn.parallel.DistributedDataParallel(model, find_unused_parameters=True))
+
+
+class _CheckpointOfDDP(nn.Module):
+    """``funckpt.checkpoint(ddp, x)``, torch.utils.checkpoint's call, around a DDP module."""
+
+    def __init__(self, ddp: nn.Module) -> None:
+        super().__init__()
+        self.module = ddp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return checkpoint(self.module, x, use_reentrant=False)
+
+
+def _checkpoint_of_ddp_static(model: Net) -> nn.Module:
+    return _CheckpointOfDDP(nn.parallel.DistributedDataParallel(model, static_graph=True))
 
 
 def fully_shard(module: nn.Module) -> nn.Module:
@@ -172,6 +200,9 @@ SCENARIOS: dict[str, Callable[[Net], nn.Module]] = {
     "ddp": _ddp,
     "ddp_policy": _ddp_policy,
     "ddp_segments": _ddp_segments,
+    "remat_of_ddp_static": _remat_of_ddp_static,
+    "remat_of_ddp_unused": _remat_of_ddp_unused,
+    "checkpoint_of_ddp_static": _checkpoint_of_ddp_static,
     "fsdp2": _fsdp2,
     "fsdp2_names": _fsdp2_names,
     "fsdp2_method": _fsdp2_method,
@@ -193,6 +224,21 @@ def _sharded_modules_inside_remat_are_refused() -> list[str]:
     for program in (lambda: remat(fully_shard(Block().double()))(x), lambda: seq(x)):
         try:
             program()
+            messages.append("no error")
+        except CheckpointError as e:
+            messages.append(str(e))
+    return messages
+
+
+def _ddp_reached_inside_remat_is_refused() -> list[str]:
+    """A DDP module that prepares its reduction from its outputs' graph, called inside a remat'd
+    function (not remat'd itself): refused before DDP's forward runs, not reduced wrongly."""
+    x = torch.randn(2, D, dtype=torch.double)
+    messages = []
+    for options in ({"static_graph": True}, {"find_unused_parameters": True}):
+        ddp = nn.parallel.DistributedDataParallel(Net().double(), **options)
+        try:
+            remat(lambda x, ddp=ddp: ddp(x).exp())(x)
             messages.append("no error")
         except CheckpointError as e:
             messages.append(str(e))
@@ -224,6 +270,7 @@ def _worker(rank: int, store: str, results: dict) -> None:
             except Exception:
                 results[(name, rank)] = traceback.format_exc()
         results[("refused", rank)] = _sharded_modules_inside_remat_are_refused()
+        results[("ddp_refused", rank)] = _ddp_reached_inside_remat_is_refused()
     finally:
         dist.destroy_process_group()
 
@@ -247,3 +294,9 @@ def test_remat_of_an_already_sharded_module_says_which_order_works(results):
     for rank in range(WORLD):
         for message in results[("refused", rank)]:
             assert "fully_shard(remat(block))" in message
+
+
+def test_ddp_preparing_from_its_outputs_inside_a_remat_d_function_says_what_to_checkpoint(results):
+    for rank in range(WORLD):
+        for message in results[("ddp_refused", rank)]:
+            assert "Checkpoint the DDP module itself (remat(ddp)" in message, message
