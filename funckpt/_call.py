@@ -206,8 +206,12 @@ def _call_eagerly(
     if issubclass(type(fn), _DDP):  # (by its type: a remat wrapper poses as the class it wraps)
         return _ddp_around(cast(torch.nn.parallel.DistributedDataParallel, fn), options, args, kwargs, wrapped)
     _initialize_if_lazy(fn, args, kwargs)
-    if wrapped and has_own_hooks(fn) and cast(Any, fn)._compiled_call_impl is None and not is_sharded(fn):
-        # (FSDP's hooks, inside the call, are refused there: see _capture._refuse_sharded)
+    sharded = not wrapped and isinstance(fn, torch.nn.Module) and is_sharded(fn)
+    if (wrapped or sharded) and has_own_hooks(fn) and cast(Any, fn)._compiled_call_impl is None:
+        # A module managed by FSDP2 (``checkpoint(sharded_block, h)``, ``remat(fully_shard(block))``)
+        # too: its hooks, which gather its parameters and shard them again, run around the
+        # checkpointed forward, which then sees them gathered (see _capture._fsdp_hooks_would_run),
+        # as does its recomputation, after the hook FSDP puts on the outputs gathered them again.
         return _with_own_hooks_around(cast(torch.nn.Module, fn), options, args, kwargs)
     name = None
     if type(fn) is functools.partial:
@@ -284,6 +288,10 @@ def _with_own_hooks_around(module: torch.nn.Module, options: RematOptions, args:
     no gradient reaches the caller through, and the recomputation would run it again. torch's
     own ``_call_impl`` runs them (the module's alone, see :func:`call_with_own_hooks`), with the
     module's ``forward`` standing for the region while it does.
+
+    Also the call of a module FSDP2 manages, remat'd or checkpointed itself: its hooks gather its
+    parameters before the region walks the module (and shard them again after), and the hook FSDP
+    puts on the outputs gathers them again before the recomputation.
     """
     forward = module.forward  # (bound, or what a library set on the instance)
 

@@ -1192,10 +1192,11 @@ def _refuse_sharded(m: torch.nn.Module, prefix: str) -> None:
     raise CheckpointError(
         f"remat: {type(m).__name__}{f' (at {prefix!r})' if prefix else ''} is managed by FSDP, "
         "and calling it inside the remat'd function would let FSDP's hooks swap its "
-        "parameters during the call, so remat cannot route or recompute them. Apply remat "
-        "first and shard the result: fully_shard(remat(block)), not remat(fully_shard(block)); "
-        "and do not fully_shard the layers inside a remat'd nn.Sequential (remat each layer "
-        "and shard that instead)."
+        "parameters during the call, so remat cannot route or recompute them. Checkpoint the "
+        "sharded module itself (remat(block)(x), checkpoint(block, x): FSDP2's hooks then run "
+        "around the checkpointed forward), or apply remat first and shard the result: "
+        "fully_shard(remat(block)); and do not fully_shard the layers inside a remat'd "
+        "nn.Sequential (remat each layer and shard that instead)."
     )
 
 
@@ -1228,6 +1229,13 @@ def is_sharded(module: Any) -> bool:
     """Is ``module`` managed by FSDP (whose hooks swap its parameters around its calls)?"""
     sharded = _sharded_types()
     return bool(sharded) and isinstance(module, sharded)
+
+
+def is_fsdp2_module(module: Any) -> bool:
+    """Is ``module`` managed by FSDP2 (``fully_shard``)? (Not FSDP1's ``FullyShardedDataParallel``.)"""
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    kind = getattr(fsdp, "FSDPModule", None)
+    return kind is not None and isinstance(module, kind)
 
 
 def _sharded_types() -> tuple[type[Any], ...]:

@@ -71,6 +71,7 @@ __all__ = [
     "forward_mode_active",
     "func_jvp_nests",
     "fsdp2_training_state",
+    "share_fsdp2_state",
     "grad_levels_active",
     "graph_task_keeps_graph",
     "interpreter_stack",
@@ -759,6 +760,17 @@ def has_own_hooks(module: Any) -> bool:
 def fsdp2_training_state(module: Any) -> str:
     """FSDP2's training state of a sharded module (``FORWARD``, ``PRE_BACKWARD``, ...)."""
     return str(module._get_fsdp_state()._training_state.name)
+
+
+def share_fsdp2_state(wrapper: torch.nn.Module, module: torch.nn.Module) -> None:
+    """Register FSDP2's state of ``module`` as ``wrapper``'s too: ``fully_shard`` of a model then
+    takes the wrapper for the sharded module it stands for (its parameters, the module's, are
+    the module's to shard), and does not try to shard them again as its own."""
+    from torch.distributed._composable_state import _get_module_state, _insert_module_state
+
+    state = _get_module_state(module)
+    if state is not None and _get_module_state(wrapper) is None:
+        _insert_module_state(wrapper, state)
 
 
 # ------------------------------------------------------------ pytrees

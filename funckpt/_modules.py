@@ -28,7 +28,8 @@ import torch
 from torch.nn.utils import parametrize
 
 from ._call import call
-from ._capture import Layers, submodule
+from ._capture import Layers, is_fsdp2_module, submodule
+from ._internals import share_fsdp2_state
 from ._options import RematOptions
 
 
@@ -47,6 +48,10 @@ class Remat(torch.nn.Module):
         _resync(self)  # its registries and state-dict hooks, shared (_SHARED)
         self.training = module.training
         _own_class_if_parametrized(self)
+        if is_fsdp2_module(module):
+            # remat(fully_shard(block)): FSDP's hooks run around the checkpointed forward (see
+            # _call._call_eagerly); fully_shard(model) must leave the parameters it shares alone.
+            share_fsdp2_state(self, module)
 
     def __reduce_ex__(self, protocol: Any) -> Any:
         """Pickled (``torch.save(model)``) as its plain class, not the one of its own it may have.

@@ -6,8 +6,8 @@ names the argument or says what to do, and that no global state is left changed
 (grad mode, the default generator, torch-function and dispatch mode stacks,
 the functorch stack).
 
-Two wrong calls live next to the machinery they need: ``remat(fully_shard(m))``
-in ``test_distributed.py`` and ``torch.compile(fullgraph=True)`` in
+Two wrong calls live next to the machinery they need: a ``fully_shard``'ed module called
+inside a remat'd function in ``test_distributed.py`` and ``torch.compile(fullgraph=True)`` in
 ``test_compile.py``.
 """
 

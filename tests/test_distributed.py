@@ -196,6 +196,33 @@ def _fsdp2_sharded_teacher(model: Net) -> nn.Module:
     return _fsdp2(model)
 
 
+def _fsdp2_remat_of_sharded(model: Net) -> nn.Module:
+    """The other order, remat(fully_shard(block)): FSDP's hooks run around the checkpointed forward,
+    and fully_shard(model) leaves the parameters the wrappers share with the blocks to them."""
+    for block in model.blocks:
+        fully_shard(block)
+    model.blocks = nn.Sequential(*(remat(b) for b in model.blocks))
+    fully_shard(model)
+    return model
+
+
+class CheckpointingNet(Net):
+    """torch.utils.checkpoint's call on each (sharded) block, from the model's forward."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = checkpoint(block, x, use_reentrant=False)
+        return self.head(x).squeeze(-1)
+
+
+def _fsdp2_checkpoint_of_sharded(model: Net) -> nn.Module:
+    model.__class__ = CheckpointingNet
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    return model
+
+
 SCENARIOS: dict[str, Callable[[Net], nn.Module]] = {
     "ddp": _ddp,
     "ddp_policy": _ddp_policy,
@@ -208,6 +235,8 @@ SCENARIOS: dict[str, Callable[[Net], nn.Module]] = {
     "fsdp2_method": _fsdp2_method,
     "fsdp2_back_reference": _fsdp2_back_reference,
     "fsdp2_sharded_teacher": _fsdp2_sharded_teacher,
+    "fsdp2_remat_of_sharded": _fsdp2_remat_of_sharded,
+    "fsdp2_checkpoint_of_sharded": _fsdp2_checkpoint_of_sharded,
 }
 # Block forwards over two steps of four blocks: each remat'd block runs twice a
 # step (remat of an nn.Sequential checkpoints every segment, the last included).
@@ -215,13 +244,15 @@ BLOCK_CALLS = dict.fromkeys(SCENARIOS, 16)
 
 
 def _sharded_modules_inside_remat_are_refused() -> list[str]:
-    """remat(fully_shard(block)), and fully_shard'ed layers inside a remat'd nn.Sequential."""
+    """A sharded block called inside a remat'd function (not remat'd itself), and fully_shard'ed
+    layers inside a remat'd nn.Sequential."""
     x = torch.randn(2, D, dtype=torch.double)
     messages = []
     seq = remat(nn.Sequential(Block(), Block()).double(), segments=2)
     for layer in seq:
         fully_shard(layer)
-    for program in (lambda: remat(fully_shard(Block().double()))(x), lambda: seq(x)):
+    sharded = fully_shard(Block().double())
+    for program in (lambda: remat(lambda x: sharded(x).exp())(x), lambda: seq(x)):
         try:
             program()
             messages.append("no error")
@@ -290,7 +321,7 @@ def test_two_ranks_with_remat_match_one_process_without(results, scenario):
         assert results[(scenario, rank)] == "ok", results[(scenario, rank)]
 
 
-def test_remat_of_an_already_sharded_module_says_which_order_works(results):
+def test_a_sharded_module_called_inside_a_remat_d_function_says_which_order_works(results):
     for rank in range(WORLD):
         for message in results[("refused", rank)]:
             assert "fully_shard(remat(block))" in message
