@@ -974,7 +974,7 @@ def _module_state(module: torch.nn.Module) -> _ModuleState:
         dot, m, expand, depth = pending.pop()
         if sharded and isinstance(m, sharded) and _fsdp_hooks_would_run(m):
             _refuse_sharded(m, dot[:-1])
-        if ddp is not None and issubclass(type(m), ddp) and (m.find_unused_parameters or m.static_graph):
+        if ddp is not None and _prepares_from_outputs(m, ddp):
             _refuse_ddp(m, dot[:-1])
         if not expand:
             pass
@@ -1108,7 +1108,8 @@ def _kept_outside_the_registries(owner: torch.nn.Module, value: Any) -> bool:
     ``object.__setattr__(self, "root", model)``, ``self.parent = [parent]``), or a container
     of one. That is where ``owner`` sits, not what it keeps: entered, every call of a layer
     would route the whole model's tensors, and refuse its other FSDP-managed layers as called.
-    Nor a module managed by FSDP, or holding one (see :func:`_holds`).
+    Nor a module managed by FSDP, or a DDP module refused as called, or one holding either (see
+    :func:`_holds`).
     """
     kind = type(value)  # (by its class, not isinstance: see _module_state)
     if kind in _OUTSIDE_CONTAINERS:
@@ -1142,17 +1143,21 @@ def _kept_outside_the_registries(owner: torch.nn.Module, value: Any) -> bool:
 def _holds(module: torch.nn.Module, owner: torch.nn.Module) -> bool:
     """Is ``owner`` ``module`` or one of its submodules (through its registries), or the module a
     remat wrapper among them wraps (whose ``_parameters`` are the wrapper's)? Or is one of them
-    managed by FSDP (a teacher or EMA copy, sharded, that the owner keeps a reference to): the walk
-    would refuse it as called inside the remat'd function (see :func:`_refuse_sharded`), where
-    the owner may only keep it. Told by a walk of ``_modules`` (not ``modules()``, which a class
+    managed by FSDP (a teacher or EMA copy, sharded, that the owner keeps a reference to), or a
+    DDP module that prepares from its outputs' graph: the walk would refuse it as called inside
+    the remat'd function (see :func:`_refuse_sharded`, :func:`_refuse_ddp`), where the owner may
+    only keep it. Told by a walk of ``_modules`` (not ``modules()``, which a class
     may override), each module once."""
     own = owner._parameters
     sharded = _sharded_types()
+    ddp = _ddp_type()
     pending, seen = [module], {id(module)}
     while pending:
         m = pending.pop()
         if m is owner or getattr(m, "_parameters", None) is own or (sharded and isinstance(m, sharded)):
             return True
+        if ddp is not None and _prepares_from_outputs(m, ddp):
+            return True  # (a DDP teacher kept by reference: refused as called, see _refuse_ddp)
         for child in getattr(m, "_modules", {}).values():
             if child is not None and id(child) not in seen:
                 seen.add(id(child))
@@ -1204,6 +1209,11 @@ def _ddp_type() -> type[torch.nn.parallel.DistributedDataParallel] | None:
     """``DistributedDataParallel``, where a process group is up (else no module can be one)."""
     dist = torch.distributed
     return torch.nn.parallel.DistributedDataParallel if dist.is_available() and dist.is_initialized() else None
+
+
+def _prepares_from_outputs(m: Any, ddp: type[torch.nn.parallel.DistributedDataParallel]) -> bool:
+    """Is ``m`` a DDP module that prepares its reduction from the graph of its outputs?"""
+    return issubclass(type(m), ddp) and bool(m.find_unused_parameters or m.static_graph)
 
 
 def _refuse_ddp(m: torch.nn.Module, prefix: str) -> None:

@@ -126,6 +126,15 @@ def _remat_of_ddp_unused(model: Net) -> nn.Module:
     return remat(nn.parallel.DistributedDataParallel(model, find_unused_parameters=True))
 
 
+def _ddp_static_teacher(model: Net) -> nn.Module:
+    """Blocks that keep a reference to a DDP model with ``static_graph`` (a teacher) outside their
+    registries and do not call it: not entered, not refused as a DDP called inside them."""
+    teacher = nn.parallel.DistributedDataParallel(Net().double(), static_graph=True)
+    for block in model.blocks:
+        object.__setattr__(block, "teacher", teacher)
+    return _ddp(model)
+
+
 class _CheckpointOfDDP(nn.Module):
     """``funckpt.checkpoint(ddp, x)``, torch.utils.checkpoint's call, around a DDP module."""
 
@@ -230,6 +239,7 @@ SCENARIOS: dict[str, Callable[[Net], nn.Module]] = {
     "remat_of_ddp_static": _remat_of_ddp_static,
     "remat_of_ddp_unused": _remat_of_ddp_unused,
     "checkpoint_of_ddp_static": _checkpoint_of_ddp_static,
+    "ddp_static_teacher": _ddp_static_teacher,
     "fsdp2": _fsdp2,
     "fsdp2_names": _fsdp2_names,
     "fsdp2_method": _fsdp2_method,
