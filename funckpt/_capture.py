@@ -1737,19 +1737,25 @@ def _kept_where_none_was(
 ) -> list[tuple[torch.nn.Module, str, Any]]:
     """``(m, key, value at the call)`` for each attribute of ``m`` that held no tensor at the call
     (``None``, or nothing) and now holds a tensor with a graph (``self.last = h``, which the module
-    adds to its next output), not in ``found`` already.
+    adds to its next output), or that held the tensor such an attribute kept at an earlier call
+    whose backward pass has run (:func:`spent_escape`: the next step's call, which reads it and
+    rebinds it again; not routed into the call, so no place of it puts it back), not in ``found``
+    already.
 
     Such a tensor escapes the run and is made an output of the call (a tensor kept outside it); the
-    recomputation must start without it, as the forward run did, or it reads it and computes something
-    else (a ``CheckpointError`` on a correct program). Only that attribute: the module's other plain
-    attributes (a count of its calls) are left to the recomputation, as under ``torch.utils.checkpoint``
-    (unlike a module's state, :func:`_new_tensor_state`)."""
+    recomputation must start from what the attribute held at the call, as the forward run did, or it
+    reads the new tensor and computes something else (a ``CheckpointError`` on a correct program).
+    Only that attribute: the module's other plain attributes (a count of its calls) are left to the
+    recomputation, as under ``torch.utils.checkpoint`` (unlike a module's state,
+    :func:`_new_tensor_state`)."""
     listed = {key for _, key, _ in found}
-    return [
-        (m, key, then.get(key, _ABSENT))
-        for key, value in m.__dict__.items()
-        if isinstance(value, torch.Tensor) and value.requires_grad and key not in listed and _plain(then.get(key, _ABSENT))
-    ]
+    kept = []
+    for key, value in m.__dict__.items():
+        if isinstance(value, torch.Tensor) and key not in listed:
+            old = then.get(key, _ABSENT)
+            if old is not value and ((value.requires_grad and _plain(old)) or (isinstance(old, torch.Tensor) and spent_escape(old))):
+                kept.append((m, key, old))
+    return kept
 
 
 def _now_recorded(value: Any) -> bool:

@@ -649,6 +649,45 @@ def test_a_tensor_with_a_graph_a_module_keeps_from_its_first_call_is_recomputed_
     assert_close(program(True), program(False))
 
 
+class _AddsItsLastOutputDetached(nn.Module):
+    """Keeps its output, graph and all, for the caller and its next call, which reads it detached."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 3, dtype=D)
+        self.last = None
+
+    def forward(self, x):
+        h = self.lin(x).tanh()
+        out = h if self.last is None else (h + self.last.detach()).sin()
+        self.last = h
+        return out
+
+
+@pytest.mark.parametrize("reads_kept", [False, True])
+def test_a_tensor_a_module_kept_at_the_previous_step_is_where_the_recomputation_starts(reads_kept):
+    """A backward pass per step: at the next call the attribute holds the previous step's kept
+    tensor, its graph spent (not routed into the call, so no place of the call puts it back). The
+    recomputation starts from it, as the forward run did; it used to read the tensor the forward run
+    kept instead and raise "did not reproduce" on a correct program (torch.utils.checkpoint runs it)."""
+
+    def program(rematted):
+        torch.manual_seed(0)
+        module = _AddsItsLastOutputDetached()
+        call = remat(module) if rematted else module
+        results = []
+        for step in range(3):
+            x = (torch.linspace(-1, 1, 6, dtype=D).view(2, 3) * (step + 1)).requires_grad_()
+            loss = call(x).square().sum()
+            if reads_kept:
+                loss = loss + module.last.sum()
+            loss.backward()
+            results.append([x.grad, *[p.grad.clone() for p in module.parameters()], module.last.detach()])
+        return results
+
+    assert_close(program(True), program(False))
+
+
 def test_remat_module_reads_the_wrapped_modules_plain_attributes():
     """Models read their layers' attributes (HF ModernBERT's attention_type, Swin's downsample)."""
 
