@@ -629,6 +629,8 @@ def vjp(
                 leaves = tuple(_local_leaf(p, need, True) for p, need in zip(primals, needs))
             else:
                 leaves = tuple(local_input(p, need) for p, need in zip(primals, needs))
+            if forward_ad_level() >= 0:  # (inside the user's fwAD.dual_level: rare)
+                leaves = _keeping_tangents(primals, leaves)
             if _in_legacy_vmap():
                 with _outside_legacy_vmap():
                     outs = region.run(leaves, Phase.RECOMPUTE)
@@ -850,6 +852,26 @@ def _local_leaf(p: torch.Tensor, wrt: bool, create_graph: bool) -> torch.Tensor:
     if create_graph and (p.requires_grad or (not wrt and has_tangent(p))):
         return p.view_as(p) if wrt else p
     return local_input(p, wrt)
+
+
+def _keeping_tangents(primals: Tensors, leaves: Tensors) -> Tensors:
+    """``leaves``, each a dual with its primal's tangent where ``detach()`` dropped it.
+
+    Inside a plain ``forward_ad.dual_level()``, a backward pass computes the tangents of the
+    gradients too (the backward formulas run on the duals they saved, with or without
+    ``create_graph``): ``torch.func.grad`` of a dual, or ``torch.autograd.grad`` without
+    ``create_graph``, gives a gradient that is a dual itself (a Hessian-vector product, forward
+    over reverse). The recomputation must start from the primals' tangents to compute them: from
+    a detached leaf, the gradient had no tangent (silently ``None``)."""
+    kept = []
+    for p, leaf in zip(primals, leaves):
+        if leaf is not p and not has_tangent(leaf) and has_tangent(p):
+            with set_fwd_grad_enabled(True):
+                tangent = unpack_dual(p).tangent
+                if tangent is not None:
+                    leaf = make_dual(leaf, tangent)
+        kept.append(leaf)
+    return tuple(kept)
 
 
 def _not_inference(t: torch.Tensor) -> torch.Tensor:

@@ -50,6 +50,7 @@ from ._internals import (
     autograd_included,
     bottom,
     compiler_disable,
+    forward_ad_level,
     forward_mode_active,
     graph_task_keeps_graph,
     has_gradient_dtype,
@@ -1134,7 +1135,10 @@ class Reversal:
         if start == stop:
             return state
         carry = state.carry
-        with self.advancing(), self.region.substituted(self.captured, self.primals) as mapping:
+        # (The carry is the steps' input too: one this reversal computed and stored carries a tangent
+        # inside the user's fwAD.dual_level(), where it is not the loop's input, nor made in this run.)
+        inputs = (*self.primals, *state.tensors) if forward_ad_level() >= 0 else self.primals
+        with self.advancing(), self.region.substituted(self.captured, inputs) as mapping:
             for k in range(start, stop):
                 x = None if self.x_slots is None else self.x_slots.fill(self._x(k))
                 carry, y = self.region.run_step_again(k, carry, x, cond_first=k > start)

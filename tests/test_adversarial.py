@@ -327,6 +327,16 @@ def hvp(how, f, x, v):
             xd = fwAD.make_dual(x, v)
             (g,) = torch.autograd.grad(f(xd), xd, create_graph=True)
             return fwAD.unpack_dual(g).tangent
+    if how == "autograd_fwd_over_rev_without_create_graph":
+        # (the backward formulas still run on the saved duals: the gradient is a dual)
+        x = x.clone().requires_grad_()
+        with fwAD.dual_level():
+            xd = fwAD.make_dual(x, v)
+            (g,) = torch.autograd.grad(f(xd), xd)
+            return fwAD.unpack_dual(g).tangent
+    if how == "autograd_fwd_over_func_grad":
+        with fwAD.dual_level():
+            return fwAD.unpack_dual(tf.grad(f)(fwAD.make_dual(x, v))).tangent
     if how == "autograd_rev_over_fwd":
         x = x.clone().requires_grad_()
         with fwAD.dual_level():
@@ -346,6 +356,8 @@ HVP = [
     "func_rev_over_fwd",
     "func_rev_over_rev",
     "autograd_fwd_over_rev",
+    "autograd_fwd_over_rev_without_create_graph",
+    "autograd_fwd_over_func_grad",
     "autograd_rev_over_fwd",
     "autograd_rev_over_rev",
 ]

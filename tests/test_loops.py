@@ -74,6 +74,31 @@ def test_scan_backward_equals_python_loop(checkpoints, reverse):
     assert_close(torch.autograd.grad(with_scan(*args), args), torch.autograd.grad(without(*args), args))
 
 
+@pytest.mark.parametrize("checkpoints", [None, 2])
+@pytest.mark.parametrize("how", ["torch.func.grad", "autograd.grad"])
+def test_scan_gradient_inside_a_dual_level_is_a_dual(checkpoints, how):
+    """Forward over reverse with plain forward-mode AD (a Hessian-vector product): inside
+    ``forward_ad.dual_level()`` the gradient of a dual is a dual (``torch.func.grad``, or
+    ``torch.autograd.grad`` without ``create_graph``), the steps' recomputations starting from
+    their inputs' tangents too. They used to start from detached inputs: the tangent was wrong."""
+    import torch.autograd.forward_ad as fwAD
+
+    w, b, xs, c0 = make()
+    with_scan, without = losses(checkpoints)
+
+    def tangent(loss):
+        with fwAD.dual_level():
+            if how == "torch.func.grad":
+                g = tf.grad(loss)(fwAD.make_dual(w, w.cos()), b, xs, c0)
+            else:
+                dual = fwAD.make_dual(w.clone().requires_grad_(), w.cos())
+                (g,) = torch.autograd.grad(loss(dual, b, xs, c0), dual)
+            primal, tangent = fwAD.unpack_dual(g)
+            return primal.detach(), tangent
+
+    assert_close(tangent(with_scan), tangent(without))
+
+
 TRANSFORMS = {
     "grad": lambda L, a: tf.grad(L, argnums=(0, 1, 2, 3))(*a),
     "vjp": lambda L, a: tf.vjp(L, *a)[1](torch.tensor(1.5, dtype=D)),
