@@ -302,7 +302,16 @@ class Saved:
         value = bottom(x)
         entry = self.producer.get(id(value))
         if entry is None or entry[0]() is not value:
-            return
+            # A view over all of an operator's output: ``nn.Linear`` of a 3-D input is ``addmm``'s
+            # output viewed back to 3-D, ``torch.einsum``'s a ``bmm``'s, permuted and viewed. That
+            # output is kept (the same memory): the recomputation views it again.
+            base = value._base
+            if base is None or base.numel() != value.numel():
+                return
+            entry = self.producer.get(id(base))
+            if entry is None or entry[0]() is not base:
+                return
+            value = base
         position = entry[1]
         reshaped = self.reshaped.get(position)
         if reshaped is not None:  # (``x @ w`` of a vector ends in ``squeeze_``: kept as mm returned it)

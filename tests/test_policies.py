@@ -114,6 +114,33 @@ def test_a_vector_times_a_matrix_is_kept_as_any_matmul(transform, policy):
     assert counts.count(*mm) == plain.count(*mm)  # none recomputed
 
 
+@pytest.mark.parametrize("transform", ["grad", "vjp", "backward"])
+@pytest.mark.parametrize("how", ["nn.Linear", "einsum"])
+def test_a_name_on_a_view_of_a_matmul_keeps_the_matmul(transform, how):
+    """``nn.Linear`` of a 3-D input (a transformer's ``(batch, tokens, width)``) is ``addmm`` of the
+    input viewed to 2-D, its output viewed back to 3-D; ``einsum`` is a ``bmm``, permuted and viewed:
+    what the function names is a view over all of the matmul's output. The names policy keeps that
+    output (the same memory), so no matmul runs again; it used to keep nothing, silently."""
+    lin = torch.nn.Linear(6, 12, dtype=D)
+    with torch.no_grad():
+        lin.weight.copy_(W1.t())
+
+    def blocks(w1, w2, x):
+        x3 = x.view(2, 2, 6)
+        if how == "nn.Linear":
+            up = torch.func.functional_call(lin, {"weight": w1.t(), "bias": lin.bias}, (x3,))
+        else:
+            up = torch.einsum("bti,ij->btj", x3, w1)
+        h = torch.tanh(checkpoint_name(up, "up"))
+        return x + checkpoint_name(torch.einsum("btj,ji->bti", h.sin(), w2), "down").reshape(4, 6)
+
+    plain_grads, plain = grads_and_counts(blocks, transform)
+    grads, counts = grads_and_counts(remat(blocks, policy=policies.save_only_these_names("up", "down")), transform)
+    assert_close(grads, plain_grads)
+    mm = (aten.mm, aten.bmm, aten.addmm)
+    assert counts.count(*mm) == plain.count(*mm)  # none recomputed
+
+
 @pytest.mark.parametrize("check", ["default", "none"])
 def test_a_recomputation_writing_a_kept_value_in_place_leaves_it_for_the_next(check):
     """A recomputation may write a replayed value in place where the forward run did not (under
