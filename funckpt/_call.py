@@ -1200,6 +1200,7 @@ class UserRegion(Region):
     # containers hold, its position among the outputs (_outputs_for_written).
     written_made: dict[int, int] | None = None
     written_copies: list[Any] = []  # (the function's copies it wrote into, until _written_made has read them)
+    written_before: list[tuple[Any, ...]] = []  # (the caller's entries of those, as they were before the run)
 
     def __init__(
         self,
@@ -1623,6 +1624,7 @@ class UserRegion(Region):
             return map_back(v, back) if mine is None else mine
 
         self.written_copies = [copy for _, copy, _ in written]  # (see _written_made)
+        self.written_before = [theirs for _, _, theirs in written]
         writes: list[tuple[Any, list[Any]]] = []
         for mine, copy, _ in written:
             if isinstance(copy, dict):
@@ -1656,7 +1658,16 @@ class UserRegion(Region):
         assert self.container_writes is not None
         found: dict[int, tuple[int, torch.Tensor, int | None]] = {}
         inputs = {id(t) for t in flat} if self.escapes_allowed else None
-        for t in tensors_inside([content for _, content in self.container_writes], budget=10_000, into_modules=False):
+        # Only the entries the run added or replaced: the caller's own, as they were (a log of every
+        # earlier step's tensors), hold nothing the run made, and would use up the walk's budget.
+        theirs = {id(e.value if type(e) is _Item else e) for entries in self.written_before for e in entries}
+        new = [
+            v
+            for mine, content in self.container_writes
+            for v in ((v for _, v in content) if isinstance(mine, dict) else content)
+            if id(v) not in theirs
+        ]
+        for t in tensors_inside(new, budget=10_000, into_modules=False):
             if id(t) not in position or id(t) in found or not (t.requires_grad or (taint is not None and taint.holds(t))):
                 continue
             if inputs is None or (t._base is not None and id(t._base) in inputs):
@@ -2120,7 +2131,7 @@ class UserRegion(Region):
         if self.written_copies:  # (where the run wrote into them: see _container_writes)
             if made and run.substitute is not None and not run.substitute.made_nested:
                 written = self._written_made(tensors, made, run.substitute.taint or self._taint_at_own_level, flat)
-            self.written_copies = []
+            self.written_copies, self.written_before = [], []
         if self.saved is not None:
             self.saved.finish_forward(tuple(tensors))
         if tainting and run.substitute is not None:  # (once the policy holds detached copies of what it keeps)

@@ -3948,6 +3948,28 @@ def test_under_a_transform_a_computed_tensor_written_into_an_argument_gets_its_d
     assert_close(derivative(how, _writing(remat(fn)), x), derivative(how, _writing(fn), x))
 
 
+@pytest.mark.parametrize("how", ["grad", "vmap_grad", "backward"])
+def test_a_tensor_written_into_a_long_log_the_caller_passes_gets_its_derivative(how):
+    """The list already holds more tensors than remat's walk for written tensors looks at (a log of
+    every earlier step's): only the entries the run added are looked at. The written tensor was
+    missed behind the caller's own and refused as kept outside the call, on a correct program."""
+
+    def fn(x, log):
+        log.append((x * 2).sin())
+        return x.cos()
+
+    def run(f):
+        def loss(x):
+            log = [torch.zeros(1, dtype=D)] * 10_001
+            out = f(x, log)
+            return out * log[-1]
+
+        return loss
+
+    x = randn(3, seed=1)
+    assert_close(derivative(how, run(remat(fn)), x), derivative(how, run(fn), x))
+
+
 @pytest.mark.parametrize("how", ALL)
 def test_under_a_transform_written_views_dicts_and_nested_entries_get_their_derivatives(how):
     """A view of an intermediate, a tensor inside a tuple, a dict's entry, a number next to them;
