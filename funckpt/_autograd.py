@@ -1156,7 +1156,9 @@ class _RematFunction(torch.autograd.Function):
                 "another output or with an input of the call (views of one tensor, as in h = ...; return h.t(), "
                 "h[0], or return x[0]). Under torch.func.vmap with reverse mode at or around it "
                 "(torch.func.hessian, vmap(grad(f)), grad(vmap(f)), vmap(f) then .backward()) remat returns such "
-                "outputs as separate tensors, not views: the write reaches the values of the others (and of the "
+                "outputs as separate tensors, not views, and under any torch.func transform so it does a tensor "
+                "the function wrote into a list or dict it was passed that shares memory with one it returned "
+                "(outs.append(h[1:]); return h): the write reaches the values of the others (and of the "
                 "input) but not their gradients, which would be wrong. Write into a clone (out = out.clone() "
                 "before the update), or make the update inside the remat'd function."
             )

@@ -313,7 +313,9 @@ def run_prepared(region: UserRegion, routed: list[torch.Tensor]) -> Any:
             region.point_kept_views()
         writes, returned = region.container_writes, region.returned_container
         if writes and region.written_made:  # (the Function's outputs, of the caller's level)
-            back = {key: outs[k] for key, k in region.written_made.items()}
+            # (k < 0: the caller's output -k - 1, rebuilt by the plan, is the one fn also returned)
+            rebuilt = flatten(result)[0] if min(region.written_made.values()) < 0 else []
+            back = {key: outs[k] if k >= 0 else rebuilt[-k - 1] for key, k in region.written_made.items()}
             writes = [(mine, [map_back(v, back) for v in content]) for mine, content in writes]
     finally:
         region.caller_arguments = region.container_writes = region.returned_container = None
@@ -1201,6 +1203,7 @@ class UserRegion(Region):
     written_made: dict[int, int] | None = None
     written_copies: list[Any] = []  # (the function's copies it wrote into, until _written_made has read them)
     written_before: list[tuple[Any, ...]] = []  # (the caller's entries of those, as they were before the run)
+    written_outputs = False  # are some of the Function's outputs such tensors, after those fn returned?
 
     def __init__(
         self,
@@ -1456,8 +1459,10 @@ class UserRegion(Region):
 
     def outputs_share_no_input_storage(self) -> bool:
         # Where the forward run planned its outputs, every output sharing an input's
-        # storage became a view the caller rebuilds (or a copy): none is returned here.
-        return self.planned
+        # storage became a view the caller rebuilds (or a copy): none is returned here. Not the
+        # tensors the run wrote into the caller's containers, outputs of their own (see
+        # _outputs_for_written), which may view an input or the memory of another output.
+        return self.planned and not self.written_outputs
 
     def _refuse_differentiable_writes(self, flat: tuple[torch.Tensor, ...]) -> None:
         """Raise if the forward run wrote a differentiable value into an input that had none.
@@ -1698,12 +1703,19 @@ class UserRegion(Region):
         self.written_made = {}
         extra: list[tuple[int, torch.Tensor]] = []
         for k, t, j in written:
-            if j is not None and self.plan is None:
-                self.written_made[id(t)] = j
+            if j is not None:
+                # Where outputs view one another (a plan), the caller's tensor is rebuilt from the
+                # Function's (encoded -j - 1 for run_prepared): as a separate output, sharing its memory
+                # unseen, a write through one (``outs[0].mul_(2)``) missed the other's gradient.
+                self.written_made[id(t)] = j if self.plan is None else -j - 1
             else:
                 self.written_made[id(t)] = len(tensors) + len(extra)
                 extra.append((k, t))
         if extra:  # (after those kept elsewhere, under plain autograd)
+            # (Separate outputs, each one, where one may view another's memory, or an input's: the
+            # Function makes those of an input its views, and refuses a write into shared memory
+            # in the backward pass, as it does where no plan is made.)
+            self.written_outputs = True
             self.tail = None  # (the recomputation's must have values)
             self.escaped_at = [*self.escaped_at, *(k for k, _ in extra)]
             self.escape_doubts = [*self.escape_doubts, *[None] * len(extra)]

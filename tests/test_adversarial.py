@@ -3995,6 +3995,62 @@ def test_under_a_transform_written_views_dicts_and_nested_entries_get_their_deri
     assert_close(derivative(how, run(remat(fn)), x), derivative(how, run(fn), x))
 
 
+@pytest.mark.parametrize("how", ["backward", "grad", "vjp", "jacrev", "jvp", "jacfwd"])
+@pytest.mark.parametrize("written", ["intermediate", "view of an input"])
+def test_a_tensor_written_and_returned_beside_views_of_it_is_the_returned_one(how, written):
+    """Outputs that view one another (``return h, h[1:]``) are rebuilt outside the call; a tensor the
+    function also wrote into a list it was passed is then the caller's rebuilt output itself, as
+    without remat, so an update in place through the list reaches the other outputs' gradients.
+    It was a separate output over the same memory: the gradients (or, for a view of an input, the
+    tangents) silently missed the write."""
+
+    def fn(x, kept):
+        h = x.sin() if written == "intermediate" else x[1:]
+        kept.append(h)
+        return h, h[1:]
+
+    def run(f):
+        def loss(x):
+            x = x * 1
+            kept = []
+            h, tail = f(x, kept)
+            identical = kept[0] is h
+            kept[0].mul_(2)
+            return (h.sin().sum() + tail.exp().sum() + x.sum()) * (1 if identical else float("nan"))
+
+        return loss
+
+    x = randn(4, seed=1)
+    assert_close(derivative(how, run(remat(fn)), x), derivative(how, run(fn), x))
+
+
+@pytest.mark.parametrize("how", ["grad", "jacrev"])
+def test_a_written_view_of_a_returned_tensor_updated_in_place_raises(how):
+    """``kept.append(h[1:]); return h``: the list's tensor is an output of its own over ``h``'s
+    memory; the caller updating it in place would change ``h``'s values but not its gradient. The
+    backward pass raises, as for outputs of one tensor under vmap (it gave a wrong gradient)."""
+
+    def fn(x, kept):
+        h = x.sin()
+        kept.append(h[1:])
+        return h
+
+    def run(f, update):
+        def loss(x):
+            kept = []
+            h = f(x, kept)
+            if update:
+                kept[0].mul_(2)
+            return h.sin().sum() + kept[0].exp().sum()
+
+        return loss
+
+    x = randn(4, seed=1)
+    assert_close(derivative(how, run(remat(fn), False), x), derivative(how, run(fn, False), x))
+    with pytest.raises(CheckpointError, match="wrote in place into an output that shares memory"):
+        derivative(how, run(remat(fn), True), x)
+
+
 @pytest.mark.parametrize("how", ALL)
 def test_a_view_of_an_input_written_into_an_argument_gets_its_derivative(how):
     """``outs.append(x.t())``: the function's view is of remat's stand-in for the input, which has
