@@ -907,12 +907,13 @@ class Recorder(OnThreadStack, WriteWatch):  # type: ignore[no-untyped-call]  # t
         itself: nothing else of :meth:`__torch_dispatch__` applies to it."""
         saved = self.saved
         targets = [t for i in reshaped for t in _tensors(_argument(func, args, kwargs, i))]
-        kept = {id(v): p for p, v in saved.kept.items() if isinstance(v, torch.Tensor)}
         aliases: list[tuple[torch.Tensor, torch.Tensor, int | None, int | None]] = []
         for t in targets:
             entry = saved.producer.get(id(t))
             produced = entry[1] if entry is not None and entry[0]() is t and entry[2] == t._version else None
-            position = kept.get(id(t))
+            # (Looked for from the last kept value back, where it is as a rule (mm's, then squeeze_): a
+            # map of every kept value, built per operator, made a long run of them quadratic.)
+            position = next((p for p in reversed(saved.kept) if saved.kept[p] is t), None)
             if position is not None and saved.versions.get(position) != _versions(t):
                 position = None  # (written since it was kept: dropped at the end of the run)
             if position is not None or produced is not None:
