@@ -44,6 +44,9 @@ from ._capture import (
     Roots,
     stored_attributes,
     Substitute,
+    FollowingItsHandle,
+    Handles,
+    no_hook,
     Taint,
     Reached,
     changed_captures,
@@ -772,8 +775,8 @@ def _move_input_hooks(leaves: tuple[torch.Tensor, ...], given: tuple[torch.Tenso
                     "be registered on non-leaf tensors). Register it on the leaf tensor."
                 )
             for key, hook in list(accumulated.items()):
-                t.register_post_accumulate_grad_hook(_FollowingItsHandle(hook, accumulated, key))  # type: ignore[no-untyped-call]
-                accumulated[key] = _no_hook
+                t.register_post_accumulate_grad_hook(FollowingItsHandle(hook, ((accumulated, key),)))  # type: ignore[no-untyped-call]
+                accumulated[key] = no_hook
             moved.add(i)
         hooks = getattr(leaf, "_backward_hooks", None)
         if hooks and leaf is not t and t.requires_grad:
@@ -786,33 +789,10 @@ def _move_input_hooks(leaves: tuple[torch.Tensor, ...], given: tuple[torch.Tenso
                     "Register the hook on the tensors outside the remat'd call."
                 )
             for key, hook in list(hooks.items()):
-                register_tensor_hook(t, _FollowingItsHandle(hook, hooks, key))
-                hooks[key] = _no_hook
+                register_tensor_hook(t, FollowingItsHandle(hook, ((hooks, key),)))
+                hooks[key] = no_hook
             moved.add(i)
     return moved
-
-
-def _no_hook(*args: Any) -> None:
-    """What a moved hook leaves on the local leaf, under its key (see :class:`_FollowingItsHandle`)."""
-    return None
-
-
-class _FollowingItsHandle:
-    """A hook that fn registered on an input, moved to the caller's tensor by :func:`_move_input_hooks`,
-    still removed by the handle ``register_hook`` gave fn (``handle.remove()`` between the forward and
-    the backward pass: it then no longer runs, as without remat).
-
-    That handle deletes the hook's key from the local leaf's dict of hooks, kept here (the local leaf
-    itself is dropped), whose entry is a no-op meanwhile.
-    """
-
-    __slots__ = ("hook", "hooks", "key")
-
-    def __init__(self, hook: Callable[..., Any], hooks: dict[int, Any], key: int) -> None:
-        self.hook, self.hooks, self.key = hook, hooks, key
-
-    def __call__(self, *args: Any) -> Any:
-        return self.hook(*args) if self.key in self.hooks else None
 
 
 def _move_retain_grad(
@@ -1085,6 +1065,8 @@ class _Running:
                 substitute.refused = region.refused
             if substitute is not None and forward and region.rng is not None:
                 substitute.watch_generators(region.generators, region.generator_found)
+            if substitute is not None and not forward and region.followed_hooks:
+                substitute.hooks = region.followed_hooks
             if substitute is not None and self.reached:
                 substitute.reached_since_the_call(self.reached, region.rebound)
             if substitute is None:  # (what a call nested in it may take as an input: see refused_around)
@@ -1234,6 +1216,8 @@ class UserRegion(Region):
         self.out_digest: list[Digest | None] = []
         self.constant: set[int] = set()  # outputs that did not require grad in the forward run's graph
         self.moved_hooks: set[int] = set()  # inputs whose hooks fn registered went to the caller's tensors
+        # The forward run's hooks on tensors fn made, whose handles a recomputation's follow (see Substitute.hooks).
+        self.followed_hooks: list[tuple[dict[int, Any], int, Handles]] = []
         self.unchecked: set[int] = set()  # inputs saved without a version check (see _autograd.setup_context)
         self.used_constants: set[int] = set()  # non-differentiable inputs the forward run read
         # Outputs aliasing inputs or each other are rebuilt as views by the caller
@@ -2107,6 +2091,8 @@ class UserRegion(Region):
                 # (A copy the function returns is the caller's container, as without remat: ``return lst``.)
                 self.returned_container = next((mine for mine, copy, *_ in watched if copy is out), None)
             del caller, watched
+        if run.substitute is not None:
+            self.followed_hooks = run.substitute.forget_hooks()
         if run.substitute is not None and run.substitute.nested is not None:
             # Where the run records no graph its caller keeps, the nodes of the regions nested in it
             # are never differentiated, but its outputs carry those recorded below its levels (in the
@@ -2238,7 +2224,8 @@ class UserRegion(Region):
             returned = len(tensors) - len(self.escaped_at)
             self.out_digest = [*digest(tensors[:returned]), *[None] * len(self.escaped_at)]
         self.forward_trace = run.trace.lines if run.trace is not None else None
-        self.substitutes_again = makes_leaves or self._substitutes_again(substitute, grad_forward)
+        # (A hook fn registers on a tensor it makes follows its handle through the mode: see Substitute.hooks.)
+        self.substitutes_again = makes_leaves or bool(self.followed_hooks) or self._substitutes_again(substitute, grad_forward)
         if not self.substitutes_again:
             self.forward_substitutes = [weakref.ref(t) for t in substitute.mapping.values()]
         return tuple(tensors)
@@ -2461,7 +2448,7 @@ class UserRegion(Region):
         any tensor it cannot route), the places were found as at the call, and the
         result's graph can be checked (``checkable``: :meth:`graph_checkable`).
         """
-        if self.recompute_under_mode or any(self._escapes_held()) or self._has_fast_path():
+        if self.recompute_under_mode or self.followed_hooks or any(self._escapes_held()) or self._has_fast_path():
             return True
         if not mapping:
             return False

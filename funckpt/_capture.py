@@ -1946,6 +1946,8 @@ class _Active(threading.local):
         # not its function): the enclosing runs do not count the tensors made there, so the
         # positions of their escaped tensors (Substitute.made) are those of the user's code alone.
         self.internal = False
+        # Is a hook being registered by _register_followed_hook (the enclosing runs' modes pass it on)?
+        self.registering = False
         # The recomputations in progress that run without the substitution mode, innermost last:
         # where each started (its first autograd node) and its inputs (see enter_unwatched).
         self.unwatched: list[tuple[int, Sequence[torch.Tensor]]] = []
@@ -1958,6 +1960,45 @@ def set_internal(internal: bool) -> bool:
 
 
 _active = _Active()
+
+
+def _register_followed_hook(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``h.register_hook(hook)`` on a tensor a run made, for every run it is made in (this thread's
+    substitutions: a remat'd call's forward run, nested in another's, is made in both).
+
+    A recomputation registers the hook again on the tensor its backward pass goes through, where
+    without remat the forward pass's tensor has it: the handle the function got in the forward run
+    must still remove it. So each forward run notes each such hook's dict of hooks (which that handle
+    edits) and key, and each recomputation registers the hook as one that runs only while the key
+    noted at its forward run's registration in the same order is there (:class:`FollowingItsHandle`).
+    (Once, by the innermost run's mode: an enclosing one's, passed the call on, lets it through.)
+    """
+    runs = [s for s in _active.substitutes if s.hooks is not None]
+    handles: Handles = ()
+    for run in runs:
+        if not run.forward:
+            assert run.hooks is not None
+            n, run.hooks_seen = run.hooks_seen, run.hooks_seen + 1
+            if n < len(run.hooks):
+                mine, key, followed = run.hooks[n]
+                handles += ((mine, key), *followed)
+    if handles:
+        if args[1:]:
+            args = (args[0], FollowingItsHandle(args[1], handles), *args[2:])
+        elif "hook" in kwargs:
+            kwargs = {**kwargs, "hook": FollowingItsHandle(kwargs["hook"], handles)}
+    was, _active.registering = _active.registering, True
+    try:
+        handle = func(*args, **kwargs)
+    finally:
+        _active.registering = was
+    registered_in = getattr(handle, "hooks_dict_ref", lambda: None)()
+    if isinstance(registered_in, dict) and getattr(handle, "id", None) in registered_in:
+        for run in runs:
+            if run.forward:
+                assert run.hooks is not None
+                run.hooks.append((registered_in, handle.id, handles))
+    return handle
 
 
 def nested_run(depth: int) -> bool:
@@ -2152,13 +2193,51 @@ _WRITES_WHOLE = frozenset(
 
 
 _RETAIN_GRAD = torch.Tensor.retain_grad
+_REGISTER_HOOK = torch.Tensor.register_hook
 #: The torch functions the substitution mode notes (by kind: the set or function above, or
 #: ``LAYOUT_DRAWS`` for a dropout whose mask depends on the layout).
 _SPECIAL: dict[Any, Any] = {
     **{f: LAYOUT_DRAWS for f in LAYOUT_DRAWS},
     **{f: _UNINITIALIZED for f in _UNINITIALIZED},
     _RETAIN_GRAD: _RETAIN_GRAD,
+    _REGISTER_HOOK: _REGISTER_HOOK,
 }
+
+
+def no_hook(*args: Any) -> None:
+    """What a hook the forward run registered leaves in its dict of hooks once the run is over
+    (see :class:`FollowingItsHandle`)."""
+    return None
+
+
+#: Where a hook registered again must still be found for it to run (see :class:`FollowingItsHandle`):
+#: a forward run's dict of hooks and the hook's key there, for each run it follows.
+Handles = tuple[tuple[dict[int, Any], int], ...]
+
+
+class FollowingItsHandle:
+    """A hook that the function registered in a forward run, registered again elsewhere (on the
+    caller's tensor, for one on an input; on the recomputed tensor, for one on a tensor the function
+    made), still removed by the handle ``register_hook`` gave the function in that forward run
+    (``handle.remove()`` between the forward and the backward pass: it then no longer runs, as
+    without remat).
+
+    That handle deletes the hook's key from the forward run's dict of hooks, kept here (the tensor
+    it was on is dropped), whose entry is :func:`no_hook` meanwhile. ``handles``: each such dict and
+    key; more than one where that forward run was itself a recomputation's (a remat'd call nested in
+    another), whose registration followed a handle too: all of them must be in place.
+    """
+
+    __slots__ = ("handles", "hook")
+
+    def __init__(self, hook: Callable[..., Any], handles: Handles) -> None:
+        self.hook, self.handles = hook, handles
+
+    def __call__(self, *args: Any) -> Any:
+        for hooks, key in self.handles:
+            if key not in hooks:
+                return None
+        return self.hook(*args)
 
 
 def _metadata_reads() -> frozenset[Any]:
@@ -2380,6 +2459,12 @@ class Substitute(OnThreadStack, TorchFunctionMode):
         # Ids of the inputs the run called ``retain_grad()`` on: a local leaf in the forward
         # run, where it does nothing; the caller's tensor is the one to retain its grad.
         self.retained: set[int] = set()
+        # The hooks the run registered on tensors it made (``h.register_hook(...)``), in order (see
+        # _register_followed_hook): in the forward run, each one's dict of hooks and key (and the
+        # handles its registration followed itself, where that run is a recomputation's); in a
+        # recomputation, those the forward run noted. (Not on its inputs: see _move_input_hooks.)
+        self.hooks: list[tuple[dict[int, Any], int, Handles]] | None = [] if forward else None
+        self.hooks_seen = 0  # (a recomputation's count of them so far)
         # Did the run call a dropout whose mask depends on its input's layout (see ``_draws``)?
         self.layout_draws = False
         # Where a forward run records no graph it can see: what carries a derivative (see Taint).
@@ -2726,6 +2811,19 @@ class Substitute(OnThreadStack, TorchFunctionMode):
         elif special is _RETAIN_GRAD:
             if args and id(args[0]) in known:
                 self.retained.add(id(args[0]))
+        elif special is _REGISTER_HOOK:
+            if (
+                not _active.registering
+                and not compiling
+                and args
+                and id(args[0]) in inside
+                and id(args[0]) not in known
+                and (self.hooks is not None or any(s.hooks is not None for s in _active.substitutes))
+            ):
+                if self.trail is not None:  # (as for any other call: see the end of this handler)
+                    self.calls += 1
+                    self.trail.clear()
+                return _register_followed_hook(func, args if swapped is None else tuple(swapped), kwargs or {})
         elif not compiling:  # a dropout (LAYOUT_DRAWS)
             redraw = self._layout_draw(func, args if swapped is None else tuple(swapped), kwargs or {})
         watch = self.watch
@@ -2775,6 +2873,16 @@ class Substitute(OnThreadStack, TorchFunctionMode):
             elif trail:
                 trail.clear()
         return out
+
+    def forget_hooks(self) -> list[tuple[dict[int, Any], int, Handles]]:
+        """The forward run's hooks on the tensors it made (see :func:`_register_followed_hook`), once it is
+        over: their dicts are kept for the recomputation, each entry now a no-op, so as not to hold
+        on to what the hook holds (the forward run's tensors, which would look kept outside the call)."""
+        hooks, self.hooks = self.hooks or [], None
+        for mine, key, _ in hooks:
+            if key in mine:
+                mine[key] = no_hook
+        return hooks
 
     def _follow_unset(self, t: torch.Tensor) -> None:
         """Follow the storage of ``t``, allocated uninitialized, until it is written whole (see

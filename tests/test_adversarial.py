@@ -1397,6 +1397,53 @@ def test_hook_registered_on_an_input_inside_the_function_follows_its_handle(kind
     assert_close(run(remat(fn)), run(fn))
 
 
+@pytest.mark.parametrize("how", ["backward", "grad", "vmap_grad", "jacrev", "retain_graph_twice"])
+@pytest.mark.parametrize("nested", [False, True])
+@pytest.mark.parametrize("removed", [(), (0,), (0, 1)])
+def test_hook_registered_on_an_intermediate_inside_the_function_follows_its_handle(how, nested, removed):
+    """A recomputation registers the hooks the function registers on tensors it makes again, on the
+    tensors its backward pass goes through; the handles the forward run got still remove them
+    (between the forward and the backward pass), as without remat (and under torch.utils.checkpoint).
+    A hook left in place runs once; one closing over its tensor still counts it as made inside."""
+    handles = []
+
+    def fn(x):
+        h = x * 2
+        handles.append(h.register_hook(lambda g: g * 100))
+        k = h.sin()
+        handles.append(k.register_hook(lambda g: g * k))
+        return k.exp()
+
+    def run(f):
+        def loss(x):
+            handles.clear()
+            y = f(x)
+            for i in removed:
+                handles[i].remove()
+            return y.sum()
+
+        x = randn(2, 3, seed=1)
+        if how == "backward":
+            x.requires_grad_()
+            loss(x).backward()
+            return x.grad
+        if how == "grad":
+            return tf.grad(loss)(x)
+        if how == "vmap_grad":
+            return tf.vmap(tf.grad(loss))(x)
+        if how == "jacrev":
+            return tf.jacrev(loss)(x)
+        x.requires_grad_()
+        y = loss(x)
+        first = torch.autograd.grad(y, x, retain_graph=True)[0]
+        for handle in handles:  # (removed after the first backward pass: the second runs none)
+            handle.remove()
+        return first, torch.autograd.grad(y, x)[0]
+
+    remat_fn = remat(lambda x: remat(fn)(x) * 1) if nested else remat(fn)
+    assert_close(run(remat_fn), run(fn))
+
+
 @pytest.mark.parametrize("how", ["grad", "vjp", "autograd_create_graph"])
 def test_hook_registered_on_an_input_inside_the_function_under_transforms(how):
     def fn(x):
