@@ -137,6 +137,11 @@ class Region:
     #: tensor for each and whether autograd fills its ``.grad`` with the part that reaches it
     #: directly (see ``funckpt._call._retain_grads``).
     retained_grads: tuple[tuple[int, Callable[[], torch.Tensor | None], bool], ...] = ()
+    #: Which inputs required grad at the call, where it was made under a torch.func transform with
+    #: grad mode on and one did (a user's region: see ``funckpt._call.prepare``).
+    required_grad_at_call: list[bool] | None = None
+    #: Was a torch.func grad level (grad, vjp, jacrev) active at the call?
+    grad_level_at_call: bool = False
     #: The vmap level its forward run drew random numbers at, per example (see
     #: :func:`_forward_alone_at_vmap`): its vjp at that level recomputes per example.
     drew_at_level: int | None = None
@@ -565,7 +570,7 @@ class JvpRegion(Region):
             full = at_the_top_level(primals) if peek_interpreter_stack() is not None else list(primals)
             for i, x in zip(diff, xs):
                 full[i] = x
-            return self.base.run(tuple(full), Phase.RECOMPUTE)
+            return _recomputed_at_the_call_grad_level(self.base, tuple(full))
 
         diff_p = tuple(primals[i] for i in diff)
         diff_t = tuple(tangents[i] for i in diff)
@@ -594,6 +599,39 @@ class JvpRegion(Region):
                 both = cast("tuple[Tensors, Tensors]", torch.func.jvp(lambda *xs: (*f(*xs), _NO_OUTPUT), diff_p, diff_t))
                 outs, out_tangents = tuple(both[0][:-1]), tuple(both[1][:-1])
         return tuple(t if has_gradient_dtype(o) else torch.zeros_like(o) for o, t in zip(outs, out_tangents))
+
+
+def _recomputed_at_the_call_grad_level(region: Region, flat: Tensors) -> Tensors:
+    """``region``'s recomputation for a jvp, its inputs requiring grad where they did at the call.
+
+    The call was made at a grad level above the jvp's (``hessian``: ``jacfwd(jacrev(f))``), where
+    the function's inputs require grad: it may take a gradient of its own (``torch.autograd.grad``
+    inside it, a gradient penalty) or register a hook on an intermediate, as without remat. The jvp
+    rule runs below that level, where they do not: so, as the forward run under a vmap does (see
+    ``UserRegion._forward_run_at_a_grad_level``), it runs under a ``torch.func.vjp`` level of its own
+    whose primals are those inputs, its outputs taken back as the vjp's aux, with their tangents.
+    """
+    # (Not where no grad level was: the inputs required grad at plain autograd's, below the jvp,
+    # whose derivative the JvpRegion's own Function gives; a TorchScript module's optimized graph
+    # takes a path there whose tangents are wrong.)
+    required = region.required_grad_at_call if region.grad_level_at_call else None
+    wrt = (
+        []
+        if required is None
+        else [i for i, (t, r) in enumerate(zip(flat, required)) if r and not t.requires_grad and has_gradient_dtype(t)]
+    )
+    if not wrt:
+        return region.run(flat, Phase.RECOMPUTE)
+
+    def run(*xs: torch.Tensor) -> tuple[Tensors, Tensors]:
+        full = at_the_top_level(flat)  # (the others join the level too: see at_the_top_level)
+        for i, x in zip(wrt, xs):
+            full[i] = x
+        outs = region.run(tuple(full), Phase.RECOMPUTE)
+        floating = tuple(o for o in outs if has_gradient_dtype(o))  # (vjp takes floating outputs only)
+        return floating or (xs[0] * 0,), outs
+
+    return tuple(cast(Any, torch.func.vjp(run, *(flat[i] for i in wrt), has_aux=True))[2])
 
 
 # --------------------------------------------------------------------- the vjp itself

@@ -533,6 +533,7 @@ def prepare(
         kinds = level_kinds()
         region.rewrapped_for_caller = TransformType.Grad in kinds or TransformType.Jvp in kinds
         region.vmap_innermost_at_call = top is not None and top.key() == TransformType.Vmap
+        region.grad_level_at_call = TransformType.Grad in kinds
     region.function_modes = callers_function_modes()
     if not argspec.tensors_only and holds_containers(argspec.dynamic.treespec):  # (see UserRegion._container_writes)
         region.caller_arguments = (tuple(a for i, a in enumerate(args) if i not in static), kwargs, tuple(flat))
@@ -909,6 +910,15 @@ def _two_contexts(context_fn: Callable[[], tuple[Any, Any]], name: str) -> tuple
             f"(forward, recomputation), got {contexts!r}"
         )
     return contexts[0], contexts[1]
+
+
+#: What torch raises for autograd used on tensors that do not require grad, and for autograd's
+#: own API inside a torch.func transform (see UserRegion._recomputation_message).
+_NOT_REQUIRING_GRAD = (
+    "does not require grad and does not have a grad_fn",
+    "cannot register a hook on a tensor that doesn't require gradient",
+)
+_REFUSED_UNDER_TRANSFORMS = "inside of a function being transformed by a functorch transform"
 
 
 @dataclass
@@ -1393,6 +1403,29 @@ class UserRegion(Region):
         return error
 
     def _recomputation_message(self, e: Exception) -> str:
+        # The forward run records a local graph of its own where it runs under plain autograd (a
+        # Function's forward, below the transforms), where the function's inputs require grad and
+        # autograd's API is allowed; a recomputation under a transform sees them as the function
+        # without remat does there, which then raises the same.
+        # (Only there: under plain autograd the recomputation records its graph as the forward run did.)
+        under_transforms = transforms_active() or forward_mode_active()
+        if under_transforms and isinstance(e, RuntimeError) and any(m in str(e) for m in _NOT_REQUIRING_GRAD):
+            return (
+                f"remat({self.name}): {the_recomputation()} raised {type(e).__name__}: {str(e).rstrip('.')}. The "
+                "function takes a gradient of its own (torch.autograd.grad, .backward(), a tensor hook) where, "
+                "under the torch.func transforms around the call, its inputs do not require grad (torch.func.jvp "
+                "or jacfwd with no grad transform above it): without remat it raises the same there (remat's "
+                "forward run, which records a graph of its own, let it through). Take the jvp of a function that "
+                "is differentiated by a grad transform too (hessian, jacfwd(jacrev(f))), or use torch.func.grad "
+                "inside the function."
+            )
+        if under_transforms and isinstance(e, RuntimeError) and _REFUSED_UNDER_TRANSFORMS in str(e):
+            return (
+                f"remat({self.name}): {the_recomputation()} raised {type(e).__name__}: {str(e).rstrip('.')}. "
+                "torch refuses that inside a torch.func transform, also without remat (remat's forward run, "
+                "which records a graph of its own, let it through): use torch.func's transforms inside the "
+                "function, or call requires_grad_() outside it."
+            )
         if forward_mode_active():
             # Forward-mode AD runs code the forward pass never ran (custom Functions' jvp rules, the
             # operators' tangent formulas): the error may be its own, not a changed state's.

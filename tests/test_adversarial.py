@@ -1460,14 +1460,7 @@ def test_hook_registered_on_an_input_inside_the_function_under_transforms(how):
         "backward",
         "grad",
         "vjp",
-        pytest.param(
-            "hessian",
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="known gap: the forward-mode recomputation runs without a grad level, so "
-                "register_hook on an intermediate raises (an error, not a wrong gradient)",
-            ),
-        ),
+        "hessian",
     ],
 )
 def test_hook_registered_on_an_intermediate_inside_the_function(how):

@@ -602,6 +602,48 @@ def test_hessian_of_a_loss_that_takes_a_gradient_through_remat():
     assert_close(tf.hessian(loss(remat(b)))(w), tf.hessian(loss(b))(w))
 
 
+@pytest.mark.parametrize("transform", ["hessian", "jacfwd of jacrev", "jvp of grad", "vmap of hessian"])
+def test_second_derivative_of_a_function_taking_a_gradient_with_torch_autograd_inside(transform):
+    """A remat'd function that takes a gradient with ``torch.autograd.grad`` inside (a gradient
+    penalty, an energy's force), differentiated twice with a jvp outermost: the function without
+    remat sees its input at the grad level below the jvp, where it requires grad; remat's
+    forward-mode recomputation ran below that level, where it did not, and raised a
+    CheckpointError blaming state that changed since the forward pass."""
+    g = torch.Generator().manual_seed(6)
+    w, x, v = (torch.randn(*shape, dtype=D, generator=g) for shape in ((4, 4), (3, 4), (4, 4)))
+
+    def f(w, x):
+        energy = torch.tanh(x @ w).square().sum()
+        (force,) = torch.autograd.grad(energy, w, create_graph=True)
+        return (force * w.sin()).sum()
+
+    def run(f):
+        if transform == "hessian":
+            return tf.hessian(f)(w, x)
+        if transform == "jacfwd of jacrev":
+            return tf.jacfwd(tf.jacrev(f))(w, x)
+        if transform == "jvp of grad":
+            return tf.jvp(lambda w: tf.grad(f)(w, x), (w,), (v,))
+        return tf.vmap(tf.hessian(f), in_dims=(None, 0))(w, x[:, None])
+
+    assert_close(run(remat(f)), run(f))
+
+
+def test_jvp_of_a_function_taking_a_gradient_with_torch_autograd_inside_says_why_it_fails():
+    """Under ``torch.func.jvp`` alone the function's input does not require grad, and the function
+    fails without remat too: remat's error says so, not that state changed since the forward pass."""
+    def f(x):
+        (g,) = torch.autograd.grad(x.sin().sum(), x, create_graph=True)
+        return g * x
+
+    x = torch.randn(3, dtype=D)
+    with pytest.raises(RuntimeError, match="does not require grad"):
+        tf.jvp(f, (x,), (x,))
+    with pytest.raises(CheckpointError, match="without remat it raises the same") as info:
+        tf.jvp(remat(f), (x,), (x,))
+    assert "state that changed" not in str(info.value)
+
+
 def test_hvp_of_a_loss_that_takes_a_jvp_whose_tangent_depends_on_the_parameters():
     """``jvp(grad(loss))`` where ``loss`` takes a jvp through a remat'd call whose input tangent
     itself depends on the parameters (a continuous normalizing flow's divergence by forward mode,
