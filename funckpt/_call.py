@@ -52,6 +52,7 @@ from ._capture import (
     changed_captures,
     differentiable_input,
     freed_value,
+    in_a_recomputation,
     enter_unwatched,
     find_captured,
     global_names,
@@ -944,19 +945,88 @@ class _OwnParametrizationCache:
     call, it is a tensor remat cannot route. So the run starts with an empty cache,
     reuses what it computes itself, and leaves the caller's cache as it found it:
     outside, the parametrization is computed again, with the same value.
+
+    Not the same value where computing it changes the parametrization's own state
+    (``parametrizations.spectral_norm`` in training mode: a power-iteration step on
+    its buffers): without remat it is computed once in the ``cached()`` block. A forward
+    run (given its ``region``) that computes it again where the caller had it already,
+    or another remat'd call in the block computed it, is refused (see :meth:`_refuse_stateful`).
     """
 
-    __slots__ = ("cache", "outer")
+    __slots__ = ("cache", "outer", "region", "values", "versions")
 
-    def __init__(self, cache: dict[Any, torch.Tensor]) -> None:
-        self.cache, self.outer = cache, dict(cache)
+    def __init__(self, cache: dict[Any, torch.Tensor], region: UserRegion | None = None) -> None:
+        self.cache, self.outer, self.region = cache, dict(cache), region
+        # The versions of the parametrizations' own buffers, by module id and name (the forward run's),
+        # and their values, to put back if the run is refused (only where the block cached some already).
+        self.versions: dict[tuple[int, str], list[int]] = {}
+        self.values: list[tuple[torch.Tensor, torch.Tensor]] = []
+        if region is not None:
+            keep = bool(cache) or (_cached_by_runs[0] is cache and bool(_cached_by_runs[1]))
+            for key, buffers in _parametrization_buffers(region).items():
+                self.versions[key] = [b._version for b in buffers]
+                if keep:
+                    with torch.no_grad():
+                        self.values += [(b, b.clone()) for b in buffers]
 
     def __enter__(self) -> None:
         self.cache.clear()
 
     def __exit__(self, *exc: Any) -> None:
+        computed = list(self.cache)
         self.cache.clear()
         self.cache.update(self.outer)
+        if self.region is not None and exc[0] is None:
+            self._refuse_stateful(computed)
+
+    def _refuse_stateful(self, computed: list[Any]) -> None:
+        """Raise if the forward run computed a parametrized tensor, changing its parametrization's own
+        state, that without remat would have come from the ``cached()`` block's cache."""
+        global _cached_by_runs
+        assert self.region is not None
+        if _cached_by_runs[0] is not self.cache:  # (torch makes a new dict as the outermost block ends)
+            _cached_by_runs = (self.cache, set())
+        before = set(self.outer) | _cached_by_runs[1]
+        _cached_by_runs[1].update(computed)
+        if not self.versions or not before.intersection(computed):
+            return
+        # (By name: cached()'s key holds the id of the module the parametrization was registered on,
+        # which a deepcopy of it keeps.)
+        buffers = _parametrization_buffers(self.region)
+        changed = {name for (i, name), versions in self.versions.items() if [b._version for b in buffers.get((i, name), ())] != versions}
+        for key in before.intersection(computed):
+            if key[1] in changed:
+                with torch.no_grad():  # (the state as before the call, as it is left without remat)
+                    for b, value in self.values:
+                        b.copy_(value)
+                raise CheckpointError(
+                    f"remat({self.region.name}): under torch.nn.utils.parametrize.cached(), the call computed the "
+                    f"parametrized '{key[1]}' again, and computing it changes its parametrization's own state "
+                    "(spectral_norm's power iteration in training mode): without remat it is computed once in the "
+                    "cached() block and then taken from the cache, but a remat'd call computes it in a cache of its "
+                    "own (the cached tensor belongs to another call's graph), so the state would advance once more "
+                    "per call. Enter cached() inside the remat'd function, or leave it off around the call "
+                    "(torch.utils.checkpoint refuses this program too)."
+                )
+
+
+#: The ``cached()`` block's cache in force when remat'd forward runs last computed parametrized tensors,
+#: and their keys (see _OwnParametrizationCache._refuse_stateful).
+_cached_by_runs: tuple[Any, set[Any]] = (None, set())
+
+
+def _parametrization_buffers(region: UserRegion) -> dict[tuple[int, str], list[torch.Tensor]]:
+    """The buffers of the parametrizations of the modules the region reaches, by the module's id and
+    the parametrized name (``original`` aside: the tensor parametrized)."""
+    found: dict[tuple[int, str], list[torch.Tensor]] = {}
+    for module, _ in region.captured.modules:
+        for sub in module.modules():
+            lists = getattr(sub, "parametrizations", None)
+            if not isinstance(lists, torch.nn.ModuleDict):
+                continue
+            for name, plist in lists.items():
+                found[(id(sub), name)] = [b for n, b in plist.named_buffers() if not n.startswith("original")]
+    return found
 
 
 def _forward_ad_off(*exc: Any) -> None:
@@ -1005,7 +1075,10 @@ class _Running:
                 self.exits.append(trackers)
             cache = parametrization_cache()
             if cache is not None:
-                self._enter(_OwnParametrizationCache(cache))
+                # (A forward run nested in a recomputation computes again what the enclosing forward
+                # run's computed, whose check counts once: see _OwnParametrizationCache.)
+                checked = forward and not in_a_recomputation()
+                self._enter(_OwnParametrizationCache(cache, region if checked else None))
             places = None
             if region.captured.modules:
                 loop = None if region.recomputes_like_forward else region.name

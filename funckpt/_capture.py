@@ -2092,6 +2092,11 @@ def enter_unwatched(first_node: int, inputs: Sequence[torch.Tensor]) -> None:
     _active.unwatched.append((first_node, inputs))
 
 
+def in_a_recomputation() -> bool:
+    """Is a recomputation of a region running on this thread (with the substitution mode or without)?"""
+    return bool(_active.unwatched) or any(not s.forward for s in _active.substitutes)
+
+
 def leave_unwatched(*exc: Any) -> None:
     """The recomputation :func:`enter_unwatched` noted has ended (as a context's ``__exit__``)."""
     _active.unwatched.pop()

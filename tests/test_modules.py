@@ -1,5 +1,7 @@
 """remat(module) is an nn.Module that stands in for the module it wraps."""
 
+import copy
+
 import pytest
 import torch
 import torch.func as tf
@@ -898,6 +900,72 @@ def test_parametrization_registered_on_the_wrapper_reaches_the_wrapped_module(ki
     assert not parametrize.is_parametrized(model[2].wrapped)
     assert type(model[2].wrapped) is nn.Linear
     steps(2)
+
+
+@pytest.mark.parametrize("kind", ["spectral_norm", "orthogonal"])
+@pytest.mark.parametrize("training", [True, False])
+@pytest.mark.parametrize("use", ["one call", "two calls", "read before the call"])
+def test_stateful_parametrization_under_cached_is_computed_once_or_refused(kind, training, use):
+    """Under ``parametrize.cached()`` a parametrized weight is computed once in the block; a remat'd
+    call computes it in a cache of its own. ``spectral_norm`` in training mode advances its power
+    iteration each time it is computed: a second remat'd call in the block (or one after the caller
+    read the weight) silently advanced it once more than without remat (a relative drift of 3e-6 in
+    the weight's gradient and in its ``_u``/``_v`` buffers). Such a call is now refused, the state left
+    as it was; a stateless parametrization (orthogonal), eval mode and a single call stay as without
+    remat."""
+    from torch.nn.utils import parametrizations, parametrize
+
+    torch.manual_seed(0)
+    base = getattr(parametrizations, kind)(nn.Linear(4, 4, dtype=D))
+
+    def run(wrap):
+        model = copy.deepcopy(base).train(training)
+        layer = wrap(model)
+        x = torch.randn(3, 4, dtype=D, generator=torch.Generator().manual_seed(1), requires_grad=True)
+        with parametrize.cached():
+            before = model.weight if use == "read before the call" else torch.zeros((), dtype=D)
+            y = layer(x)
+            if use == "two calls":
+                y = layer(y)
+            (y.square().sum() + (before * 2).sum()).backward()
+        return y.detach(), x.grad, [p.grad for p in model.parameters()], dict(model.named_buffers())
+
+    expected = run(lambda m: m)
+    if kind == "spectral_norm" and training and use != "one call":
+        model = copy.deepcopy(base).train()
+        with parametrize.cached():
+            if use == "two calls":
+                remat(model)(torch.randn(3, 4, dtype=D))
+            else:
+                model.weight
+            buffers = {k: v.clone() for k, v in model.named_buffers()}
+            with pytest.raises(CheckpointError, match="computes it in a cache of its own"):
+                remat(model)(torch.randn(3, 4, dtype=D))
+        assert_close(dict(model.named_buffers()), buffers)  # (no extra power-iteration step)
+    else:
+        assert_close(run(remat), expected)
+
+
+def test_stateful_parametrization_under_cached_in_a_nested_remat_with_the_backward_in_the_block():
+    """A remat'd call of a spectral-normed layer nested in another, once in a ``cached()`` block whose
+    backward pass runs inside it: the outer recomputation runs the inner forward run again, which
+    computes the weight again as the enclosing forward run's did (not a second computation of the
+    block: no refusal), with the values and buffers of the function without remat."""
+    from torch.nn.utils import parametrizations, parametrize
+
+    torch.manual_seed(0)
+    base = parametrizations.spectral_norm(nn.Linear(4, 4, dtype=D))
+
+    def run(nest):
+        model = copy.deepcopy(base).train()
+        f = nest(lambda x: nest(model)(x) * 2)
+        x = torch.randn(3, 4, dtype=D, generator=torch.Generator().manual_seed(1), requires_grad=True)
+        with parametrize.cached():
+            y = f(x)
+            y.square().sum().backward()
+        return y.detach(), x.grad, [p.grad for p in model.parameters()], dict(model.named_buffers())
+
+    assert_close(run(remat), run(lambda f: f))
 
 
 def test_layers_replaced_deleted_and_popped_through_a_remat_d_sequential():
