@@ -422,6 +422,27 @@ def test_a_region_that_writes_an_input_runs_eagerly_and_recomputes_from_the_old_
     torch.testing.assert_close(run(remat(f), compiled=True), run(f, compiled=False))
 
 
+@pytest.mark.parametrize("input_kind", ["argument", "parameter"])
+def test_an_input_of_a_lowered_region_modified_after_the_forward_pass_raises(input_kind):
+    """An input of a compiled checkpoint region modified in place between the forward and the backward
+    pass (an optimizer step before backward): never a silent gradient from the modified value. Eager
+    remat raises its CheckpointError; the compiled region raises torch's own version-counter error from
+    AOTAutograd's compiled backward, which unpacks its saved tensors before any code of funckpt's runs
+    (as torch.compile of the function without remat does). A known gap (README, Under torch.compile)."""
+    lin = nn.Linear(4, 4, dtype=torch.double)
+
+    def f(x):
+        return torch.tanh(lin(x)) * x
+
+    compiled = torch.compile(lambda x: remat(f)(x), backend="aot_eager")
+    x = torch.randn(3, 4, dtype=torch.double, requires_grad=True) * 1
+    out = compiled(x).sum()
+    with torch.no_grad():
+        (x if input_kind == "argument" else lin.weight).add_(1)
+    with pytest.raises(RuntimeError, match="modified"):
+        out.backward()
+
+
 WRITES = {
     "add_": lambda c: c.add_(1),
     "through a view": lambda c: c[1:3].mul_(2),
