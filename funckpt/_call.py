@@ -646,7 +646,10 @@ def _in_place_error(name: str) -> CheckpointError:
         f"remat({name}): the function modified one of its differentiable inputs in place. The "
         "recomputation during the backward pass would start from the modified values and produce "
         "wrong gradients. Compute out of place (y = x + 1, not x.add_(1)) or move the in-place "
-        "update outside the remat'd function."
+        "update outside the remat'd function. A write no graph records (under torch.no_grad or "
+        "through .data: a module initializing or rescaling its own weights on its first call, as "
+        "Glow's ActNorm does) is undone for the recomputation only in a call that also has a tensor "
+        "input that does not require grad: otherwise call the module once before remat'ing it."
     )
 
 
@@ -1088,7 +1091,8 @@ class _Running:
                 if forward and loop is None:
                     attributes = region.rebound_attributes = []
                 places = reparametrized(
-                    region.captured, replace, keep_rebound=forward, loop=loop, first_node=run_starts, attributes=attributes
+                    region.captured, replace, keep_rebound=forward, loop=loop, first_node=run_starts, attributes=attributes,
+                    written=getattr(region, "snapshots", ()) if attributes is not None else (),
                 )
                 self._enter(places)
             if region.function_modes:

@@ -56,7 +56,7 @@ import sysconfig
 import threading
 import types
 import weakref
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -1343,14 +1343,21 @@ class reparametrized:
     recorded into ``attributes``. They describe that tensor (HF's ``dynamic_rope_update``
     rebinds the ``inv_freq`` buffer with ``self.max_seq_len_cached`` and branches on the
     latter: a recomputation seeing the call's buffer but the run's length would skip the
-    update and compute something else). A plain attribute rebound alone (``self.calls += 1``)
-    is left as the runs leave it, as under ``torch.utils.checkpoint``: the recomputation
-    counts too.
+    update and compute something else). So do the plain attributes the forward run rebound on
+    every module it reaches where the run wrote an input in place (``written``, the inputs
+    snapshotted before their first write, non-empty after the run): the recomputation starts
+    from the snapshots, the values at the call, and a flag guarding the write must be as at the
+    call too (HF RWKV rescales its weights in place under ``no_grad`` once and sets
+    ``self.layers_are_rescaled``; Glow's ActNorm initializes its parameters from its first batch
+    and sets ``self.initialized``): with the run's flag the recomputation would skip the write and
+    compute something else, a ``CheckpointError`` on a correct program. Otherwise a plain
+    attribute rebound alone (``self.calls += 1``) is left as the runs leave it, as under
+    ``torch.utils.checkpoint``: the recomputation counts too.
     """
 
     __slots__ = (
         "attributes", "by_name", "captured", "first_node", "keep_rebound", "loop", "replace", "snapshots", "swapped",
-        "thread",
+        "thread", "written",
     )  # fmt: skip
 
     def __init__(
@@ -1361,6 +1368,7 @@ class reparametrized:
         loop: str | None = None,
         first_node: int | None = None,
         attributes: list[tuple[torch.nn.Module, str, Any]] | None = None,
+        written: Collection[Any] = (),
     ) -> None:
         # ``loop``: the name of a checkpointed loop whose forward sweep this is. Its steps run again
         # from kept carries, in the schedule's order, and cannot replay state a step rebinds: refused.
@@ -1371,6 +1379,8 @@ class reparametrized:
         # ``attributes``: in a forward run, where to record the plain attributes to put back for a
         # recomputation (see above), from ``snapshots`` of the modules' attributes at the call.
         self.attributes = attributes
+        # ``written``: the snapshots of the inputs the run writes in place (filled while it runs).
+        self.written = written
         self.snapshots: list[tuple[torch.nn.Module, dict[str, Any]]] = []
         # each place set: ``[module, key, what it held before, what this run put there]``
         self.swapped: list[list[Any]] = []
@@ -1483,11 +1493,12 @@ class reparametrized:
         with _runs_lock:
             self._put_back(self._unregister(), keep, rebound_owners, in_loop, with_graph)
         if self.attributes is not None:
+            restarts = bool(self.written)  # (the recomputation starts from inputs as at the call)
             for m, then in snapshots:
                 now = m.__dict__
                 if now.keys() == then.keys() and all(map(operator.is_, now.values(), then.values())):
                     continue  # (the common case, told in C: nothing rebound)
-                if id(m) in rebound_owners:
+                if restarts or id(m) in rebound_owners:
                     found = _plain_rebinds(m, then)
                 else:  # (a module none of whose places the run rebound)
                     found = _new_tensor_state(m, then)

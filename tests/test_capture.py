@@ -2000,6 +2000,68 @@ def test_a_buffer_rebound_with_a_python_length_by_two_forwards_before_their_back
     assert net[1].max_seq_len_cached == reference[1].max_seq_len_cached
 
 
+class _ActNorm(torch.nn.Module):
+    """Glow's ActNorm: its first call sets its parameters from the batch in place under
+    ``no_grad`` (``buffer=False``), or a buffer (``buffer=True``), and a plain flag so that later
+    calls skip that; every call reads them."""
+
+    def __init__(self, buffer):
+        super().__init__()
+        self.buffer = buffer
+        self.scale = torch.nn.Parameter(torch.ones(4, dtype=D))
+        if buffer:
+            self.register_buffer("loc", torch.zeros(4, dtype=D))
+        else:
+            self.loc = torch.nn.Parameter(torch.zeros(4, dtype=D))
+        self.initialized = False
+
+    def forward(self, x):
+        if not self.initialized:
+            with torch.no_grad():
+                self.loc.copy_(-x.mean(0))
+                if not self.buffer:
+                    self.scale.copy_(1 / x.std(0))
+            self.initialized = True
+        return (x + self.loc) * self.scale
+
+
+class _NormedLinear(torch.nn.Module):
+    def __init__(self, buffer):
+        super().__init__()
+        self.lin, self.norm = torch.nn.Linear(4, 4, dtype=D), _ActNorm(buffer)
+
+    def forward(self, x):
+        return torch.tanh(self.norm(self.lin(x)))
+
+
+# (torch.func.grad refuses the buffer's write without remat: "would mutate a captured Tensor")
+@pytest.mark.parametrize("how, buffer", [("backward", False), ("backward", True), ("grad", False)])
+def test_a_write_in_place_guarded_by_a_flag_is_recomputed_from_both_at_the_call(how, buffer):
+    """The recomputation starts from the written tensors' values at the call (snapshots) and so
+    from the flag's (HF RWKV's weights rescaled once in eval mode, ActNorm's data-dependent
+    initialization): with the forward run's flag it would skip the write and compute something
+    else, a CheckpointError on a correct program. The flag and the tensors end as without remat."""
+    import copy
+
+    torch.manual_seed(0)
+    reference = _NormedLinear(buffer)
+    net = copy.deepcopy(reference)
+    x = torch.randn(8, 4, dtype=D)  # (a frozen input: a call with an input no gradient flows into)
+
+    def step(model, module):
+        if how == "backward":
+            module.zero_grad()
+            model(x).square().sum().backward()
+            return {k: p.grad for k, p in module.named_parameters()}
+        params = {k: p.detach() for k, p in module.named_parameters()}
+        return tf.grad(lambda p: tf.functional_call(model, p, (x,)).square().sum())(params)
+
+    for _ in range(2):  # (the first call initializes, the second reads)
+        assert_close(step(remat(net), net), step(reference, reference))
+        assert_close(net.state_dict(), reference.state_dict())
+        assert net.norm.initialized and reference.norm.initialized
+
+
 class _CachesATableForItsLength(torch.nn.Module):
     """Caches a tensor built for the input's length (a plain tensor attribute) with the length it
     was built for and a flag that it was rebuilt, rebinding all three when the length changes,

@@ -534,3 +534,27 @@ def test_wav2vec2_spec_augment_remat_layers_and_whole_base_model():
     whole.wav2vec2 = funckpt.remat(whole.wav2vec2)
     with pytest.raises(funckpt.CheckpointError, match="did not reproduce(.|\n)*numpy(.|\n)*remat their encoder layers"):
         _spec_augment_step(whole, x)
+
+
+def test_rwkv_in_eval_mode_remat_whole_model_rescales_its_weights_once():
+    """RWKV in evaluation mode (``rescale_every``) divides some of its weights in place under
+    ``no_grad`` on its first call and sets ``layers_are_rescaled``, on the model, so that later
+    calls do not. The whole RwkvModel remat'd (gradients in evaluation mode: an attribution of
+    the logits to the inputs) recomputes from the weights and the flag as at the call: the same
+    gradients, weights and flag as without remat, over the rescaling call and the next one."""
+    if not hasattr(transformers, "RwkvForCausalLM"):
+        pytest.skip(f"transformers {transformers.__version__} has no RwkvForCausalLM")
+    torch.manual_seed(0)
+    config = C.RwkvConfig(vocab_size=V, hidden_size=H, num_hidden_layers=4, attention_hidden_size=H, intermediate_size=32,
+                          context_length=16, rescale_every=2, use_cache=False)
+    reference = C.RwkvForCausalLM(config).to(D).eval()
+    model = copy.deepcopy(reference)
+    model.rwkv = funckpt.remat(model.rwkv)
+    x = ids(B, S)
+    for _ in range(2):
+        for m in (reference, model):
+            m.zero_grad()
+            m(input_ids=x).logits.square().mean().backward()
+        assert_close(_grads(model), _grads(reference))
+        assert_close(dict(model.named_parameters()), dict(reference.named_parameters()))
+        assert model.rwkv.layers_are_rescaled and reference.rwkv.layers_are_rescaled
