@@ -524,13 +524,14 @@ def prepare(
         region.refused = refused
     if transforms_active():
         top = peek_interpreter_stack()  # (None where a level is alive but lowered off the stack)
-        # Only a tensor of the innermost level requires grad there: what the function computes from
-        # one of a level below (a module's parameter, a tensor an outer grad wraps) is a tensor of
-        # the innermost level that says it requires none, as without remat.
-        innermost = -1 if top is None else top.level()
-        required = [t.requires_grad and maybe_get_level(t) == innermost for t in routed]
+        required = [t.requires_grad for t in routed]
         if any(required) and torch.is_grad_enabled():
             region.required_grad_at_call = required
+            # Only a tensor of the innermost level requires grad there: what the function computes
+            # from one of a level below (a module's parameter, a tensor an outer grad wraps) is a
+            # tensor of the innermost level that says it requires none, as without remat.
+            innermost = -1 if top is None else top.level()
+            region.of_the_innermost_level = [maybe_get_level(t) == innermost for t in routed]
         kinds = level_kinds()
         region.rewrapped_for_caller = TransformType.Grad in kinds or TransformType.Jvp in kinds
         region.vmap_innermost_at_call = top is not None and top.key() == TransformType.Vmap
@@ -1232,6 +1233,9 @@ class UserRegion(Region):
     # Under a transform: which inputs required grad at the call (None outside transforms, or
     # where none did), and whether the forward run is under its grad level already.
     required_grad_at_call: list[bool] | None = None
+    # Where it is set: which of them are tensors of the caller's innermost level (a module's
+    # parameter is of none; see _forward_run_at_a_grad_level).
+    of_the_innermost_level: list[bool] | None = None
     # Under a transform: was the caller's innermost level a vmap? (Then the forward run takes no
     # grad level of its own, which would change what autocast does: _forward_run_at_a_grad_level.)
     vmap_innermost_at_call = False
@@ -2417,9 +2421,12 @@ class UserRegion(Region):
         bfloat16 ``addmm``). The forward run then returned other dtypes and values than the
         function without remat, and than its recomputation (a false CheckpointError).
         """
-        required = self.required_grad_at_call
-        assert required is not None
-        wrt = [i for i, (t, r) in enumerate(zip(flat, required)) if r and has_gradient_dtype(t)]
+        required, innermost = self.required_grad_at_call, self.of_the_innermost_level
+        assert required is not None and innermost is not None
+        # (Its primals are the inputs of the caller's innermost level that require grad: one of a level
+        # below, a module's parameter, joins it as the other inputs do. What the function computes from
+        # it alone then says it requires no grad, as without remat, where the recomputation's does.)
+        wrt = [i for i, (t, r, own) in enumerate(zip(flat, required, innermost)) if r and own and has_gradient_dtype(t)]
         if not wrt:
             self._at_a_grad_level = True
             return self.forward_run(flat)
