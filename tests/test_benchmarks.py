@@ -44,3 +44,11 @@ def test_slow_benchmarks_write_blocks_that_benchmarks_run_keeps(tmp_path):
         "<!-- begin: python -m benchmarks.budget --write -->\n## second\n<!-- end: python -m benchmarks.budget --write -->",
         "<!-- begin: python -m benchmarks.loops --write -->\n## loops\n<!-- end: python -m benchmarks.loops --write -->",
     ]
+
+
+def test_instruction_count_benchmark_steps_run_without_valgrind():
+    """The steps its children count under callgrind run as plain steps (the counts come from BENCHMARKS.md)."""
+    from benchmarks import instructions
+
+    for variant in instructions.TINY + instructions.GPT:
+        instructions.child(variant, rounds=1)
