@@ -15,7 +15,8 @@ checkpointing, ``torch.utils.checkpoint`` and remat; ``torch.func.grad`` with no
 the forward pass alone of each, and one GPT-style block of the module stack (forward, and a
 whole step), per call. Needs ``valgrind`` on the PATH.
 
-    python -m benchmarks.instructions
+    python -m benchmarks.instructions            # print the table
+    python -m benchmarks.instructions --write    # ... and put that section into BENCHMARKS.md
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from torch.utils.checkpoint import checkpoint
 
 from funckpt import remat
 
-from ._common import table
+from ._common import table, write_block
 from .overhead import BLOCKS, GPTBlock, block
 
 ROUNDS = 2  # measured steps per variant (the count is the same every run: two show it is per step)
@@ -171,11 +172,31 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--jobs", type=int, default=None, help="child processes at once (default: the CPU count)")
+    parser.add_argument("--write", action="store_true", help="also put the section into BENCHMARKS.md")
     options = parser.parse_args()
     if options.child:
         child(options.child)
         return
-    print(run(options.jobs))
+    report = run(options.jobs)
+    print(report)
+    if options.write and report.startswith("torch"):
+        write_block("python -m benchmarks.instructions --write", section(report))
+
+
+def section(report: str) -> str:
+    return "\n".join(
+        [
+            "## Per-call overhead in instructions (CPU, deterministic)",
+            "",
+            "Command: `python -m benchmarks.instructions --write` (a few minutes under valgrind, so not part of",
+            "`python -m benchmarks.run`). The variants of the per-call overhead section, each counted in",
+            "instructions under callgrind: the same count on every run, whatever else the machine runs, so",
+            "what a change to the per-call path costs shows even where timings are noise. Instructions are",
+            "not time; `benchmarks.overhead` has the time.",
+            "",
+            report,
+        ]
+    )
 
 
 if __name__ == "__main__":
