@@ -1021,6 +1021,13 @@ def _module_state(module: torch.nn.Module) -> _ModuleState:
                         if id(value) not in scanned:
                             scanned.add(id(value))
                             scans.append((value, vars(value)))
+                        # Listed too, for its training flag and its plain attributes, which are
+                        # its own: a remat'd call nested in this one that rebinds a flag on it
+                        # (ActNorm's ``self.initialized``) or state (``self.hidden``) must find
+                        # them as at this call in this call's recomputation, as the module itself does.
+                        if id(value) not in visited:
+                            visited.add(id(value))
+                            training.append((value, value.training))
                     elif _kept_outside_the_registries(owner, value):
                         outside.append((dot + key, value))
                     continue

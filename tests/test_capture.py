@@ -3477,3 +3477,41 @@ def test_gradients_a_hook_logged_under_ended_transforms_are_not_routed_into_late
         ]
 
     assert_close(steps(remat(_logging_gradients)), steps(_logging_gradients))
+
+
+class _ActNormThroughData(_ActNorm):
+    """:class:`_ActNorm` writing through ``.data`` (no graph records it, as Glow's does): allowed in
+    a call whose inputs all require grad, as the layer's own nested in a network is."""
+
+    def forward(self, x):
+        if not self.initialized:
+            self.loc.data.copy_(-x.mean(0).detach())
+            if not self.buffer:
+                self.scale.data.copy_(1 / x.std(0).detach())
+            self.initialized = True
+        return (x + self.loc) * self.scale
+
+
+@pytest.mark.parametrize("buffer", [False, True])
+def test_a_write_in_place_guarded_by_a_flag_in_a_remat_nested_in_a_remat(buffer):
+    """The same module remat'd itself inside a remat'd network (``remat(net)`` whose ``net.norm`` is
+    ``remat(ActNorm)``): the outer call's recomputation starts from the written parameters as at
+    its call, and so from the flag on the module the inner wrapper wraps as at that call too (the
+    outer walk listed the wrapper, not the module whose attributes the inner call rebinds: the
+    inner forward run, run again, skipped the initialization, a false "did not reproduce")."""
+    import copy
+
+    torch.manual_seed(0)
+    reference = _NormedLinear(buffer)
+    reference.norm.__class__ = _ActNormThroughData
+    net = copy.deepcopy(reference)
+    net.norm = remat(net.norm)
+    model = remat(net)
+    x = torch.randn(8, 4, dtype=D)
+    for _ in range(2):
+        for m, module in ((reference, reference), (model, net)):
+            module.zero_grad()
+            m(x).square().sum().backward()
+        assert_close({k: p.grad for k, p in net.named_parameters()}, {k: p.grad for k, p in reference.named_parameters()})
+        assert_close(net.state_dict(), reference.state_dict())
+        assert net.norm.initialized and reference.norm.initialized

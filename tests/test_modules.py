@@ -8,7 +8,7 @@ import torch.func as tf
 import torch.nn as nn
 from torch.testing import assert_close
 
-from funckpt import CheckpointError, policies, remat
+from funckpt import CheckpointError, checkpoint, policies, remat
 
 D = torch.float64
 
@@ -685,6 +685,37 @@ def test_a_tensor_a_module_kept_at_the_previous_step_is_where_the_recomputation_
                 loss = loss + module.last.sum()
             loss.backward()
             results.append([x.grad, *[p.grad.clone() for p in module.parameters()], module.last.detach()])
+        return results
+
+    assert_close(program(True), program(False))
+
+
+@pytest.mark.parametrize("outer", ["remat", "checkpoint"])
+def test_a_tensor_kept_by_a_module_remat_d_inside_a_remat_d_call_is_where_the_outer_recomputation_starts(outer):
+    """The module above, remat'd itself inside a remat'd (or checkpointed) network: the outer
+    call's recomputation runs the inner call again, which must read what the attribute held at the
+    outer call (``None``, then the previous step's kept tensor). The outer walk listed the remat
+    wrapper, whose attributes are not the module's: the inner call run again read the tensor the
+    forward run kept and raised "did not reproduce" on a correct program."""
+
+    class Network(nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner, self.lin = inner, nn.Linear(3, 3, dtype=D)
+
+        def forward(self, x):
+            return self.lin(self.inner(x)).cos()
+
+    def program(rematted):
+        torch.manual_seed(0)
+        module = _AddsItsLastOutputDetached()
+        net = Network(remat(module) if rematted else module)
+        call = net if not rematted else remat(net) if outer == "remat" else (lambda x: checkpoint(net, x))
+        results = []
+        for step in range(3):
+            x = (torch.linspace(-1, 1, 6, dtype=D).view(2, 3) * (step + 1)).requires_grad_()
+            (call(x).square().sum() + module.last.sum()).backward()
+            results.append([x.grad, *[p.grad.clone() for p in net.parameters()], module.last.detach()])
         return results
 
     assert_close(program(True), program(False))
