@@ -140,6 +140,9 @@ class Region:
     #: Which inputs required grad at the call, where it was made under a torch.func transform with
     #: grad mode on and one did (a user's region: see ``funckpt._call.prepare``).
     required_grad_at_call: list[bool] | None = None
+    #: Where that is set: which inputs were tensors of the caller's innermost level (a module's
+    #: parameter, or a tensor an outer transform wraps, is not one).
+    of_the_innermost_level: list[bool] | None = None
     #: Was a torch.func grad level (grad, vjp, jacrev) active at the call?
     grad_level_at_call: bool = False
     #: The vmap level its forward run drew random numbers at, per example (see
@@ -614,11 +617,22 @@ def _recomputed_at_the_call_grad_level(region: Region, flat: Tensors) -> Tensors
     # (Not where no grad level was: the inputs required grad at plain autograd's, below the jvp,
     # whose derivative the JvpRegion's own Function gives; a TorchScript module's optimized graph
     # takes a path there whose tangents are wrong.)
+    # Its primals are the inputs of the caller's innermost level that required grad there, as the
+    # forward run's own level's are: one of a level below (a module's parameter) requires grad at
+    # plain autograd's level only, and what the function computes from it alone at the call's
+    # levels says it requires none (``grad(jvp(f))``: ``lin(x)`` where ``x`` is the jvp's). As a
+    # primal it made the recomputation see the other thing, with the forward run: silently other
+    # values (the function branching on it, or taking a gradient of its own, as without remat it does not).
     required = region.required_grad_at_call if region.grad_level_at_call else None
+    innermost = region.of_the_innermost_level or [True] * len(flat)
     wrt = (
         []
         if required is None
-        else [i for i, (t, r) in enumerate(zip(flat, required)) if r and not t.requires_grad and has_gradient_dtype(t)]
+        else [
+            i
+            for i, (t, r, own) in enumerate(zip(flat, required, innermost))
+            if r and own and not t.requires_grad and has_gradient_dtype(t)
+        ]
     )
     if not wrt:
         return region.run(flat, Phase.RECOMPUTE)

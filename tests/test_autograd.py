@@ -644,6 +644,27 @@ def test_jvp_of_a_function_taking_a_gradient_with_torch_autograd_inside_says_why
     assert "state that changed" not in str(info.value)
 
 
+def test_jvp_under_grad_of_a_function_of_a_parameter_recomputes_with_it_as_without_remat():
+    """``grad(jvp(f))`` where ``f`` uses a module's parameter: at the jvp's level ``lin(x)`` says it
+    requires no grad without remat (the parameter is a tensor of no transform's level, ``x`` the
+    jvp's). The recomputation for the jvp, under a grad level of its own as at the call (see
+    ``_recomputed_at_the_call_grad_level``), takes only the innermost level's inputs as its primals,
+    so it computes what ``f`` does there: with the check off the values and gradients are
+    ``f``'s (the parameter as a primal made it take the other branch: silently other values)."""
+    lin = torch.nn.Linear(4, 4).double()
+
+    def f(x):
+        h = lin(x)
+        return (torch.tanh(h) * (2.0 if h.requires_grad else 3.0)).sum()
+
+    x = torch.randn(3, 4, dtype=D, generator=torch.Generator().manual_seed(0))
+
+    def run(g):
+        return tf.grad_and_value(lambda x: tf.jvp(g, (x,), (torch.ones_like(x),))[1])(x)
+
+    assert_close(run(remat(f, determinism_check="none")), run(f))
+
+
 def test_hvp_of_a_loss_that_takes_a_jvp_whose_tangent_depends_on_the_parameters():
     """``jvp(grad(loss))`` where ``loss`` takes a jvp through a remat'd call whose input tangent
     itself depends on the parameters (a continuous normalizing flow's divergence by forward mode,
