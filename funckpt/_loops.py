@@ -67,6 +67,10 @@ from ._pytree import NAMESPACE, TreeSlots, flatten, tree_flatten
 
 __all__ = ["fori_loop", "scan", "while_loop"]
 
+#: What torch raises for ``h.register_hook(...)`` on a tensor that does not require grad (see
+#: LoopRegion._hook_in_sweep).
+_HOOK_WITHOUT_GRAD = "cannot register a hook on a tensor that doesn't require gradient"
+
 # (step number k, carry, x) -> (carry, y): the one signature the three loops share
 Step = Callable[[int, Any, Any], tuple[Any, Any]]
 
@@ -629,11 +633,21 @@ class LoopRegion(UserRegion):
         if loop.n is not None:
             return k < loop.n
         assert loop.go_on is not None
-        return loop.go_on(k, carry)
+        try:
+            return loop.go_on(k, carry)
+        except RuntimeError as e:
+            if self._forward and _HOOK_WITHOUT_GRAD in str(e):
+                raise self._hook_in_sweep(k, "its cond, before step") from e
+            raise
 
     def _call_step(self, k: int, carry: Any, xs: Any) -> tuple[Any, Any]:
         x = None if xs is None else _slice(xs, self.loop.index(k))
-        new, y = self.loop.step(k, carry, x)
+        try:
+            new, y = self.loop.step(k, carry, x)
+        except RuntimeError as e:
+            if self._forward and _HOOK_WITHOUT_GRAD in str(e):
+                raise self._hook_in_sweep(k) from e
+            raise
         assert self.carry_slots is not None
         tensors, slots = flatten(new)
         if (slots.treespec, slots.tensor_positions) != (self.carry_slots.treespec, self.carry_slots.tensor_positions):
@@ -664,6 +678,26 @@ class LoopRegion(UserRegion):
             if self._compares_values():
                 self.step_digests.append(digest(outputs))
         return new, y
+
+    def _hook_in_sweep(self, k: int, where: str = "step") -> CheckpointError:
+        """The error for a step (or a while loop's cond) that registers a hook (``h.register_hook``)
+        on a tensor the loop computed.
+
+        The forward sweep runs the steps without grad (it records no graph: each step is
+        differentiated only when it runs again in the backward pass), so no tensor a step computes
+        there requires grad, and torch refuses the hook, where without the loop it is allowed.
+        A Python loop of remat'd steps supports such hooks (and their handles' ``remove()``)."""
+        return CheckpointError(
+            f"{self.loop.api}({self.name}): {where} {k} registered a hook (register_hook) on a tensor the loop "
+            "computed (an intermediate, or a carry an earlier step returned), which torch refused: a checkpointed "
+            "loop's forward sweep runs its steps without grad (it records no graph; each step is differentiated "
+            "when it runs again in the backward pass), so nothing a step computes there requires grad. Hooks on "
+            "a step's intermediates and carries are not supported in a checkpointed loop: register the hook on "
+            "the loop's result or on its inputs (the initial carry, xs, a parameter), "
+            "or write the loop in Python with funckpt.remat on each step (for x in xs: carry, y = "
+            "funckpt.remat(f)(carry, x)), which supports them. (If that tensor does not require grad without "
+            "the loop either, torch refuses the hook there too.)"
+        )
 
     def check_step_again(self, k: int, outputs: list[torch.Tensor]) -> None:
         """Did step ``k``, run again in the backward pass, return what it returned in the forward sweep

@@ -526,6 +526,42 @@ def test_a_closure_tensor_passed_straight_to_a_custom_function_raises(checkpoint
     assert_close(gradient(in_the_carry), gradient(plain))
 
 
+@pytest.mark.parametrize("checkpoints", [None, 2])
+@pytest.mark.parametrize("route", ["backward", "grad"])
+def test_a_hook_on_a_steps_intermediate_is_refused_with_what_to_do(checkpoints, route):
+    """A step registering a hook on a tensor it computed: the forward sweep runs without grad,
+    where torch refuses the hook; the loop says so, and a Python loop of remat'd steps, which
+    it points to, gives the plain loop's gradient."""
+    w0, b, xs, c0 = make(n=5)
+
+    def step(w, c, x):
+        h = torch.tanh(c @ w + x + b)
+        h.register_hook(lambda g: 2 * g)
+        return h, h.sum()
+
+    def python_loop(w, each):
+        c, total = c0, 0
+        for x in xs:
+            c, y = each(lambda c, x: step(w, c, x))(c, x)
+            total = total + y
+        return total + c.sum()
+
+    def scanned(w):
+        c, ys = funckpt.scan(lambda c, x: step(w, c, x), c0, xs, checkpoints=checkpoints)
+        return ys.sum() + c.sum()
+
+    def gradient(f):
+        w = w0.clone().requires_grad_()
+        if route == "grad":
+            return tf.grad(f)(w)
+        f(w).backward()
+        return w.grad
+
+    with pytest.raises(funckpt.CheckpointError, match=r"^scan\(<lambda>\): step 0 registered a hook.*funckpt.remat on each step"):
+        gradient(scanned)
+    assert_close(gradient(lambda w: python_loop(w, funckpt.remat)), gradient(lambda w: python_loop(w, lambda f: f)))
+
+
 class _Counting(torch.nn.Module):
     """A cell that rebinds its own state at each call, as without remat it may."""
 
