@@ -129,7 +129,7 @@ from ._internals import (
     vmap_active,
 )
 from ._options import RematOptions, callable_name, check_static_argnums
-from ._pytree import ArgSpec, TreeSlots, argument_containers, flatten, flatten_args, holds_containers, map_back, tree_flatten
+from ._pytree import MUTABLE, NAMESPACE, ArgSpec, TreeSlots, argument_containers, flatten, flatten_args, holds_containers, map_back, tree_flatten
 from ._residuals import notify
 from ._saving import (
     Replayer,
@@ -900,6 +900,41 @@ def _too_deep(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], static: 
         "deeper than Python's recursion limit: remat flattens its arguments (optree) to find their "
         "tensors, and cannot flatten this one. Break the cycle, or pass it through static_argnums "
         "(it is then passed as it is, not searched for tensors)."
+    )
+
+
+def _unflattened_container_holding(t: torch.Tensor) -> type | None:
+    """The type of a list, dict or deque subclass that optree does not flatten holding ``t``
+    directly (an argument the function wrote it into, ``d[key] = t``), if one does; ``None`` if not.
+
+    remat copies the list, dict and deque arguments optree flattens and carries the function's
+    writes into them back to the caller's (see ``UserRegion._container_writes``); one optree does
+    not flatten is a leaf, passed as it is, so what the function stores there under a transform is
+    a tensor kept outside the call. Asked only to word that refusal (the referrers are searched)."""
+    for holder in gc.get_referrers(t):
+        kind = type(holder)
+        if isinstance(holder, MUTABLE) and kind not in MUTABLE:
+            try:
+                optree.tree_flatten_one_level(cast(Any, holder), none_is_leaf=True, namespace=NAMESPACE)
+            except ValueError:  # (a leaf optree does not enter)
+                return kind
+    return None
+
+
+def _stored_in_unflattened(name: str, t: torch.Tensor, kind: type) -> CheckpointError:
+    """The error for a tensor the function computed and stored in a ``kind``, a list, dict or deque
+    subclass optree does not flatten (see :func:`_unflattened_container_holding`), under a transform."""
+    base = next(b for b in MUTABLE if issubclass(kind, b))
+    plain = "collections.deque" if base is collections.deque else base.__name__
+    return CheckpointError(
+        f"remat({name}): a tensor of shape {tuple(t.shape)} that the function computed was stored in a "
+        f"{kind.__qualname__}, a {plain} subclass that optree does not flatten (an argument the function wrote "
+        "into?), and outlived the call under a torch.func transform. remat carries the function's writes back "
+        f"into the list, dict and deque arguments optree flattens, but passes a {kind.__qualname__} as it is, and "
+        "cannot give what is stored there a graph in the caller's transform: a gradient through it would be "
+        f"silently missing. Pass a plain {plain}, or register {kind.__qualname__} as a pytree node "
+        f"(optree.register_pytree_node({kind.__qualname__}, flatten_fn, unflatten_fn, namespace='funckpt')), "
+        "or return the tensor from the function (detach it if it is only kept for logging)."
     )
 
 
@@ -1873,6 +1908,9 @@ class UserRegion(Region):
         # The last one made: the others alive are most likely what its graph saved.
         shape = tuple(escaped[-1][1].shape)
         if not self.escapes_allowed:
+            unflattened = _unflattened_container_holding(escaped[-1][1]) if self.escapes_become_outputs else None
+            if unflattened is not None:
+                raise _stored_in_unflattened(self.name, escaped[-1][1], unflattened)
             where = "in a step of a checkpointed loop" if not self.escapes_become_outputs else "under a torch.func transform"
             raise CheckpointError(
                 f"remat({self.name}): a tensor of shape {shape} that the function computed outlived the call "
@@ -2517,6 +2555,9 @@ class UserRegion(Region):
             self._refuse_escape_under_transform(alive[-1])
 
     def _refuse_escape_under_transform(self, t: torch.Tensor) -> None:
+        unflattened = _unflattened_container_holding(t)
+        if unflattened is not None:
+            raise _stored_in_unflattened(self.name, t, unflattened)
         raise CheckpointError(
             f"remat({self.name}): a tensor of shape {tuple(t.shape)} that the function computed "
             "outlived the call other than as its return value under a torch.func transform (kept by a "

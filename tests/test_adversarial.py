@@ -3988,6 +3988,35 @@ def test_under_a_transform_a_computed_tensor_written_into_an_argument_gets_its_d
     assert_close(derivative(how, _writing(remat(fn)), x), derivative(how, _writing(fn), x))
 
 
+class _Entries(dict):
+    """A dict subclass optree does not know: a leaf to it, passed to the function as it is."""
+
+
+def test_under_a_transform_a_tensor_written_into_an_unknown_dict_subclass_is_refused_as_such():
+    """remat carries writes back into the containers optree flattens; a dict subclass it does not is
+    passed as it is, and what the function stores there under a transform is refused. The error names
+    the container and what to do (a plain dict, or registering it), not a transformer's key/value
+    cache, and what it says to do gives the derivative without remat; under plain autograd it works."""
+
+    def fn(x, entries):
+        entries["h"] = x.sin()
+        return x.exp()
+
+    def run(f, kind):
+        def loss(x):
+            entries = kind()
+            return f(x, entries).sum() * entries["h"].sum()
+
+        return loss
+
+    x = randn(3, seed=1)
+    with pytest.raises(CheckpointError, match=r"stored in a _Entries, a dict subclass that optree does not flatten") as e:
+        tf.grad(run(remat(fn), _Entries))(x)
+    assert "key/value cache" not in str(e.value)
+    assert_close(tf.grad(run(remat(fn), dict))(x), tf.grad(run(fn, _Entries))(x))
+    assert_close(derivative("backward", run(remat(fn), _Entries), x), derivative("backward", run(fn, _Entries), x))
+
+
 @pytest.mark.parametrize("how", ["grad", "vmap_grad", "backward"])
 def test_a_tensor_written_into_a_long_log_the_caller_passes_gets_its_derivative(how):
     """The list already holds more tensors than remat's walk for written tensors looks at (a log of
