@@ -1249,6 +1249,9 @@ class UserRegion(Region):
     # What a region starts with, where a run may set its own value (class attributes: a
     # region is made on every call, and each assignment in __init__ costs there).
     values_reproducible = True  # false where the forward run read memory it allocated uninitialized
+    # Did the forward run write into its argument containers with a remat'd call or checkpointed loop
+    # nested in it (whose outputs the writes cannot become outputs of the call beside: see forward_run)?
+    wrote_beside_nested = False
     retained_outputs: tuple[int, ...] = ()  # positions of the outputs fn called retain_grad() on
     retains_kept = False  # does a tensor kept outside the call retain its grad?
     plan: _aliasing.Plan | None = None
@@ -1908,9 +1911,9 @@ class UserRegion(Region):
         # The last one made: the others alive are most likely what its graph saved.
         shape = tuple(escaped[-1][1].shape)
         if not self.escapes_allowed:
-            unflattened = _unflattened_container_holding(escaped[-1][1]) if self.escapes_become_outputs else None
-            if unflattened is not None:
-                raise _stored_in_unflattened(self.name, escaped[-1][1], unflattened)
+            explained = self._escape_explained(escaped[-1][1]) if self.escapes_become_outputs else None
+            if explained is not None:
+                raise explained
             where = "in a step of a checkpointed loop" if not self.escapes_become_outputs else "under a torch.func transform"
             raise CheckpointError(
                 f"remat({self.name}): a tensor of shape {shape} that the function computed outlived the call "
@@ -2013,6 +2016,13 @@ class UserRegion(Region):
                 "remat's copy of the input it views has no graph in the caller's autograd, so a gradient "
                 "through it would be silently missing. Return it from the function, or keep a view taken "
                 "outside the call."
+                + (
+                    " (The function wrote into a list, dict or deque it was passed, with a remat'd call or a "
+                    "checkpointed loop (funckpt.scan, fori_loop, while_loop) nested in it: there remat cannot "
+                    "make such a view an output of the call, as it does without the nested one.)"
+                    if self.wrote_beside_nested
+                    else ""
+                )
             )
         return None
 
@@ -2281,6 +2291,8 @@ class UserRegion(Region):
         if self.written_copies:  # (where the run wrote into them: see _container_writes)
             if made and run.substitute is not None and not run.substitute.made_nested:
                 written = self._written_made(tensors, made, run.substitute.taint or self._taint_at_own_level, flat)
+            elif run.substitute is not None and run.substitute.made_nested:
+                self.wrote_beside_nested = True  # (for the refusal of what it wrote, under a transform)
             self.written_copies, self.written_before = [], []
         if self.saved is not None:
             self.saved.finish_forward(tuple(tensors))
@@ -2555,9 +2567,9 @@ class UserRegion(Region):
             self._refuse_escape_under_transform(alive[-1])
 
     def _refuse_escape_under_transform(self, t: torch.Tensor) -> None:
-        unflattened = _unflattened_container_holding(t)
-        if unflattened is not None:
-            raise _stored_in_unflattened(self.name, t, unflattened)
+        explained = self._escape_explained(t)
+        if explained is not None:
+            raise explained
         raise CheckpointError(
             f"remat({self.name}): a tensor of shape {tuple(t.shape)} that the function computed "
             "outlived the call other than as its return value under a torch.func transform (kept by a "
@@ -2568,6 +2580,25 @@ class UserRegion(Region):
             "Return it from the function, or detach it if it is only kept for logging (use_cache=False "
             "for a key/value cache)."
         )
+
+    def _escape_explained(self, t: torch.Tensor) -> CheckpointError | None:
+        """The refusal of ``t``, computed by the function and kept outside the call under a transform,
+        where a write into an argument container is why (one remat does not carry back), if it is."""
+        unflattened = _unflattened_container_holding(t)
+        if unflattened is not None:
+            return _stored_in_unflattened(self.name, t, unflattened)
+        if self.wrote_beside_nested:
+            return CheckpointError(
+                f"remat({self.name}): a tensor of shape {tuple(t.shape)} that the function computed outlived "
+                "the call other than as its return value under a torch.func transform, and the function wrote "
+                "into a list, dict or deque it was passed with a remat'd call or a checkpointed loop "
+                "(funckpt.scan, fori_loop, while_loop) nested in it: there remat cannot make a tensor written "
+                "into an argument an output of the call, as it does without the nested one (one kept "
+                "elsewhere, by a forward hook, a global or a module attribute, is refused as well). Return the tensor "
+                "from the function (and write it into the container outside the call), or detach it if it is "
+                "only kept for logging."
+            )
+        return None
 
     #: A region whose recomputation reaches its captured tensors as the forward run did
     #: (a loop's reversal runs its steps through other paths: it always substitutes).

@@ -3988,6 +3988,49 @@ def test_under_a_transform_a_computed_tensor_written_into_an_argument_gets_its_d
     assert_close(derivative(how, _writing(remat(fn)), x), derivative(how, _writing(fn), x))
 
 
+@pytest.mark.parametrize("nested", ["remat", "scan", "fori_loop"])
+def test_a_write_into_an_argument_beside_a_nested_call_or_loop_is_refused_naming_both(nested):
+    """Under a transform, a tensor the function computed and wrote into a list it was passed becomes an
+    output of the call, except where a remat'd call or a checkpointed loop is nested in the function:
+    the refusal says so (not a forward hook or a key/value cache), and returning the tensor instead,
+    as it says, gives the derivative without remat."""
+
+    def inner(h):
+        return h.sin() * 2
+
+    def fn(x, kept, write):
+        if nested == "remat":
+            h = remat(inner)(x)
+        elif nested == "scan":
+            h = funckpt.scan(lambda c, _: (inner(c), None), x, None, length=2)[0]
+        else:
+            h = funckpt.fori_loop(0, 2, lambda i, c: inner(c), x)
+        if write:
+            kept.append(h * 1.5)
+            return h.exp()
+        return h.exp(), h * 1.5
+
+    def written(f):
+        def loss(x):
+            kept: list = []
+            return f(x, kept, True).sum() * kept[0].sum()
+
+        return loss
+
+    def returned(f):
+        def loss(x):
+            out, k = f(x, [], False)
+            return out.sum() * k.sum()
+
+        return loss
+
+    x = randn(3, seed=1)
+    with pytest.raises(CheckpointError, match=r"wrote into a list, dict or deque it was passed with a remat'd call or a checkpointed loop") as e:
+        tf.grad(written(remat(fn)))(x)
+    assert "key/value cache" not in str(e.value)
+    assert_close(tf.grad(returned(remat(fn)))(x), tf.grad(written(fn))(x))
+
+
 class _Entries(dict):
     """A dict subclass optree does not know: a leaf to it, passed to the function as it is."""
 
