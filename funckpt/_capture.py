@@ -76,6 +76,7 @@ from ._internals import (
     VmapInterpreter,
     bottom,
     class_forward,
+    custom_function_call,
     forward_ad_level,
     fsdp2_training_state,
     has_gradient_dtype,
@@ -2216,6 +2217,7 @@ _WRITES_WHOLE = frozenset(
 
 
 _RETAIN_GRAD = torch.Tensor.retain_grad
+_CUSTOM_FUNCTION_CALL = custom_function_call
 _REGISTER_HOOK = torch.Tensor.register_hook
 #: The torch functions the substitution mode notes (by kind: the set or function above, or
 #: ``LAYOUT_DRAWS`` for a dropout whose mask depends on the layout).
@@ -2224,7 +2226,43 @@ _SPECIAL: dict[Any, Any] = {
     **{f: _UNINITIALIZED for f in _UNINITIALIZED},
     _RETAIN_GRAD: _RETAIN_GRAD,
     _REGISTER_HOOK: _REGISTER_HOOK,
+    _CUSTOM_FUNCTION_CALL: _CUSTOM_FUNCTION_CALL,
 }
+
+
+def _generators_read_by_function_class(cls: type) -> list[torch.Generator]:
+    """The ``torch.Generator`` objects a custom ``autograd.Function``'s own code reads by name (its
+    ``forward``'s, ``vmap``'s, ``jvp``'s and ``setup_context``'s globals and closure variables).
+
+    Under a torch.func transform, ``Function.apply`` is the ``custom_function_call`` operator, which
+    passes through the substitution mode: its forward's operators run in the mode's handler, where
+    the mode is off, so a generator only that forward draws from (a module-global one) is not seen
+    at its first draw (see :meth:`Substitute.watch_generators`), and its draws would not be replayed
+    (a false "did not reproduce", a wrong gradient with the check off). It is told at the call
+    instead, from what the Function's code names: its state then is still the call's. (One read
+    off an attribute, ``self.cfg.generator``, is not found: passed as an argument, it is.)"""
+    if cls.__module__.partition(".")[0] in _LIBRARY_ROOTS:
+        return []
+    found: list[torch.Generator] = []
+    for name in ("forward", "vmap", "jvp", "setup_context"):
+        fn = getattr(cls, name, None)
+        code = getattr(fn, "__code__", None)
+        if code is None:
+            continue
+        fn_globals = getattr(fn, "__globals__", {})
+        codes = [code]
+        while codes:  # (the code of the functions and lambdas defined inside it too)
+            c = codes.pop()
+            codes.extend(k for k in c.co_consts if isinstance(k, types.CodeType))
+            found.extend(v for n in c.co_names if type(v := fn_globals.get(n)) is _GENERATOR)
+        for cell in getattr(fn, "__closure__", None) or ():
+            try:
+                value = cell.cell_contents
+            except ValueError:  # (an empty cell)
+                continue
+            if type(value) is _GENERATOR:
+                found.append(value)
+    return found
 
 
 def no_hook(*args: Any) -> None:
@@ -2831,6 +2869,10 @@ class Substitute(OnThreadStack, TorchFunctionMode):
         elif special is _UNINITIALIZED:
             if compiling:  # (where Dynamo traces this handler, no tensor is followed)
                 self.uninitialized = True
+        elif special is _CUSTOM_FUNCTION_CALL:
+            if self.generator_ids is not None and not compiling and args and isinstance(args[0], type):
+                for g in _generators_read_by_function_class(args[0]):
+                    self._note_generator(g)
         elif special is _RETAIN_GRAD:
             if args and id(args[0]) in known:
                 self.retained.add(id(args[0]))

@@ -611,3 +611,66 @@ def test_in_place_dropout_of_a_non_contiguous_input_draws_as_without_remat(trans
         return torch.autograd.grad(fn(x, column_major()).sum(), x)[0]
 
     assert_as_without_remat(run, f)
+
+
+# A generator only a custom autograd.Function's forward draws from (a module global): under a
+# torch.func transform Function.apply passes through the substitution mode as one operator, whose
+# forward's draws the mode does not see; the generator is found from the Function's code instead.
+_FUNCTION_ONLY_GENERATOR = torch.Generator().manual_seed(0)
+
+
+class _ScaledByNoise(torch.autograd.Function):
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(x):
+        return x * torch.rand(x.shape, generator=_FUNCTION_ONLY_GENERATOR, dtype=x.dtype)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(inputs[0], output)
+
+    @staticmethod
+    def backward(ctx, g):
+        x, out = ctx.saved_tensors
+        return g * out / x
+
+
+@pytest.mark.parametrize("how", ["backward", "grad", "vmap_grad", "vmap_backward", "scan_vmap_grad"])
+@pytest.mark.parametrize("check", ["default", "none"])
+def test_a_generator_only_a_custom_functions_forward_draws_from_is_replayed(how, check):
+    """The remat'd function only calls the Function; its draws replay under every transform, vmap
+    too, with the gradient and the generator's state after the call as without remat."""
+    options = {} if check == "default" else {"determinism_check": "none"}
+
+    def f(x):
+        return (_ScaledByNoise.apply(x.sin()) * x).sum()
+
+    def g(c):  # (a checkpointed loop of such steps)
+        return funckpt.scan(lambda c, _: (_ScaledByNoise.apply(c.sin() + 1), None), c, None, length=3, checkpoints=2)[0].sum()
+
+    def g_plain(c):
+        for _ in range(3):
+            c = _ScaledByNoise.apply(c.sin() + 1)
+        return c.sum()
+
+    def run(fn):
+        _FUNCTION_ONLY_GENERATOR.manual_seed(0)
+        x = torch.randn(4, 6, dtype=D, generator=torch.Generator().manual_seed(1))
+        if how == "backward":
+            x.requires_grad_()
+            out = torch.autograd.grad(fn(x), x)[0]
+        elif how == "grad":
+            out = tf.grad(fn)(x)
+        elif how == "vmap_backward":
+            x.requires_grad_()
+            out = torch.autograd.grad(tf.vmap(fn, randomness="different")(x).sum(), x)[0]
+        else:
+            out = tf.vmap(tf.grad(fn), randomness="different")(x)
+        return out, _FUNCTION_ONLY_GENERATOR.get_state()
+
+    plain, remat_d = (g_plain, funckpt.remat(g, **options)) if how.startswith("scan") else (f, remat(f, **options))
+    expected, state = run(plain)
+    got, state_after = run(remat_d)
+    assert_close(got, expected)
+    assert torch.equal(state_after, state)
