@@ -823,26 +823,13 @@ class LoopRegion(UserRegion):
         :meth:`cond_again`)."""
         if cond_first:
             self.cond_again(k, carry)
-        try:
-            # Autocast as in the forward run, around the step only: its vjp runs under the
-            # backward's autocast, as the loop's would without remat.
-            # Its dropouts as at the loop's call (see _draws): a step's vjp may run it under transforms
-            # the call was not made under, or below those it was.
-            functorch = self.functorch_draws
-            drawing = Drawing(functorch, self.draws_by_layout and differs_here(functorch))
-            with _autocast.replay(self.autocast), drawing, FunctionModesBack(self.function_modes):
-                cache_was_on = _autocast.cache_off(self.autocast)
-                try:
-                    return self.loop.step(k, carry, x)
-                finally:
-                    if cache_was_on:
-                        _autocast.cache_on()
-        except CheckpointError:
-            raise
-        except Exception as e:
-            if isinstance(e, torch.OutOfMemoryError):
-                raise
-            raise self._recomputation_raised(e) from e
+        with self._as_in_the_sweep():
+            cache_was_on = _autocast.cache_off(self.autocast)
+            try:
+                return self.loop.step(k, carry, x)
+            finally:
+                if cache_was_on:
+                    _autocast.cache_on()
 
     def cond_again(self, k: int, carry: Any) -> None:
         """A while loop's ``cond`` at position ``k`` in the backward pass, for the random numbers it draws.
@@ -856,11 +843,22 @@ class LoopRegion(UserRegion):
         if self.loop.n is not None or not self.options.preserve_rng_state:
             return
         assert self.loop.go_on is not None
+        with self._as_in_the_sweep():
+            self.loop.go_on(k, carry)
+
+    @contextlib.contextmanager
+    def _as_in_the_sweep(self) -> Iterator[None]:
+        """Run a step (or a while loop's ``cond``) again in the backward pass as the forward sweep ran
+        it; what it raises that the sweep did not is a CheckpointError.
+
+        Autocast as in the forward run, around the step only: its vjp runs under the backward's
+        autocast, as the loop's would without remat. Its dropouts as at the loop's call (see _draws):
+        a step's vjp may run it under transforms the call was not made under, or below those it was."""
         try:
             functorch = self.functorch_draws
             drawing = Drawing(functorch, self.draws_by_layout and differs_here(functorch))
             with _autocast.replay(self.autocast), drawing, FunctionModesBack(self.function_modes):
-                self.loop.go_on(k, carry)
+                yield
         except CheckpointError:
             raise
         except Exception as e:
