@@ -2250,11 +2250,8 @@ def _generators_read_by_function_class(cls: type) -> list[torch.Generator]:
         if code is None:
             continue
         fn_globals = getattr(fn, "__globals__", {})
-        codes = [code]
-        while codes:  # (the code of the functions and lambdas defined inside it too)
-            c = codes.pop()
-            codes.extend(k for k in c.co_consts if isinstance(k, types.CodeType))
-            found.extend(v for n in c.co_names if type(v := fn_globals.get(n)) is _GENERATOR)
+        # (the names it and the functions and lambdas defined inside it load as globals)
+        found.extend(v for n in global_names(code) if type(v := fn_globals.get(n)) is _GENERATOR)
         for cell in getattr(fn, "__closure__", None) or ():
             try:
                 value = cell.cell_contents
