@@ -1268,16 +1268,11 @@ class UserRegion(Region):
     _recompute_context: Any = None
     autocast: Sequence[_autocast.AutocastState] = _autocast.OFF
     recompute_under_mode = False  # set when a recomputation without the mode left its inputs
-    # Under a transform: which inputs required grad at the call (None outside transforms, or
-    # where none did), and whether the forward run is under its grad level already.
-    required_grad_at_call: list[bool] | None = None
-    # Where it is set: which of them are tensors of the caller's innermost level (a module's
-    # parameter is of none; see _forward_run_at_a_grad_level).
-    of_the_innermost_level: list[bool] | None = None
+    # (Which inputs required grad at the call, and which were of its innermost level: Region's.)
     # Under a transform: was the caller's innermost level a vmap? (Then the forward run takes no
     # grad level of its own, which would change what autocast does: _forward_run_at_a_grad_level.)
     vmap_innermost_at_call = False
-    _at_a_grad_level = False
+    _at_a_grad_level = False  # is the forward run under its grad level already?
     _made_at_own_level: list[weakref.ref[torch.Tensor]] | None = None  # (during that run, what it made)
     _taint_at_own_level: Taint | None = None  # (that run's, where a forward-mode derivative flows)
     escapes_live: list[bool] | None = None  # per escaped output: held after the call? (settle_escapes)
