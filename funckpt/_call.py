@@ -162,14 +162,16 @@ def call(
     (``_compile.py`` says which and why). ``wrapped``: ``fn`` is the module a
     ``remat`` wrapper wraps, called with its own hooks only (see :class:`WrappedModuleRegion`).
     """
-    if recorded_as_the_function():
+    # (torch.compiler.is_compiling() asked once: it is two Python calls, on every remat'd call.)
+    compiling = torch.compiler.is_compiling()
+    if recorded_as_the_function(compiling):
         if not wrapped:
             return fn(*args, **kwargs)
         if torch.compiler.is_dynamo_compiling():  # (strict export; as the lowered call below takes it)
             # Dynamo cannot trace call_with_own_hooks' copy of Module._call_impl (its globals).
             return fn(*args, **kwargs) if has_own_hooks(fn) else cast(Any, fn).forward(*args, **kwargs)
         return call_with_own_hooks(fn, args, kwargs)
-    if torch.compiler.is_compiling():
+    if compiling:
         if can_lower(options):
             if wrapped and not has_own_hooks(fn):  # (its forward: the wrapper ran the global hooks)
                 return lowered_call(cast(Any, fn).forward, options, args, kwargs)
@@ -180,7 +182,7 @@ def call(
 skip_as_frame(call)
 
 
-def recorded_as_the_function() -> bool:
+def recorded_as_the_function(compiling: bool | None = None) -> bool:
     """Is a tracer recording the program's operators for a graph that runs without remat:
     ``torch.export.export`` (strict or not), ``torch.jit.trace`` (and the TorchScript-based ONNX
     export)? There a remat'd call is its function: the graph computes the same values.
@@ -190,11 +192,11 @@ def recorded_as_the_function() -> bool:
     ``jit.trace``; eager remat, a Python ``autograd.Function`` reading values, cannot read
     non-strict export's fake tensors or be traced by ``jit.trace``. The graphs torch records of
     non-reentrant ``torch.utils.checkpoint`` (non-strict export, ``jit.trace``) hold no
-    checkpoint either.
+    checkpoint either. ``compiling``: ``torch.compiler.is_compiling()``, where the caller asked it.
     """
     if torch._C._get_tracing_state() is not None:  # (jit.trace; its None test is one C call)
         return True
-    return torch.compiler.is_compiling() and exporting()
+    return (torch.compiler.is_compiling() if compiling is None else compiling) and exporting()
 
 
 @eager_under_compile

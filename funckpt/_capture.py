@@ -2040,7 +2040,8 @@ def made_by_nested_region(outputs: Sequence[Any], inputs: Sequence[Any] = ()) ->
     list) would not be seen escaping the enclosing run, and its gradient would be lost.
     Nothing is counted where the region was applied by funckpt's own work.
     """
-    if _active.internal or _is_compiling():
+    # (No run around: nothing to note, and nothing more to ask, on the common path of a call.)
+    if not _active.substitutes or _active.internal or _is_compiling():
         return
     for substitute in _active.substitutes:
         substitute.note_made(outputs, inputs)
@@ -2058,7 +2059,7 @@ def note_nested_node(ctx: Any) -> None:
     the enclosing call. The run lets go of those regions before it looks for escapes (see
     ``UserRegion.forward_run``). Weakly, so a node dropped earlier is not kept alive.
     """
-    if _is_compiling():
+    if not _active.substitutes or _is_compiling():  # (no run around: the common path of a call)
         return
     for substitute in _active.substitutes:
         if substitute.nested is not None:
@@ -2792,13 +2793,18 @@ class Substitute(OnThreadStack, TorchFunctionMode):
                     out = watch.call(func, args, kwargs or {})
                 else:
                     out = func(*args, **kwargs) if kwargs else func(*args)
+                internal = _active.internal  # (asked once the operator ran: a nested region's work sets it)
                 trail = self.trail
                 if trail is not None:  # (see _tail: the calls the run ends with)
                     self.calls += 1
-                    if func in TAIL and not kwargs and not _active.internal:
+                    if func in TAIL and not kwargs and not internal:
                         trail.append((self.calls - 1, func, args, out))
                     elif trail:
                         trail.clear()
+                if type(out) is torch.Tensor and not internal:  # (the common case of _note_made_here, inline)
+                    self.inside.add(id(out))
+                    made.append(weakref.ref(out))
+                    return out
                 return self._note_made_here(out, made)
         # Any other call: the common case (no captured tensor to swap, every tensor known or made
         # inside) builds nothing. (Here, not in a method of its own: torch 2.11's Dynamo, tracing
@@ -3082,11 +3088,13 @@ def local_graph_leaves(
     foreign = False
     seen: dict[int, Any] = {}
     stack = [t.grad_fn for t in outputs if t.grad_fn is not None]
+    pop, push = stack.pop, stack.append  # (a few thousand instructions a node: every one counts)
     while stack:
-        node = stack.pop()
-        if id(node) in seen:
+        node = pop()
+        key = id(node)
+        if key in seen:
             continue
-        seen[id(node)] = node
+        seen[key] = node
         if type(node) is AccumulateGrad:
             variable = node.variable  # type: ignore[attr-defined]  # (the leaf whose gradient it accumulates)
             if id(variable) in known:
@@ -3099,9 +3107,9 @@ def local_graph_leaves(
             if older_input is None or not older_input(number):
                 foreign = True
             continue
-        for edge in node.next_functions:
-            if edge[0] is not None:
-                stack.append(edge[0])
+        for child, _ in node.next_functions:
+            if child is not None:
+                push(child)
     return foreign, reached
 
 

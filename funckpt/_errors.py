@@ -41,6 +41,7 @@ from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+import torch.autograd.forward_ad as _fwAD
 
 from ._internals import (
     has_gradient_dtype,
@@ -334,16 +335,23 @@ def _quick(t: torch.Tensor) -> Digest | None:
     """The digest of a small contiguous float32 or float64 CPU tensor (not a lazy negative view)
     whose sum of squares keeps its dtype's precision, read through NumPy on its own memory: two
     dot products, no operator call and no grad mode to switch (see :func:`digest`), where the
-    call is all there is. ``None`` for any other (:func:`_on_cpu` takes it through torch)."""
-    if type(t) not in (torch.Tensor, torch.nn.Parameter) or t.dtype not in _CPU_RTOL or not t.is_cpu or not _NUMPY_WEIGHTS:
+    call is all there is. ``None`` for any other (:func:`_on_cpu` takes it through torch).
+
+    This runs twice per call of a small block (its output, in the forward run and in the
+    recomputation): each step is the cheapest that says it (no ``detach`` where nothing requires
+    grad, torch's own C functions called directly)."""
+    if type(t) not in _PLAIN_TYPES or not _NUMPY_WEIGHTS:
+        return None
+    dtype = t.dtype
+    if dtype not in _CPU_RTOL or not t.is_cpu:
         return None
     n = t.numel()
     if not 0 < n <= _WEIGHTED_AT_MOST or t.layout != torch.strided or not t.is_contiguous() or t.is_neg():
         return None
-    if torch._C._get_tracing_state():  # (a quantized tensor has a dtype of its own: not read here)
+    if _tracing_state():  # (a quantized tensor has a dtype of its own: not read here)
         return None
-    v = t.detach().numpy().reshape(-1)
-    if t.dtype is torch.float32:
+    v = (t.detach() if t.requires_grad else t).numpy().reshape(-1)
+    if dtype is torch.float32:
         # The squares of float32 values, summed in float64, neither over- nor underflow (nor
         # are they a NaN but of one), nor do their products with the weights: NumPy has no
         # floating-point error to report there. Its cast does, of a signaling NaN (made from
@@ -351,19 +359,19 @@ def _quick(t: torch.Tensor) -> Digest | None:
         with _numpy_errstate(invalid="ignore"):
             wide = v.astype("float64")
         squares = float(wide.dot(wide))
-        if not _SQUARES_EXACT[t.dtype] <= squares < _FLOAT32_MAX:
+        if not _SQUARES_EXACT_FLOAT32 <= squares < _FLOAT32_MAX:
             return None
         # Weighted in float64 too: a float32 product of a tiny value (a subnormal) and a weight
         # underflows, which NumPy reports (np.seterr(all="raise") makes it raise); none does here.
-        total = float(wide.dot(_NUMPY_WEIGHTS[torch.float64][:n]))
-    else:
-        with _numpy_errstate(over="ignore", invalid="ignore", under="ignore"):
-            squares = float(v.dot(v))
-            if not _SQUARES_EXACT[t.dtype] <= squares < math.inf:
-                return None
-            # (finite, of values whose squares are; a subnormal's product with a weight underflows)
-            total = float(v.dot(_NUMPY_WEIGHTS[t.dtype][:n]))
-    return Digest(None, n, _CPU_RTOL[t.dtype], (total, math.sqrt(squares)), weighted_sum=True)
+        total = float(wide.dot(_NUMPY_WEIGHTS_FLOAT64[:n]))
+        return Digest(None, n, _CPU_RTOL_FLOAT32, (total, math.sqrt(squares)), weighted_sum=True)
+    with _numpy_errstate(over="ignore", invalid="ignore", under="ignore"):
+        squares = float(v.dot(v))
+        if not _SQUARES_EXACT[dtype] <= squares < math.inf:
+            return None
+        # (finite, of values whose squares are; a subnormal's product with a weight underflows)
+        total = float(v.dot(_NUMPY_WEIGHTS_FLOAT64[:n]))
+    return Digest(None, n, _CPU_RTOL[dtype], (total, math.sqrt(squares)), weighted_sum=True)
 
 
 def _on_cpu(t: torch.Tensor) -> Digest:
@@ -460,6 +468,11 @@ _FLOAT32_MAX = torch.finfo(torch.float32).max
 #: A sum of squares at least this large keeps its dtype's precision: squares that fell below the
 #: normal range (subnormal, or zero) lose at most a relative ``eps`` of it together.
 _SQUARES_EXACT = {dtype: torch.finfo(dtype).tiny / torch.finfo(dtype).eps for dtype in (torch.float32, torch.float64)}
+_SQUARES_EXACT_FLOAT32 = _SQUARES_EXACT[torch.float32]
+_CPU_RTOL_FLOAT32 = _CPU_RTOL[torch.float32]
+_NUMPY_WEIGHTS_FLOAT64: Any = _NUMPY_WEIGHTS.get(torch.float64)  # (None without NumPy: _quick asks first)
+_PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
+_tracing_state = torch._C._get_tracing_state
 
 
 def _weights_for(n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -573,14 +586,21 @@ def digest(tensors: Sequence[torch.Tensor]) -> list[Digest | None]:
 
 def _read_now() -> bool:
     """Are CPU digests taken here read at once (:func:`_on_cpu`): no torch.func transform, forward-mode
-    level, torch-function or dispatch mode on (a traced value cannot be read), none deferred?"""
+    level, torch-function or dispatch mode on (a traced value cannot be read), none deferred?
+    (torch's C functions themselves, as ``transforms_active`` and the others call them: this runs
+    for every digest of a small output.)"""
     return not (
         DEFER_ON_CPU
-        or transforms_active()
-        or forward_ad_level() >= 0
-        or torch_function_mode_enabled()
-        or dispatch_modes_active()
+        or _functorch_transforms_active()
+        or _fwAD._current_level >= 0
+        or _torch_function_mode_enabled()
+        or _len_torch_dispatch_stack()
     )
+
+
+_functorch_transforms_active = torch._C._are_functorch_transforms_active
+_torch_function_mode_enabled = torch._C._is_torch_function_mode_enabled
+_len_torch_dispatch_stack = torch._C._len_torch_dispatch_stack
 
 
 def reproduced(forward_meta: tuple[Any, ...], forward: Digest | None, recomputed: torch.Tensor) -> bool:
