@@ -41,7 +41,15 @@ import torch
 from . import _autocast, _rng, _schedule
 from ._autograd import Phase, Region, StepVjp, Tensors, apply
 from ._call import UserRegion, finish, nothing_to_differentiate, prepare, recorded_as_the_function, run_prepared
-from ._capture import Roots, Substitute, changed_captures, local_graph_leaves, next_sequence_nr, reparametrized
+from ._capture import (
+    Roots,
+    Substitute,
+    changed_captures,
+    local_graph_leaves,
+    next_sequence_nr,
+    reparametrized,
+    tensors_inside,
+)
 from ._draws import Drawing, differs_here
 from ._errors import AUTOCAST_UNDER_TRANSFORMS_HINT, CheckpointError, Digest, check_same_values, digest, rebound_error
 from ._internals import (
@@ -554,6 +562,8 @@ class LoopRegion(UserRegion):
         # During a reversal: the differentiable tensors the step function reaches and did not at the
         # call (see reached_since_the_call), whose use its steps run again refuse (see substituted).
         self.reached: list[torch.Tensor] = []
+        # During the forward run, the non-tensor leaves the loop returned (see _refuse_hidden_tensors).
+        self._returned_leaves: tuple[Any, ...] = ()
 
     # ---------------------------------------------------------------- the runs
 
@@ -573,7 +583,10 @@ class LoopRegion(UserRegion):
 
     def forward_run(self, flat: Tensors) -> Tensors:
         self._inputs = flat
-        out = super().forward_run(flat)
+        try:
+            out = super().forward_run(flat)
+        finally:
+            self._returned_leaves = ()
         if self.snapshots and any(self.differentiable):  # (with nothing to differentiate, nothing runs again)
             self._undo_writes(flat)
             raise CheckpointError(
@@ -601,8 +614,38 @@ class LoopRegion(UserRegion):
                 else:
                     flat[i].copy_(before)
 
+    def _refuse_hidden_tensors(self, leaves: tuple[Any, ...], plain_autograd: bool) -> None:
+        """As remat's, and the leaves the loop returned are kept for the rest of the forward run.
+
+        The sweep runs without grad, so a tensor a step returns inside a type optree does not
+        flatten (a carry of a plain dataclass) does not require grad there and passes remat's
+        check; its computation from the differentiable inputs is found afterwards, as a tensor
+        kept outside the call, and :meth:`_refuse_escape_under_transform` then names the type."""
+        super()._refuse_hidden_tensors(leaves, plain_autograd)
+        self._returned_leaves = leaves
+
+    def _unflattened_leaf_holding(self, t: torch.Tensor) -> Any:
+        """A leaf of what the loop returned (its carry, its ys) that optree does not flatten and that
+        holds ``t``, if one does (asked only to word a refusal)."""
+        for leaf in self._returned_leaves:
+            if leaf is None or isinstance(leaf, (str, bytes, int, float, complex, torch.dtype, torch.device)):
+                continue
+            if any(u is t for u in tensors_inside(leaf)):
+                return leaf
+        return None
+
     def _refuse_escape_under_transform(self, t: torch.Tensor) -> None:
         api = self.loop.api
+        holder = self._unflattened_leaf_holding(t)
+        if holder is not None:
+            kind = type(holder).__qualname__
+            raise CheckpointError(
+                f"{api}({self.name}): a step returned a tensor of shape {tuple(t.shape)} inside a {kind} in its "
+                f"carry, a type optree does not flatten, so the loop passes the {kind} along as it is and a "
+                f"gradient through the tensor would be silently missing. Register {kind} as a pytree node "
+                f"(optree.register_pytree_node({kind}, flatten_fn, unflatten_fn, namespace='funckpt')), or "
+                "carry the tensor in a tuple, list, dict or namedtuple."
+            )
         where = "its step or its cond" if api == "while_loop" else "its step"
         keep = "from the step, as its y (scan stacks the ys)" if api == "scan" else "in the carry (or use scan, and return it as its y)"
         raise CheckpointError(

@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 
 import numpy as np
+import optree
 import pytest
 import torch
 import torch.func as tf
@@ -1375,6 +1376,55 @@ def test_a_step_may_keep_what_carries_no_gradient(checkpoints, what, route):
     got = _KEEPING_ROUTES[route](_loop_keeping(what, "scan", checkpoints, xs, c0), w)
     assert_close(got, _KEEPING_ROUTES[route](_loop_keeping(what, "python", checkpoints, xs, c0), w))
 
+
+
+class _PlainState:
+    """A carry type optree does not flatten (a dataclass nobody registered): a leaf to the loop."""
+
+    def __init__(self, h, n):
+        self.h, self.n = h, n
+
+
+class _RegisteredState(_PlainState):
+    pass
+
+
+optree.register_pytree_node(
+    _RegisteredState, lambda s: ((s.h, s.n), None), lambda _, children: _RegisteredState(*children), namespace="funckpt"
+)
+
+
+@pytest.mark.parametrize("route", list(_KEEPING_ROUTES))
+@pytest.mark.parametrize("loop", ["scan", "fori_loop", "while_loop"])
+@pytest.mark.parametrize("checkpoints", [None, 2])
+def test_a_carry_of_a_type_optree_does_not_flatten_is_named(checkpoints, loop, route):
+    """A step returning its new tensor inside an object optree does not flatten (a plain class, an
+    unregistered dataclass) hands the loop a leaf it passes along as it is, so the gradient through
+    that tensor would be missing. Refused naming the type and how to register it (it said to return
+    the tensor in the carry, where it was); registered, the loop equals the Python loop."""
+    w, _, xs, c0 = make(n=4)
+
+    def loss(w, kind, looped):
+        def body(s):
+            return kind(torch.tanh(s.h @ w + xs[s.n]), s.n + 1)
+
+        init = kind(c0, 0)
+        if not looped:
+            s = init
+            for _ in range(len(xs)):
+                s = body(s)
+        elif loop == "scan":
+            s, _ = funckpt.scan(lambda s, x: (body(s), None), init, xs, checkpoints=checkpoints)
+        elif loop == "fori_loop":
+            s = funckpt.fori_loop(0, len(xs), lambda i, s: body(s), init, checkpoints=checkpoints)
+        else:
+            s = funckpt.while_loop(lambda s: s.n < len(xs), body, init, checkpoints=checkpoints)
+        return s.h.pow(2).sum()
+
+    with pytest.raises(funckpt.CheckpointError, match=r"(?s)inside a _PlainState.*optree.register_pytree_node\(_PlainState"):
+        _KEEPING_ROUTES[route](functools.partial(loss, kind=_PlainState, looped=True), w)
+    got = _KEEPING_ROUTES[route](functools.partial(loss, kind=_RegisteredState, looped=True), w)
+    assert_close(got, _KEEPING_ROUTES[route](functools.partial(loss, kind=_RegisteredState, looped=False), w))
 
 
 @pytest.mark.parametrize("loop", ["fori_loop", "while_loop"])
