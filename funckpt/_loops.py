@@ -564,6 +564,10 @@ class LoopRegion(UserRegion):
         self.reached: list[torch.Tensor] = []
         # During the forward run, the non-tensor leaves the loop returned (see _refuse_hidden_tensors).
         self._returned_leaves: tuple[Any, ...] = ()
+        # During the forward sweep: the carry the last step returned with its tensors' versions, and
+        # the first step that wrote into its carry in place (see _watch_carry_writes).
+        self._sweep_carry: tuple[list[torch.Tensor], list[int]] | None = None
+        self._carry_written: int | None = None
 
     # ---------------------------------------------------------------- the runs
 
@@ -583,11 +587,19 @@ class LoopRegion(UserRegion):
 
     def forward_run(self, flat: Tensors) -> Tensors:
         self._inputs = flat
+        self._carry_written = None
         try:
             out = super().forward_run(flat)
         finally:
-            self._returned_leaves = ()
-        if self.snapshots and any(self.differentiable):  # (with nothing to differentiate, nothing runs again)
+            self._returned_leaves, self._sweep_carry = (), None
+        if not any(self.differentiable):  # (with nothing to differentiate, nothing runs again)
+            return out
+        assert self.carry_slots is not None
+        init_index = set(self.arg_index[: len(self.carry_slots.tensor_positions)])
+        if any(i in init_index for i in self.snapshots):
+            self._undo_writes(flat)
+            raise self._carry_written_error(0)
+        if self.snapshots:
             self._undo_writes(flat)
             raise CheckpointError(
                 f"{self.loop.api}({self.name}): a step modified one of the loop's inputs in place (for example a "
@@ -716,11 +728,37 @@ class LoopRegion(UserRegion):
             y_tensors, y_slots = flatten(y)
             y = y_slots.fill(_stood_in(y_tensors, self._stand_ins))
         if self._forward:
+            self._watch_carry_writes(k, tensors)
             outputs = _step_outputs(new, y)
             self.step_metas.append([(t.shape, t.dtype) for t in outputs])
             if self._compares_values():
                 self.step_digests.append(digest(outputs))
         return new, y
+
+    def _carry_written_error(self, k: int) -> CheckpointError:
+        where = "its cond or step" if self.loop.api == "while_loop" else "step"
+        return CheckpointError(
+            f"{self.loop.api}({self.name}): {where} {k} modified its carry in place (a tensor the "
+            f"{'previous step returned' if k else 'loop was given as its initial carry'}: `i += 1`, "
+            "`h.mul_(...)`, `c[j] = ...` on a carry tensor). A checkpointed loop keeps carries and runs steps "
+            "again from them in the backward pass, and differentiates each step at its input carry, which "
+            "such a write changes. Compute the new carry out of place (`i = i + 1`, `h = h * ...`, "
+            "`torch.where`, `index_put`), or clone the carry in the step before writing into it (`h = h.clone()`)."
+        )
+
+    def _watch_carry_writes(self, k: int, tensors: list[torch.Tensor]) -> None:
+        """In the forward sweep: note the first step ``k`` that wrote into the carry the step before
+        returned (its version counter moved; the initial carry's writes are the write watch's), which
+        :meth:`own_vjp` refuses. Such a write also changes that carry where the sweep kept it (a
+        detached alias), and the steps run again from it in the backward pass would compute another
+        thing: a refusal that blamed the step's determinism, or none where values are not compared
+        (``preserve_rng_state=False``), a silently wrong gradient. (Forward mode and a vmap run the
+        loop whole, as the Python loop, where such a write is as harmless as there.)"""
+        if self._sweep_carry is not None and self._carry_written is None:
+            before, versions = self._sweep_carry
+            if _versions(before) != versions:
+                self._carry_written = k
+        self._sweep_carry = (tensors, _versions(tensors))
 
     def _hook_in_sweep(self, k: int, where: str = "step") -> CheckpointError:
         """The error for a step (or a while loop's cond) that registers a hook (``h.register_hook``)
@@ -806,7 +844,7 @@ class LoopRegion(UserRegion):
             self.n_steps = k
             self._online = online
         self.kept, self.prefix = kept, prefix
-        self._sweep_kept = None
+        self._sweep_kept = self._sweep_carry = None
         tensors, _ = flatten(carry)
         self.n_carry = len(tensors)
         stacked = self._stacked(ys)
@@ -974,6 +1012,8 @@ class LoopRegion(UserRegion):
         advancing: Callable[[], contextlib.AbstractContextManager[Any]],
         step_vjp: StepVjp,
     ) -> list[torch.Tensor | None] | None:
+        if self._carry_written is not None:
+            raise self._carry_written_error(self._carry_written)
         reached, self.reached = self.reached, self.reached_since_the_call()
         hidden = hide_saved_tensors_hooks()  # (the steps' graphs are the loop's internals, as in its runs)
         try:
@@ -1062,6 +1102,15 @@ class StepRegion(Region):
         foreign, _ = local_graph_leaves(outputs, (), first_node, lambda leaf: id(leaf) not in mapping, older_input)
         if foreign:
             raise self.region.unrouted()
+
+
+def _versions(tensors: list[torch.Tensor]) -> list[int]:
+    """The tensors' version counters (-1 for an inference tensor, which has none: nothing outside
+    inference mode can write it)."""
+    try:
+        return [t._version for t in tensors]
+    except RuntimeError:  # (an inference tensor: rare, so asked only then)
+        return [-1 if t.is_inference() else t._version for t in tensors]
 
 
 def _step_outputs(carry: Any, y: Any) -> list[torch.Tensor]:

@@ -1427,6 +1427,93 @@ def test_a_carry_of_a_type_optree_does_not_flatten_is_named(checkpoints, loop, r
     assert_close(got, _KEEPING_ROUTES[route](functools.partial(loss, kind=_RegisteredState, looped=False), w))
 
 
+def _counting_loss(w, h, looped, checkpoints=None, preserve_rng_state=True, clone_first=True, i0=None):
+    """A loss through a scan whose step counts its steps in an integer tensor of its carry, ``i += 1``:
+    in place into the carry the step before returned, and into the initial carry ``i0`` unless the
+    first step clones it (``clone_first``)."""
+
+    def step(c, x):
+        h, i, first = c
+        if first and clone_first:
+            i = i.clone()
+        i += 1
+        return (torch.tanh(h * w[i] + x), i, False), None
+
+    i0 = torch.tensor(0) if i0 is None else i0
+    init, xs = (h, i0, True), torch.linspace(0, 1, 6, dtype=D)[:, None].expand(6, 3)
+    if looped:
+        (h, _, _), _ = funckpt.scan(step, init, xs, checkpoints=checkpoints, preserve_rng_state=preserve_rng_state)
+    else:
+        c = init
+        for x in xs:
+            c, _ = step(c, x)
+        h = c[0]
+    return h.pow(2).sum()
+
+
+@pytest.mark.parametrize("route", list(_KEEPING_ROUTES))
+@pytest.mark.parametrize("preserve_rng_state", [True, False])
+@pytest.mark.parametrize("checkpoints", [None, 2])
+def test_a_step_writing_into_the_carry_the_step_before_returned_is_refused(checkpoints, preserve_rng_state, route):
+    """A step writing into its carry in place (``i += 1``) changes the carry where the loop keeps it,
+    and the steps run again from it in the backward pass compute something else: refused, saying
+    to compute the new carry out of place. (It raised that the step was not deterministic, or an
+    in-place error of the step's recomputation, and with ``preserve_rng_state=False``, where the
+    steps run again are not compared, gave a silently wrong gradient.)"""
+    w, h = torch.randn(20, 3, dtype=D), torch.randn(3, dtype=D)
+
+    def loss(w):
+        return _counting_loss(w, h, True, checkpoints, preserve_rng_state)
+
+    with pytest.raises(funckpt.CheckpointError, match="step 1 modified its carry in place.*out of place"):
+        _KEEPING_ROUTES[route](loss, w)
+
+
+@pytest.mark.parametrize("checkpoints", [None, 2])
+def test_a_carry_leaf_made_in_inference_mode_is_passed_along(checkpoints):
+    """An inference tensor (no version counter) in the carry, passed on by every step, as the
+    Python loop passes it (the watch for writes into the carry read its version counter, and raised)."""
+    with torch.inference_mode():
+        scale = torch.full((3,), 0.5, dtype=D)
+    w, c0, xs = torch.randn(3, 3, dtype=D), torch.randn(3, dtype=D), torch.randn(4, 3, dtype=D)
+
+    def loss(w, looped):
+        def step(c, x):
+            h, s = c
+            return (torch.tanh(h @ w + x) * s, s), None
+
+        if looped:
+            (h, _), _ = funckpt.scan(step, (c0, scale), xs, checkpoints=checkpoints)
+        else:
+            c = (c0, scale)
+            for x in xs:
+                c, _ = step(c, x)
+            h = c[0]
+        return h.pow(2).sum()
+
+    assert_close(tf.grad(loss)(w, True), tf.grad(loss)(w, False))
+
+
+@pytest.mark.parametrize("checkpoints", [None, 2])
+def test_a_step_writing_into_its_carry_runs_where_no_step_runs_again(checkpoints):
+    """Forward mode and vmap run the loop whole, as the Python loop does: the write is harmless there."""
+    w, h, hs = torch.randn(20, 3, dtype=D), torch.randn(3, dtype=D), torch.randn(2, 3, dtype=D)
+
+    def run(looped):
+        jacobians = tf.jacfwd(_counting_loss, argnums=(0, 1))(w, h, looped, checkpoints)
+        return jacobians, tf.vmap(_counting_loss, in_dims=(None, 0, None, None))(w, hs, looped, checkpoints)
+
+    assert_close(run(True), run(False))
+
+
+@pytest.mark.parametrize("checkpoints", [None, 2])
+def test_a_step_writing_into_the_initial_carry_is_refused_and_leaves_it_as_it_was(checkpoints):
+    w, h, i0 = torch.randn(20, 3, dtype=D, requires_grad=True), torch.randn(3, dtype=D), torch.tensor(0)
+    with pytest.raises(funckpt.CheckpointError, match="step 0 modified its carry in place.*initial carry"):
+        _counting_loss(w, h, True, checkpoints, clone_first=False, i0=i0)
+    assert i0.item() == 0
+
+
 @pytest.mark.parametrize("loop", ["fori_loop", "while_loop"])
 def test_a_kept_tensor_is_told_by_the_loop_that_keeps_it(loop):
     """The refusal names the loop the user called (not remat) and, where the loop has no y, says to
