@@ -125,8 +125,9 @@ def recomputation(n: int, checkpoints: tuple[int, ...]) -> dict[int, tuple[int, 
         forward = cell.calls
         carry.sum().backward()
         extra = cell.calls - forward - n
-        # the optimum counts the forward sweep's n - 1 steps, which the forward pass runs
-        optimum = _schedule.binomial_advances(n, c) - (n - 1)
+        # the forward pass runs the n steps, and the backward pass starts from the carry after the
+        # last: the optimum of n + 1 steps whose last reversal is free, less the forward pass's n
+        optimum = _schedule.binomial_advances(n + 1, c) - n
         out[c] = (extra, optimum)
     return out
 
@@ -200,9 +201,9 @@ def run(small: bool = False) -> str:
             f"{plain_peak:.0f} ({plain_peak / log_peak:.0f}x).",
             "",
             f"Steps run again in the backward pass beyond the n reversals, n = {30 if small else SWEEP_N}:",
-            "measured, and Griewank and Walther's optimum for the same number of checkpoints (the",
-            "executor also runs from the last kept carry to the last step, which the forward pass",
-            "computed without keeping):",
+            "measured, and Griewank and Walther's optimum for the same number of checkpoints (of",
+            "n + 1 steps whose last reversal is free: the forward pass runs the n steps, and the",
+            "backward pass starts from the carry after the last):",
             "",
             table(["checkpoints", "measured", "optimum", "ratio"], sweep_rows),
             "",

@@ -451,8 +451,22 @@ class Loop:
         self.api = api  # the function that made it (scan, fori_loop, while_loop), for errors
 
     def schedule(self, n: int) -> list[_schedule.Action]:
-        """The whole schedule for ``n`` steps (known in advance)."""
+        """The whole schedule for ``n`` steps (known in advance) from the loop's start, nothing kept:
+        a replay's (see :meth:`LoopRegion.backward_actions`)."""
         return _schedule.binomial(n, self.checkpoints) if self.checkpoints is not None else _every_step(n)
+
+    def sweep_schedule(self, n: int) -> list[_schedule.Action]:
+        """The schedule whose forward sweep the forward pass runs and whose rest the backward pass runs.
+
+        The forward pass runs all ``n`` steps (the loop's result is the carry after the last), so
+        its backward pass starts from position ``n``; ``binomial(n, c)`` starts reversing at
+        position ``n - 1``, which it reaches without keeping it, and the backward pass would run
+        again the steps from the last carry kept to ``n - 1`` (one more step than the optimum, or
+        none; with ``checkpoints >= n``, one step run again where none need be). This is the
+        binomial schedule of ``n + 1`` steps: its forward sweep runs the ``n`` steps, its first
+        reversal, ``Reverse(n)``, costs nothing (the result's cotangent is that of the carry at
+        ``n``), and it advances the optimum ``t(n + 1, c)`` steps in all, as ``Online`` does."""
+        return _schedule.binomial(n + 1, self.checkpoints) if self.checkpoints is not None else _every_step(n)
 
     def online(self) -> _schedule.Online | EveryStep:
         """The schedule that decides as the loop goes (a while loop's)."""
@@ -808,8 +822,8 @@ class LoopRegion(UserRegion):
         # (A carry of containers the first step may write into, as in JAX its own: not the run's
         # argument, which outlives the sweep, and would keep what the step wrote there.)
         carry = self.carry_slots.fill(tensors)
-        if loop.n is not None:  # known number of steps: the binomial schedule's forward sweep, then the last step
-            actions = loop.schedule(loop.n) if loop.n > 0 else []
+        if loop.n is not None:  # known number of steps: the schedule's forward sweep, then any step it leaves
+            actions = loop.sweep_schedule(loop.n) if loop.n > 0 else []
             for action in actions:
                 if isinstance(action, _schedule.Reverse):
                     break
@@ -822,8 +836,7 @@ class LoopRegion(UserRegion):
                     for k in range(action.start, action.stop):
                         carry, y = self._call_step(k, carry, xs)
                         ys.append(y)
-            k = len(ys)
-            if loop.n > 0:
+            for k in range(len(ys), loop.n):  # (checkpoints=None: the last step)
                 carry, y = self._call_step(k, carry, xs)
                 ys.append(y)
             self.n_steps = loop.n
@@ -1032,10 +1045,12 @@ class LoopRegion(UserRegion):
         if n == 0:
             return []
         if self.loop.n is not None:
-            actions = self.loop.schedule(n)
             if replay:
-                return actions
+                return self.loop.schedule(n)
+            actions = self.loop.sweep_schedule(n)
             first = next(i for i, a in enumerate(actions) if isinstance(a, _schedule.Reverse))
+            if actions[first] == _schedule.Reverse(n):  # (the carry at n is the result: nothing to do)
+                first += 1
             return actions[first:]
         assert self._online is not None
         rest = self._online.reverse(n)
