@@ -4,8 +4,9 @@
 every remat'd call inside it, and lists the tensors those calls keep for the
 backward pass: their inputs (arguments, captured tensors, module parameters)
 and the values their saving policies keep (with the operator, or the
-:func:`~funckpt.checkpoint_name`, that produced them). Memory held by the rest
-of the program (un-remat'd code) is not listed.
+:func:`~funckpt.checkpoint_name`, that produced them); for a checkpointed loop
+(``scan``, ``fori_loop``, ``while_loop``), the carries it keeps as well. Memory
+held by the rest of the program (un-remat'd code) is not listed.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from typing import Any, Protocol
 
 import optree
 import torch
+
+from ._internals import bottom, storage_of
 
 
 
@@ -45,7 +48,9 @@ class Residual:
     """
 
     region: str  #: the remat'd function's name
-    kind: str  #: ``"input"`` or ``"saved by policy"`` (offloaded ones too: see ``offloaded``)
+    #: ``"input"``, ``"saved by policy"`` (offloaded ones too: see ``offloaded``) or, for a checkpointed
+    #: loop, ``"carry kept by the loop"``
+    kind: str
     source: str  #: where it comes from: an argument path, a parameter name, an operator or a name
     shape: tuple[int, ...]
     dtype: torch.dtype
@@ -119,7 +124,31 @@ def _collect(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, An
                     residuals.append(_residual(region.name, "saved by policy", source, t, offloaded))
             if saved.choice is not None:
                 notes.append(f"{region.name}: {saved.choice.summary()}")
+        for position, t in _kept_carries(region, inputs):
+            residuals.append(_residual(region.name, "carry kept by the loop", f"carry before step {position}", t))
     return residuals, notes
+
+
+def _kept_carries(region: Any, inputs: tuple[torch.Tensor, ...]) -> list[tuple[int, torch.Tensor]]:
+    """The tensors of the carries a checkpointed loop keeps for its backward pass (``LoopRegion.kept``,
+    by position: every carry with ``checkpoints=None``, at most ``checkpoints`` of them otherwise),
+    each storage once and none its inputs hold (the initial carry, a tensor a step passes on as it is)."""
+    kept = getattr(region, "kept", None)
+    if not kept:
+        return []
+
+    def storage(t: torch.Tensor) -> int:
+        found = storage_of(bottom(t))
+        return id(t) if found is None else found
+
+    seen = {storage(t) for t in inputs}
+    carries = []
+    for position in sorted(kept):
+        for t in kept[position].tensors:
+            if storage(t) not in seen:
+                seen.add(storage(t))
+                carries.append((position, t))
+    return carries
 
 
 def _residual(region: str, kind: str, source: str, t: torch.Tensor, offloaded: bool = False) -> Residual:

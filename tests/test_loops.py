@@ -402,6 +402,39 @@ def test_memory_held_between_passes_is_c_carries_whatever_n():
     assert every >= 60 * carry_bytes, every / carry_bytes
 
 
+@pytest.mark.parametrize("loop", ["scan", "fori_loop", "while_loop"])
+@pytest.mark.parametrize("checkpoints", [None, 1, 3, 50])
+def test_saved_residuals_list_the_carries_a_loop_keeps(loop, checkpoints):
+    """``saved_residuals`` lists what a loop keeps between the passes: its inputs and the carries its
+    schedule keeps (every one with ``checkpoints=None``: it listed the inputs alone), each once, the
+    initial carry as the input it is. As many bytes as the loop holds beyond its inputs."""
+    n, width = 12, 64
+    w = (torch.eye(width) * 0.5).requires_grad_()
+    c0 = torch.randn(8, width, requires_grad=True)
+
+    def run():
+        step = lambda c: torch.tanh(c @ w) + c  # noqa: E731
+        if loop == "scan":
+            return funckpt.scan(lambda c, _: (step(c), None), c0, None, length=n, checkpoints=checkpoints)[0]
+        if loop == "fori_loop":
+            return funckpt.fori_loop(0, n, lambda i, c: step(c), c0, checkpoints=checkpoints)
+        return funckpt.while_loop(lambda c: True, step, c0, max_steps=n, checkpoints=checkpoints)
+
+    residuals = funckpt.saved_residuals(run)
+    inputs = [r for r in residuals if r.kind == "input"]
+    carries = [r for r in residuals if r.kind == "carry kept by the loop"]
+    assert len(inputs) + len(carries) == len(residuals)
+    assert len(inputs) == 2  # c0 and w
+    kept = n - 1 if checkpoints is None else min(checkpoints, n) - 1  # (the initial carry: an input)
+    assert 0 < len(carries) <= kept if kept else not carries
+    if checkpoints is None or checkpoints >= n:
+        assert len(carries) == kept
+    assert len({r.source for r in carries}) == len(carries)
+    assert all(r.shape == tuple(c0.shape) and r.nbytes == c0.numel() * c0.element_size() for r in carries)
+    held = held_bytes(run)
+    assert held >= sum(r.nbytes for r in carries)
+
+
 def test_peak_memory_is_bounded_by_checkpoints_not_steps():
     width = 256
     carry_bytes = 64 * width * 4
