@@ -782,10 +782,12 @@ def check_same_values(
     traces: tuple[Sequence[str], Sequence[str]] | None,
     kept_from: int | None = None,
     frontier: bool = False,
+    step: int | None = None,
 ) -> None:
     """Raise :class:`CheckpointError` if a recomputed output's values differ from the forward run's
     (``kept_from``: as for :func:`check_same_outputs`; ``frontier``: the digests are of the tensors
-    the function's last calls read, whose recomputation was skipped, see ``_tail``).
+    the function's last calls read, whose recomputation was skipped, see ``_tail``; ``step``: they
+    are of what step ``step`` of a checkpointed loop returned, the loop ``name``).
 
     On an accelerator, inside a backward pass, the comparison waits for the end of
     that backward: reading the digests is a host synchronisation, and one at the end
@@ -793,7 +795,7 @@ def check_same_values(
     kernels. The error is then raised by the backward call itself, as any other is.
     """
     if not DEFER_ON_CPU and _all_read(forward) and _all_read(recomputed):  # the common case: compare now
-        _compare(name, forward, recomputed, traces, kept_from, frontier)
+        _compare(name, forward, recomputed, traces, kept_from, frontier, step)
         return
     task = current_graph_task_id()
     on_device = any(d is not None and d.stats is not None and not d.stats[0].is_cpu for d in (*forward, *recomputed))
@@ -802,13 +804,13 @@ def check_same_values(
             pending = _deferred.get(task)
             if pending is None:
                 pending = _deferred[task] = _Pending()
-            pending.checks.append((name, forward, recomputed, traces, kept_from, frontier))
+            pending.checks.append((name, forward, recomputed, traces, kept_from, frontier, step))
         # One callback per check: the first to run compares everything pending for this task
         # (one host synchronisation), the others find nothing; a check deferred after that
         # one ran (by a later callback) still has its own.
         queue_engine_callback(lambda: _check_deferred(task, pending))
         return
-    _compare(name, forward, recomputed, traces, kept_from, frontier)
+    _compare(name, forward, recomputed, traces, kept_from, frontier, step)
 
 
 def _all_read(digests: Sequence[Digest | None]) -> bool:
@@ -834,6 +836,7 @@ def _compare(
     traces: tuple[Sequence[str], Sequence[str]] | None,
     kept_from: int | None = None,
     frontier: bool = False,
+    step: int | None = None,
 ) -> None:
     differing = differing_digests(forward, recomputed)
     if not differing:
@@ -849,8 +852,10 @@ def _compare(
         else ""
     )
     total = "position-weighted sum" if a.weighted_sum else "sum"
+    # A loop's step (its determinism_check and debug are remat's options: a loop takes neither).
+    head = f"remat({name}): {the_recomputation()}" if step is None else f"{name}: step {step}, run again in the backward pass,"
     message = (
-        f"remat({name}): {the_recomputation()} did not reproduce the forward pass: "
+        f"{head} did not reproduce the forward pass: "
         f"{'an intermediate tensor its last operations read' if frontier else _output_words(i, kept_from)} has other values ({total} {s_f:.6g}, norm {n_f:.6g} in the forward pass; "
         f"{total} {s_r:.6g}, norm {n_r:.6g} in the recomputation{weighted})"
         + (f", and {len(differing) - 1} more {'tensor' if frontier else 'output'}(s) differ" if len(differing) > 1 else "")
@@ -864,6 +869,6 @@ def _compare(
         "models draw their SpecAugment masks from numpy in training mode, so remat their encoder layers, "
         "not the whole model)."
         + (KEPT_HINT if kept_from is not None and any(j >= kept_from for j in differing) else "")
-        + " Pass determinism_check='none' to skip this check."
+        + (" Pass determinism_check='none' to skip this check." if step is None else "")
     )
-    raise CheckpointError(_with_traces(message, traces))
+    raise CheckpointError(_with_traces(message, traces) if step is None else message)

@@ -806,7 +806,7 @@ class LoopRegion(UserRegion):
             )
         if k < len(self.step_digests) and self._compares_values():
             try:
-                check_same_values(f"{self.loop.api}({self.name})", self.step_digests[k], digest(outputs), None)
+                check_same_values(f"{self.loop.api}({self.name})", self.step_digests[k], digest(outputs), None, step=k)
             except CheckpointError as e:
                 if self.autocast is _autocast.OFF or not transforms_active():
                     raise
