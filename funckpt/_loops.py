@@ -749,6 +749,12 @@ class LoopRegion(UserRegion):
                 self.step_digests.append(digest(outputs))
         return new, y
 
+    def _recomputation_message(self, e: Exception) -> str:
+        """remat's message for what a step (or a while loop's cond) run again raised, naming the loop."""
+        message = super()._recomputation_message(e)
+        remat = f"remat({self.name}): "
+        return f"{self.loop.api}({self.name}): " + message[len(remat) :] if message.startswith(remat) else message
+
     def _carry_written_error(self, k: int) -> CheckpointError:
         where = "its cond or step" if self.loop.api == "while_loop" else "step"
         return CheckpointError(

@@ -1270,6 +1270,23 @@ def test_a_loops_errors_name_the_loop_function():
         funckpt.fori_loop(0, 3, body, torch.ones(3, dtype=D).requires_grad_() * 1, checkpoints=2)
 
 
+@pytest.mark.parametrize("checkpoints", [None, 2])
+def test_what_a_step_run_again_raises_is_told_by_the_loop(checkpoints):
+    """A step that raises when run again in the backward pass (and did not in the forward pass) is
+    told as the loop's, not as remat's (it said ``remat(body)``), the exception's type kept."""
+    calls = []
+
+    def body(i, c):
+        calls.append(i)
+        if len(calls) > 3:
+            raise ValueError("boom")
+        return c.sin()
+
+    c = funckpt.fori_loop(0, 3, body, torch.ones(3, dtype=D, requires_grad=True), checkpoints=checkpoints)
+    with pytest.raises(ValueError, match=r"^fori_loop\(body\): .*raised ValueError: boom"):
+        c.sum().backward()
+
+
 def test_a_carry_leaf_that_becomes_a_tensor_is_named():
     """``scan(f, 0, xs)`` with a step returning a tensor carry (JAX's weakly typed ``init=0``): the
     error names the leaf and says to start from a tensor, not two identical structures."""
