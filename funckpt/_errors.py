@@ -697,7 +697,13 @@ def _agree(
 
 
 _Check = tuple[
-    str, Sequence["Digest | None"], Sequence["Digest | None"], "tuple[Sequence[str], Sequence[str]] | None", "int | None", bool
+    str,
+    Sequence["Digest | None"],
+    Sequence["Digest | None"],
+    "tuple[Sequence[str], Sequence[str]] | None",
+    "int | None",
+    bool,
+    "int | None",  # (the loop's step, see check_same_values)
 ]
 
 
