@@ -148,6 +148,11 @@ class Region:
     #: The vmap level its forward run drew random numbers at, per example (see
     #: :func:`_forward_alone_at_vmap`): its vjp at that level recomputes per example.
     drew_at_level: int | None = None
+    #: Where the call, made at a grad level, was lowered into plain autograd and its forward run took a
+    #: grad level of its own (see ``funckpt._call.UserRegion._forward_run_at_a_grad_level``): the inputs
+    #: that were its primals. A recomputation in plain autograd runs under one too
+    #: (:func:`_recomputed_at_the_forward_runs_level`). ``None``: no such level.
+    primals_of_own_level: list[int] | None = None
 
     def run(self, flat: Tensors, phase: Phase) -> Tensors:
         raise NotImplementedError
@@ -222,6 +227,7 @@ class _SomeOutputs(Region):
     def __init__(self, base: Region, keep: Sequence[int]) -> None:
         self.base, self.keep, self.name = base, tuple(keep), base.name
         self.retained_grads = base.retained_grads
+        self.primals_of_own_level = base.primals_of_own_level  # (set by the base's forward run)
         self._all: Tensors = ()  # the base's outputs, where some retain their grad
 
     def run(self, flat: Tensors, phase: Phase) -> Tensors:
@@ -648,6 +654,29 @@ def _recomputed_at_the_call_grad_level(region: Region, flat: Tensors) -> Tensors
     return tuple(cast(Any, torch.func.vjp(run, *(flat[i] for i in wrt), has_aux=True))[2])
 
 
+def _recomputed_at_the_forward_runs_level(region: Region, leaves: Tensors, wrt: Sequence[int]) -> Tensors:
+    """``region``'s recomputation in plain autograd, under a ``torch.func.vjp`` level of its own whose
+    primals are the inputs at ``wrt``, as its forward run had (a call under ``grad(f)``, lowered into
+    plain autograd, whose function reads a module's parameter: see ``primals_of_own_level``).
+
+    Differentiated at the base level (a gradient penalty, or an output computed from the parameter
+    alone, after the transform), the recomputation would otherwise see a tensor computed from the
+    parameter alone require grad where the forward run (and the function without remat) saw it
+    require none. The level's wrappers pass the operators down to plain autograd, which records the
+    graph from the local leaves as it does without the level: the outputs, taken back as the vjp's
+    aux, carry it, and the vjp function (that level's graph) is dropped.
+    """
+    def run(*xs: torch.Tensor) -> tuple[Tensors, Tensors]:
+        full = at_the_top_level(leaves)  # (the others join the level too: see at_the_top_level)
+        for i, x in zip(wrt, xs):
+            full[i] = x
+        outs = region.run(tuple(full), Phase.RECOMPUTE)
+        floating = tuple(o for o in outs if has_gradient_dtype(o))  # (vjp takes floating outputs only)
+        return floating or (xs[0] * 0,), outs
+
+    return tuple(cast(Any, torch.func.vjp(run, *(leaves[i] for i in wrt), has_aux=True))[2])
+
+
 # --------------------------------------------------------------------- the vjp itself
 
 
@@ -665,7 +694,12 @@ def vjp(
         if own is not None:
             return own
     wrt = [i for i, need in enumerate(needs) if need]
-    if peek_interpreter_stack() is None:
+    own_level = region.primals_of_own_level
+    # (A call lowered out of a grad level whose forward run took one of its own, differentiated with
+    # respect to that level's primals alone: that grad level's own backward. It recomputes at a vjp
+    # level of its own as the transforms' path does, where a hook the function registers on an
+    # intermediate acts on that gradient, as without remat.)
+    if peek_interpreter_stack() is None and not (own_level is not None and wrt and set(wrt) <= set(own_level)):
         # Plain autograd: recompute and differentiate locally. Without
         # create_graph the recomputation starts from detached leaves; with it,
         # from aliases that stay connected to the primals' own graph, so the
@@ -686,6 +720,8 @@ def vjp(
             if _in_legacy_vmap():
                 with _outside_legacy_vmap():
                     outs = region.run(leaves, Phase.RECOMPUTE)
+            elif own_level is not None:
+                outs = _recomputed_at_the_forward_runs_level(region, leaves, own_level)
             else:
                 outs = region.run(leaves, Phase.RECOMPUTE)
             pairs = [(o, c) for o, c in zip(outs, cotangents) if o.requires_grad and not made_under_no_grad(o)]

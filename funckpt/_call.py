@@ -2162,8 +2162,8 @@ class UserRegion(Region):
         """The first run, in the forward pass: record what a recomputation must replay and check."""
         plain_autograd = peek_interpreter_stack() is None
         if (
-            not plain_autograd
-            and self.required_grad_at_call is not None
+            self.required_grad_at_call is not None
+            and (not plain_autograd or self._reads_a_lower_levels_grad())
             and not self.vmap_innermost_at_call
             and not self._at_a_grad_level
             and self.saved is None
@@ -2444,6 +2444,27 @@ class UserRegion(Region):
             return frozenset(i for i, (t, r) in enumerate(zip(flat, required)) if r and has_gradient_dtype(t))
         return frozenset()
 
+    def _reads_a_lower_levels_grad(self) -> bool:
+        """Was the call, lowered out of a grad level into plain autograd (``grad(f)``, ``vjp``,
+        ``jacrev``), given inputs requiring grad of that level and of one below it (a module's
+        parameter)? Then what the function computes from the latter alone says it requires no grad
+        without remat, and would say it does in the forward run's local graph, where both are leaves:
+        the forward run takes a grad level of its own (see _forward_run_at_a_grad_level).
+
+        Not where it reaches a TorchScript module, whose parameters would be that level's wrappers (as
+        a run's other inputs are: see at_the_top_level): its optimized graph reads their ``.data``,
+        which torch refuses there (as ``vmap`` of a scripted module fails without remat), and, its
+        primals alone on the level, its profiling executor picked for later runs a graph that records
+        no gradient (a zero one). The forward run stays in plain autograd there."""
+        required, innermost = self.required_grad_at_call, self.of_the_innermost_level
+        if required is None or innermost is None:
+            return False
+        return (
+            any(r and own for r, own in zip(required, innermost))
+            and any(r and not own for r, own in zip(required, innermost))
+            and not any(isinstance(m, torch.jit.ScriptModule) for m, _ in self.captured.modules)
+        )
+
     def _forward_run_at_a_grad_level(self, flat: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
         """The forward run under a grad level of its own, where the call had inputs requiring grad.
 
@@ -2486,12 +2507,17 @@ class UserRegion(Region):
             for i, x in zip(wrt, xs):
                 full[i] = x
             outs = self.forward_run(tuple(full))
+            if lowered:  # (as a run in plain autograd refuses: one of its wrappers stored, of no level once it ends)
+                self._refuse_stored_inputs(tuple(full), flat)
             # vjp takes floating outputs only (all of them come back as its aux, unwrapped).
             floating = tuple(o for o in outs if has_gradient_dtype(o))
             return floating or (xs[0] * 0,), outs
 
         self._at_a_grad_level = True
         self._made_at_own_level = []
+        lowered = peek_interpreter_stack() is None
+        if lowered:  # (its recomputations in plain autograd run at a level of their own too)
+            self.primals_of_own_level = wrt
         grad_was = torch.is_grad_enabled()
         set_grad_enabled(self.caller_grad_enabled)  # (a Function's forward runs without)
         try:

@@ -939,6 +939,75 @@ def test_under_vmap_of_grad_a_tensor_computed_from_a_parameter_alone_requires_no
     assert set(seen) == {False}
 
 
+@pytest.mark.parametrize("check", ["default", "none"])
+@pytest.mark.parametrize("transform", ["grad", "vjp", "jacrev", "grad_and_value"])
+def test_under_grad_a_tensor_computed_from_a_parameter_alone_requires_no_grad_as_without_remat(check, transform):
+    """Under ``grad(f)`` (``vjp``, ``jacrev``) too a module's parameter is a tensor of a level below
+    the grad level, and what the function computes from it alone says it requires no grad. The
+    forward run, lowered out of the grad level into plain autograd, saw it require grad (the
+    parameter is a leaf of its local graph there): another primal value returned, and a false alarm
+    where the recomputation (at a vjp level of its own) branched otherwise. It now runs at a grad
+    level of its own, as under ``vmap(grad(f))``. (Differentiated at the base level after the
+    transform: the next test.)"""
+    lin = torch.nn.Linear(4, 4).double()
+    seen = []
+
+    def f(x):
+        w2 = lin.weight * 2
+        seen.append(w2.requires_grad)
+        return ((x @ w2) * (2.0 if w2.requires_grad else 5.0)).sum(), lin.weight.sum()
+
+    x = torch.randn(4, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    one = torch.tensor(1.0, dtype=torch.float64)
+
+    def run(g):
+        lin.zero_grad()
+        if transform == "vjp":
+            (value, other), vjp_fn = tf.vjp(g, x)
+            grad = vjp_fn((one, torch.zeros_like(one)))[0]
+        elif transform == "grad_and_value":
+            grad, (value, other) = tf.grad_and_value(g, has_aux=True)(x)
+        else:
+            grad, other = (tf.grad(g, has_aux=True) if transform == "grad" else tf.jacrev(g, has_aux=True))(x)
+            value = other
+        return grad, value, other
+
+    expected = run(f)
+    assert set(seen) == {False}
+    seen.clear()
+    assert_close(run(remat(f, determinism_check=check)), expected)
+    assert set(seen) == {False}
+
+
+@pytest.mark.parametrize("how", ["gradient penalty", "output from the parameter alone"])
+def test_under_grad_a_base_level_backward_through_a_branch_on_a_tensor_computed_from_a_parameter_alone(how):
+    """The function of the test above, differentiated at the base level after the transform: a
+    gradient penalty (``grad(f)(x).square().sum().backward()``), or an output computed from the
+    parameter alone (``out, _ = vjp(f, x)``; ``out[1].backward()``). That backward recomputes the
+    region in plain autograd, where the tensor computed from the parameter alone would require grad;
+    it runs under a vjp level of its own as the forward run did, and branches as it did."""
+    lin = torch.nn.Linear(4, 4).double()
+
+    def f(x):
+        w2 = lin.weight * 2
+        return ((x @ w2) * (2.0 if w2.requires_grad else 5.0)).sum(), lin.weight.sum()
+
+    x = torch.randn(4, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+
+    def run(g):
+        lin.zero_grad()
+        if how == "gradient penalty":
+            grad, _ = tf.grad(g, has_aux=True)(x)
+            grad.square().sum().backward()
+            return grad, lin.weight.grad
+        out, _ = tf.vjp(g, x)
+        out[1].backward()
+        return out, lin.weight.grad
+
+    expected = run(f)
+    assert_close(run(remat(f)), expected)
+
+
 @pytest.mark.parametrize("transform", ["vmap of grad", "hessian", "vmap of jacrev"])
 def test_integer_and_boolean_outputs_below_a_vmap_or_forward_mode_level(transform):
     """The forward run under a grad level of its own (see the grad-mode test above) hands vjp its
