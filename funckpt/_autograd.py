@@ -58,6 +58,7 @@ from . import _aliasing, _rng
 from ._capture import has_tangent, made_by_nested_region, note_nested_node, set_internal
 from ._errors import CheckpointError, differing_digests, digest
 from ._internals import (
+    at_a_grad_level_of_its_own,
     autograd_included,
     has_gradient_dtype,
     GradInterpreter,
@@ -617,8 +618,9 @@ def _recomputed_at_the_call_grad_level(region: Region, flat: Tensors) -> Tensors
     the function's inputs require grad: it may take a gradient of its own (``torch.autograd.grad``
     inside it, a gradient penalty) or register a hook on an intermediate, as without remat. The jvp
     rule runs below that level, where they do not: so, as the forward run under a vmap does (see
-    ``UserRegion._forward_run_at_a_grad_level``), it runs under a ``torch.func.vjp`` level of its own
-    whose primals are those inputs, its outputs taken back as the vjp's aux, with their tangents.
+    ``UserRegion._forward_run_at_a_grad_level``), it runs under a grad level of its own whose
+    primals are those inputs (:func:`~funckpt._internals.at_a_grad_level_of_its_own`), its outputs
+    taken back out of it, with their tangents.
     """
     # (Not where no grad level was: the inputs required grad at plain autograd's, below the jvp,
     # whose derivative the JvpRegion's own Function gives; a TorchScript module's optimized graph
@@ -642,39 +644,53 @@ def _recomputed_at_the_call_grad_level(region: Region, flat: Tensors) -> Tensors
     )
     if not wrt:
         return region.run(flat, Phase.RECOMPUTE)
-
-    def run(*xs: torch.Tensor) -> tuple[Tensors, Tensors]:
-        full = at_the_top_level(flat)  # (the others join the level too: see at_the_top_level)
-        for i, x in zip(wrt, xs):
-            full[i] = x
-        outs = region.run(tuple(full), Phase.RECOMPUTE)
-        floating = tuple(o for o in outs if has_gradient_dtype(o))  # (vjp takes floating outputs only)
-        return floating or (xs[0] * 0,), outs
-
-    return tuple(cast(Any, torch.func.vjp(run, *(flat[i] for i in wrt), has_aux=True))[2])
+    # (The others join the level too: see at_the_top_level.)
+    return at_a_grad_level_of_its_own(lambda full: region.run(tuple(full), Phase.RECOMPUTE), flat, wrt)
 
 
 def _recomputed_at_the_forward_runs_level(region: Region, leaves: Tensors, wrt: Sequence[int]) -> Tensors:
-    """``region``'s recomputation in plain autograd, under a ``torch.func.vjp`` level of its own whose
-    primals are the inputs at ``wrt``, as its forward run had (a call under ``grad(f)``, lowered into
-    plain autograd, whose function reads a module's parameter: see ``primals_of_own_level``).
+    """``region``'s recomputation in plain autograd, under a grad level of its own whose primals are
+    the inputs at ``wrt``, as its forward run had (a call under ``grad(f)``, lowered into plain
+    autograd, whose function reads a module's parameter: see ``primals_of_own_level``).
 
     Differentiated at the base level (a gradient penalty, or an output computed from the parameter
     alone, after the transform), the recomputation would otherwise see a tensor computed from the
     parameter alone require grad where the forward run (and the function without remat) saw it
     require none. The level's wrappers pass the operators down to plain autograd, which records the
-    graph from the local leaves as it does without the level: the outputs, taken back as the vjp's
-    aux, carry it, and the vjp function (that level's graph) is dropped.
+    graph from the local leaves as it does without the level: the outputs, taken back out of the
+    level, carry it, and that level's own graph is dropped.
     """
-    def run(*xs: torch.Tensor) -> tuple[Tensors, Tensors]:
-        full = at_the_top_level(leaves)  # (the others join the level too: see at_the_top_level)
-        for i, x in zip(wrt, xs):
-            full[i] = x
-        outs = region.run(tuple(full), Phase.RECOMPUTE)
-        floating = tuple(o for o in outs if has_gradient_dtype(o))  # (vjp takes floating outputs only)
-        return floating or (xs[0] * 0,), outs
+    # (The others join the level too: see at_the_top_level.)
+    return at_a_grad_level_of_its_own(lambda full: region.run(tuple(full), Phase.RECOMPUTE), leaves, wrt)
 
-    return tuple(cast(Any, torch.func.vjp(run, *(leaves[i] for i in wrt), has_aux=True))[2])
+
+def _differentiated_at_the_forward_runs_level(
+    region: Region, leaves: Tensors, cotangents: Tensors, wrt: Sequence[int], create_graph: bool
+) -> list[torch.Tensor | None]:
+    """``region``'s vjp with respect to the primals of its forward run's own grad level alone (see
+    ``primals_of_own_level``): ``grad(f)``'s own backward of a call lowered into plain autograd.
+
+    Recomputed and differentiated at a grad level of its own, as ``torch.func.grad`` differentiates
+    at its level: what the function computes from a module's parameter alone says it requires no
+    grad, as in the forward run, and a hook the function registers on an intermediate acts on this
+    gradient, as without remat. With ``create_graph`` the level's operators are recorded by plain
+    autograd below it too, from the local leaves: a gradient penalty reaches the parameter.
+    """
+
+    def run(full: list[torch.Tensor]) -> Sequence[torch.Tensor | None]:
+        outs = region.run(tuple(full), Phase.RECOMPUTE)
+        pairs = [(o, c) for o, c in zip(outs, cotangents) if o.requires_grad and not made_under_no_grad(o)]
+        if not pairs:
+            return [None] * len(wrt)
+        grads = autograd_grad([o for o, _ in pairs], [full[i] for i in wrt], [c for _, c in pairs], create_graph)
+        if region.retained_grads:
+            region.add_retained_parts(outs, cotangents)
+        return grads
+
+    result: list[torch.Tensor | None] = [None] * len(leaves)
+    for i, g in zip(wrt, at_a_grad_level_of_its_own(run, leaves, wrt)):
+        result[i] = g
+    return result
 
 
 # --------------------------------------------------------------------- the vjp itself
@@ -694,12 +710,7 @@ def vjp(
         if own is not None:
             return own
     wrt = [i for i, need in enumerate(needs) if need]
-    own_level = region.primals_of_own_level
-    # (A call lowered out of a grad level whose forward run took one of its own, differentiated with
-    # respect to that level's primals alone: that grad level's own backward. It recomputes at a vjp
-    # level of its own as the transforms' path does, where a hook the function registers on an
-    # intermediate acts on that gradient, as without remat.)
-    if peek_interpreter_stack() is None and not (own_level is not None and wrt and set(wrt) <= set(own_level)):
+    if peek_interpreter_stack() is None:
         # Plain autograd: recompute and differentiate locally. Without
         # create_graph the recomputation starts from detached leaves; with it,
         # from aliases that stay connected to the primals' own graph, so the
@@ -717,9 +728,12 @@ def vjp(
                 leaves = tuple(local_input(p, need) for p, need in zip(primals, needs))
             if forward_ad_level() >= 0:  # (inside the user's fwAD.dual_level: rare)
                 leaves = _keeping_tangents(primals, leaves)
+            own_level = region.primals_of_own_level
             if _in_legacy_vmap():
                 with _outside_legacy_vmap():
                     outs = region.run(leaves, Phase.RECOMPUTE)
+            elif own_level is not None and wrt and set(wrt) <= set(own_level):
+                return _differentiated_at_the_forward_runs_level(region, leaves, cotangents, wrt, create_graph)
             elif own_level is not None:
                 outs = _recomputed_at_the_forward_runs_level(region, leaves, own_level)
             else:

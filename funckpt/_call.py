@@ -21,6 +21,7 @@ import contextlib
 import dataclasses
 import functools
 import gc
+import operator
 import types
 import warnings
 import weakref
@@ -35,7 +36,7 @@ from torch.nn.parameter import is_lazy
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 from . import _aliasing, _autocast, _rng, _tail
-from ._autograd import Phase, Region, apply, at_the_top_level, eager_under_compile, forget_nested_regions, local_input
+from ._autograd import Phase, Region, apply, eager_under_compile, forget_nested_regions, local_input
 from ._capture import (
     attributes_as_at_the_call,
     _METADATA,
@@ -98,6 +99,7 @@ from ._internals import (
     maybe_get_level,
     unwrap_batched,
     unwrap_one_level,
+    at_a_grad_level_of_its_own,
     autograd_excluded,
     call_with_own_hooks,
     exporting,
@@ -2457,11 +2459,13 @@ class UserRegion(Region):
         primals alone on the level, its profiling executor picked for later runs a graph that records
         no gradient (a zero one). The forward run stays in plain autograd there."""
         required, innermost = self.required_grad_at_call, self.of_the_innermost_level
+        # (Asked on every call lowered out of a grad level, as under ``grad`` over a model's parameters,
+        # where no input of a lower level requires grad: C loops over the two lists of bools.)
         if required is None or innermost is None:
             return False
         return (
-            any(r and own for r, own in zip(required, innermost))
-            and any(r and not own for r, own in zip(required, innermost))
+            True in map(operator.gt, required, innermost)  # (r and not own: required grad of a lower level)
+            and True in map(operator.and_, required, innermost)
             and not any(isinstance(m, torch.jit.ScriptModule) for m, _ in self.captured.modules)
         )
 
@@ -2473,10 +2477,10 @@ class UserRegion(Region):
         (``vmap(grad(f))``, ``grad(vmap(f))``) or forward-mode level it runs below the caller's grad
         level, in a Function's forward: code that branches on ``torch.is_grad_enabled()`` or
         ``x.requires_grad``, or registers a tensor hook, would compute another thing than without
-        remat and than its recomputation (which runs at a grad level). So it runs under a
-        ``torch.func.vjp`` level whose primals are the inputs that required grad at the call; its
-        graph is dropped with the vjp function. Not with a policy that keeps values: what it keeps
-        must be the values of the level the recomputation replays them at.
+        remat and than its recomputation (which runs at a grad level). So it runs under a grad
+        level of its own (``at_a_grad_level_of_its_own``: a ``torch.func.vjp`` whose vjp function is
+        dropped) whose primals are the inputs that required grad at the call. Not with a policy that
+        keeps values: what it keeps must be the values of the level the recomputation replays them at.
 
         Not where the caller's innermost transform is a vmap (``vmap(f)``, ``grad(vmap(f))``,
         ``vmap(f)`` then ``.backward()``): the function without remat sees batched tensors there,
@@ -2499,19 +2503,14 @@ class UserRegion(Region):
             self._at_a_grad_level = True
             return self.forward_run(flat)
 
-        def run(*xs: torch.Tensor) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
-            # The other inputs join the level too, as torch.func.grad wraps all of its arguments: a
-            # vmapped ensemble's BatchNorm statistics, updated in place, or a weight a layer clamps
-            # through .data while per-example input gradients are taken (see at_the_top_level).
-            full = at_the_top_level(flat)
-            for i, x in zip(wrt, xs):
-                full[i] = x
+        # (The other inputs join the level too, as torch.func.grad wraps all of its arguments: a
+        # vmapped ensemble's BatchNorm statistics, updated in place, or a weight a layer clamps
+        # through .data while per-example input gradients are taken: see at_the_top_level.)
+        def run(full: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
             outs = self.forward_run(tuple(full))
             if lowered:  # (as a run in plain autograd refuses: one of its wrappers stored, of no level once it ends)
                 self._refuse_stored_inputs(tuple(full), flat)
-            # vjp takes floating outputs only (all of them come back as its aux, unwrapped).
-            floating = tuple(o for o in outs if has_gradient_dtype(o))
-            return floating or (xs[0] * 0,), outs
+            return outs
 
         self._at_a_grad_level = True
         self._made_at_own_level = []
@@ -2521,7 +2520,7 @@ class UserRegion(Region):
         grad_was = torch.is_grad_enabled()
         set_grad_enabled(self.caller_grad_enabled)  # (a Function's forward runs without)
         try:
-            outs = cast(Any, torch.func.vjp(run, *(flat[i] for i in wrt), has_aux=True))[2]  # (its vjp_fn dropped)
+            outs = at_a_grad_level_of_its_own(run, flat, wrt)
         finally:
             set_grad_enabled(grad_was)
             made, self._made_at_own_level = self._made_at_own_level, None

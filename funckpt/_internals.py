@@ -50,6 +50,7 @@ __all__ = [
     "SingleLevelFunction",
     "has_torch_function",
     "autograd_grad",
+    "at_a_grad_level_of_its_own",
     "functorch_depth",
     "functorch_dispatches_first",
     "functorch_kernels_now",
@@ -115,6 +116,7 @@ __all__ = [
 ]
 
 _F = TypeVar("_F", bound=Callable[..., Any])
+_T = TypeVar("_T")
 
 # --------------------------------------------------------------- functorch: levels
 # torch._C._functorch: the C++ side of torch.func (torch >= 2.0).
@@ -206,6 +208,52 @@ class lowered:
         else:
             set_fwd_grad_mode(self.mode_was)
         self.mode_was = None
+
+
+_SAVED_HOOKS_REFUSED = (
+    "torch.func.{grad, vjp, jacrev, hessian} don't yet support saved tensor hooks. Please open an issue with your use case."
+)
+_saved_hooks_refusal: Callable[[], str | None] = torch._C._autograd._saved_tensors_hooks_get_disabled_error_message
+
+
+def at_a_grad_level_of_its_own(
+    run: Callable[[list[torch.Tensor]], Sequence[_T]], tensors: Sequence[torch.Tensor], primals: Sequence[int]
+) -> tuple[_T, ...]:
+    """``run`` of ``tensors`` at a fresh ``torch.func`` grad level, the tensors at ``primals`` requiring
+    grad there; its outputs (tensors, or ``None``) come back out of the level, and the graph recorded
+    at it is dropped.
+
+    What ``torch.func.vjp(run', *primals, has_aux=True)`` does where its vjp function is dropped and
+    ``run'`` returns its outputs as the aux (every tensor wrapped at the level, as ``torch.func.grad``
+    wraps all its arguments; grad mode on; saved-tensor hooks refused, with vjp's message), from
+    functorch's C primitives (torch >= 2.0): vjp's own Python (pytree maps and flattens of its
+    arguments and outputs, its checks of the outputs, the vjp function's closure) costs about a
+    fifth of a small remat'd call, which runs a forward run there on every call under ``grad(f)``
+    whose function reads a module's parameter (see ``UserRegion._forward_run_at_a_grad_level``).
+    """
+    level = _C._grad_increment_nesting()
+    grad_was = torch.is_grad_enabled()
+    hooks_refused = _saved_hooks_refusal() is not None
+    try:
+        set_grad_enabled(True)
+        if not hooks_refused:  # (already refused below a torch.func.grad or vjp: the common case)
+            torch._C._autograd._saved_tensors_hooks_disable(_SAVED_HOOKS_REFUSED)
+        inputs = [_C._wrap_for_grad(t, level) for t in tensors]
+        allowed = _C.get_inplace_requires_grad_allowed()
+        _C.set_inplace_requires_grad_allowed(True)  # (requires_grad_() at a level, as torch.func does)
+        try:
+            for i in primals:
+                inputs[i].requires_grad_()
+        finally:
+            _C.set_inplace_requires_grad_allowed(allowed)
+        outs = run(inputs)
+        return tuple(o if o is None else _C._unwrap_for_grad(o, level) for o in outs)
+    finally:
+        if not hooks_refused:
+            torch._C._autograd._saved_tensors_hooks_enable()
+        set_grad_enabled(grad_was)
+        _C._grad_decrement_nesting()
+
 
 
 _pop_layer = torch._C._functorch.pop_dynamic_layer_stack

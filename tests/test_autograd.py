@@ -1008,6 +1008,37 @@ def test_under_grad_a_base_level_backward_through_a_branch_on_a_tensor_computed_
     assert_close(run(remat(f)), expected)
 
 
+@pytest.mark.parametrize("transform", ["grad", "grad of grad", "gradient penalty"])
+def test_under_grad_a_hook_on_an_intermediate_acts_where_the_function_reads_a_parameter(transform):
+    """``grad(f)``'s own backward of a call whose function reads a module's parameter recomputes and
+    differentiates at a grad level of its own (as its forward run ran): a hook the function registers
+    on an intermediate acts on that gradient, as without remat, and a gradient penalty still reaches
+    the parameter. (The function branches on a tensor computed from the parameter alone too.)"""
+    lin = torch.nn.Linear(4, 4).double()
+
+    def f(x):
+        h = lin(x)
+        if h.requires_grad:
+            h.register_hook(lambda g: g * 3)
+        w2 = lin.weight * 2
+        return (torch.tanh(h) * (2.0 if w2.requires_grad else 5.0)).sum()
+
+    x = torch.randn(4, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+
+    def run(g):
+        lin.zero_grad()
+        if transform == "grad of grad":
+            return tf.grad(lambda y: tf.grad(g)(y).square().sum())(x)
+        grad = tf.grad(g)(x)
+        if transform == "grad":
+            return grad
+        grad.square().sum().backward()
+        return grad, lin.weight.grad, lin.bias.grad
+
+    expected = run(f)
+    assert_close(run(remat(f)), expected)
+
+
 @pytest.mark.parametrize("transform", ["vmap of grad", "hessian", "vmap of jacrev"])
 def test_integer_and_boolean_outputs_below_a_vmap_or_forward_mode_level(transform):
     """The forward run under a grad level of its own (see the grad-mode test above) hands vjp its
