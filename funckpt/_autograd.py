@@ -47,6 +47,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import functools
+import operator
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, cast
@@ -439,7 +440,38 @@ class VmapRegion(Region):
     def release_kept(self) -> None:
         self.base.release_kept()
 
+    #: The inputs that required grad at the grad or jvp level right below this vmap, where one of a
+    #: level below that required grad too (see :meth:`note_levels_below`); ``None`` otherwise.
+    grad_primals_below: list[int] | None = None
+
+    def note_levels_below(self, flat: Sequence[torch.Tensor]) -> None:
+        """Note, in the vmap rule (the vmap level stepped off the stack, ``flat`` unwrapped from it),
+        whether the caller's level below the vmap is a grad or jvp level and an input of a level below
+        that one requires grad (a module's parameter, under ``grad(vmap(f))``, ``jacrev(vmap(f))``,
+        ``jacfwd(vmap(f))``). What the function computes from it alone is then a tensor of that level
+        which says it requires no grad; its forward run, lowered out of that level into plain autograd
+        where the parameter is a leaf, would see it require grad, and another primal value (or a false
+        alarm where its recomputation saw otherwise). The forward run then takes a grad level of its
+        own below this vmap (:meth:`run`), whose primals are the inputs that required grad at the
+        caller's level, as the function without remat has."""
+        top = peek_interpreter_stack()
+        if top is None or top.key() not in (TransformType.Grad, TransformType.Jvp) or not torch.is_grad_enabled():
+            return
+        level = top.level()
+        own = [maybe_get_level(t) == level for t in flat]
+        required = [t.requires_grad for t in flat]
+        if True in map(operator.gt, required, own) and not _reaches_a_script_module(self.base):
+            self.grad_primals_below = [i for i, (t, r, o) in enumerate(zip(flat, required, own)) if r and o and has_gradient_dtype(t)]
+
     def run(self, flat: Tensors, phase: Phase) -> Tensors:
+        if self.grad_primals_below is not None and phase is Phase.FORWARD and peek_interpreter_stack() is None:
+            # (Lowered into plain autograd: the forward run at a grad level of its own, below the vmap, as
+            # without remat; the recomputations in plain autograd follow it: see primals_of_own_level.)
+            self.primals_of_own_level = self.grad_primals_below
+            return at_a_grad_level_of_its_own(lambda full: self._run(tuple(full), phase), flat, self.grad_primals_below)
+        return self._run(flat, phase)
+
+    def _run(self, flat: Tensors, phase: Phase) -> Tensors:
         unbatched: list[bool] = []
 
         def body(*xs: torch.Tensor) -> Tensors:
@@ -1325,6 +1357,7 @@ class _RematFunction(torch.autograd.Function):
     @staticmethod
     def vmap(info: Any, in_dims: tuple[Any, ...], region: Region, *flat: torch.Tensor) -> tuple[Tensors, tuple[int | None, ...]]:
         batched = VmapRegion(region, in_dims[1:], info.randomness)
+        batched.note_levels_below(flat)
         outs = apply(batched, flat)
         return outs, tuple(None if u else 0 for u in batched.unbatched)
 
@@ -1372,6 +1405,16 @@ class _RematAtLevel(SingleLevelFunction):  # type: ignore[misc]  # torch's priva
     @staticmethod
     def jvp(ctx: Any, *tangents: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
         return _RematFunction.jvp(ctx, *tangents)
+
+
+def _reaches_a_script_module(region: Region) -> bool:
+    """Does the function of ``region`` (or of the region it derives from) reach a TorchScript module?
+    (Its optimized graph reads ``.data``, which a level's wrapper refuses: see
+    ``UserRegion._reads_a_lower_levels_grad``.)"""
+    while not hasattr(region, "captured") and hasattr(region, "base"):
+        region = region.base
+    captured = getattr(region, "captured", None)
+    return captured is not None and any(isinstance(m, torch.jit.ScriptModule) for m, _ in captured.modules)
 
 
 def _forward_alone(region: Region, flat: Sequence[torch.Tensor]) -> Tensors:

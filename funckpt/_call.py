@@ -2447,11 +2447,13 @@ class UserRegion(Region):
         return frozenset()
 
     def _reads_a_lower_levels_grad(self) -> bool:
-        """Was the call, lowered out of a grad level into plain autograd (``grad(f)``, ``vjp``,
-        ``jacrev``), given inputs requiring grad of that level and of one below it (a module's
-        parameter)? Then what the function computes from the latter alone says it requires no grad
-        without remat, and would say it does in the forward run's local graph, where both are leaves:
-        the forward run takes a grad level of its own (see _forward_run_at_a_grad_level).
+        """Was the call, made at a grad or jvp level (``grad(f)``, ``vjp``, ``jacrev``, ``jvp``,
+        ``jacfwd``, ``vmap(jvp(f))``), given an input requiring grad of a level below it (a module's
+        parameter)? Then what the function computes from it alone says it requires no grad without
+        remat, and would say it does in the forward run, lowered into plain autograd (a leaf of its
+        local graph there) or below a vmap: the forward run takes a grad level of its own (see
+        _forward_run_at_a_grad_level), whose primals are the inputs of the innermost level that
+        required grad, if any.
 
         Not where it reaches a TorchScript module, whose parameters would be that level's wrappers (as
         a run's other inputs are: see at_the_top_level): its optimized graph reads their ``.data``,
@@ -2465,7 +2467,6 @@ class UserRegion(Region):
             return False
         return (
             True in map(operator.gt, required, innermost)  # (r and not own: required grad of a lower level)
-            and True in map(operator.and_, required, innermost)
             and not any(isinstance(m, torch.jit.ScriptModule) for m, _ in self.captured.modules)
         )
 
@@ -2499,7 +2500,8 @@ class UserRegion(Region):
         # below, a module's parameter, joins it as the other inputs do. What the function computes from
         # it alone then says it requires no grad, as without remat, where the recomputation's does.)
         wrt = [i for i, (t, r, own) in enumerate(zip(flat, required, innermost)) if r and own and has_gradient_dtype(t)]
-        if not wrt:
+        lowered = peek_interpreter_stack() is None
+        if not wrt and not self._reads_a_lower_levels_grad():
             self._at_a_grad_level = True
             return self.forward_run(flat)
 
@@ -2514,7 +2516,6 @@ class UserRegion(Region):
 
         self._at_a_grad_level = True
         self._made_at_own_level = []
-        lowered = peek_interpreter_stack() is None
         if lowered:  # (its recomputations in plain autograd run at a level of their own too)
             self.primals_of_own_level = wrt
         grad_was = torch.is_grad_enabled()

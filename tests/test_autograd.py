@@ -1008,6 +1008,63 @@ def test_under_grad_a_base_level_backward_through_a_branch_on_a_tensor_computed_
     assert_close(run(remat(f)), expected)
 
 
+@pytest.mark.parametrize("check", ["default", "none"])
+@pytest.mark.parametrize(
+    "transform",
+    ["jvp", "jacfwd", "jvp, then backward", "vmap of jvp", "grad of vmap", "vjp of vmap", "jacrev of vmap", "jacfwd of vmap"],
+)
+def test_under_other_transforms_a_tensor_computed_from_a_parameter_alone_requires_no_grad(check, transform):
+    """The rest of the family of the test above: under ``jvp`` (no input of the innermost level
+    requiring grad), and where a vmap is the innermost transform above a grad or jvp level
+    (``grad(vmap(f))``), what the function computes from a module's parameter alone says it requires
+    no grad without remat. The forward run, lowered into plain autograd (under the vmap's own, for
+    the latter), saw it require grad: another primal value, a false alarm where the recomputation
+    saw otherwise. It now runs at a grad level of its own (below the vmap, for the latter), whose
+    primals are the inputs that required grad at the caller's grad level, if any."""
+    lin = torch.nn.Linear(4, 4).double()
+    seen = []
+
+    def f(x):
+        w2 = lin.weight * 2
+        seen.append(w2.requires_grad)
+        return ((x @ w2) * (2.0 if w2.requires_grad else 5.0)).sum() + lin.bias.sum()
+
+    xs = torch.randn(3, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    v = torch.ones(4, dtype=torch.float64)
+
+    def summed(g):
+        return lambda xs: tf.vmap(g)(xs).sum()
+
+    def run(g):
+        lin.zero_grad()
+        if transform == "jvp":
+            return tf.jvp(g, (xs[0],), (v,))
+        if transform == "jacfwd":
+            return tf.jacfwd(g)(xs[0])
+        if transform == "jvp, then backward":
+            out, tangent = tf.jvp(g, (xs[0],), (v,))
+            (out + tangent).backward()
+            return out, tangent, lin.weight.grad, lin.bias.grad
+        if transform == "vmap of jvp":
+            return tf.vmap(lambda x: tf.jvp(g, (x,), (v,)))(xs)
+        if transform == "grad of vmap":
+            grad = tf.grad(summed(g))(xs)
+            grad.square().sum().backward()
+            return grad, lin.weight.grad
+        if transform == "vjp of vmap":
+            out, vjp_fn = tf.vjp(summed(g), xs)
+            return out, vjp_fn(torch.ones_like(out))[0]
+        if transform == "jacrev of vmap":
+            return tf.jacrev(summed(g))(xs)
+        return tf.jacfwd(summed(g))(xs)
+
+    expected = run(f)
+    assert set(seen) == {False}
+    seen.clear()
+    assert_close(run(remat(f, determinism_check=check)), expected)
+    assert set(seen) == {False}
+
+
 @pytest.mark.parametrize("transform", ["grad", "grad of grad", "gradient penalty"])
 def test_under_grad_a_hook_on_an_intermediate_acts_where_the_function_reads_a_parameter(transform):
     """``grad(f)``'s own backward of a call whose function reads a module's parameter recomputes and
