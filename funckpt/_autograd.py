@@ -464,10 +464,13 @@ class VmapRegion(Region):
             self.grad_primals_below = [i for i, (t, r, o) in enumerate(zip(flat, required, own)) if r and o and has_gradient_dtype(t)]
 
     def run(self, flat: Tensors, phase: Phase) -> Tensors:
-        if self.grad_primals_below is not None and phase is Phase.FORWARD and peek_interpreter_stack() is None:
-            # (Lowered into plain autograd: the forward run at a grad level of its own, below the vmap, as
-            # without remat; the recomputations in plain autograd follow it: see primals_of_own_level.)
-            self.primals_of_own_level = self.grad_primals_below
+        if self.grad_primals_below is not None and not grad_levels_active():
+            # Lowered out of that level (into plain autograd, or below an outer vmap's own vmap rule:
+            # ``vmap(grad(vmap(f)))``), where no grad level is left: the run at a grad level of its own,
+            # below the vmap, as without remat. (A recomputation at a grad level already, the one
+            # vjp enters for primals_of_own_level or a transform's, runs as it is.)
+            if phase is Phase.FORWARD and peek_interpreter_stack() is None:
+                self.primals_of_own_level = self.grad_primals_below  # (for vjp in plain autograd)
             return at_a_grad_level_of_its_own(lambda full: self._run(tuple(full), phase), flat, self.grad_primals_below)
         return self._run(flat, phase)
 

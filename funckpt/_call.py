@@ -117,6 +117,8 @@ from ._internals import (
     get_creation_meta,
     is_functorch_wrapped,
     level_kinds,
+    grad_levels_active,
+    jvp_levels_active,
     outside_functorch,
     parametrization_cache,
     peek_interpreter_stack,
@@ -1278,6 +1280,9 @@ class UserRegion(Region):
     vmap_innermost_at_call = False
     _at_a_grad_level = False  # is the forward run under its grad level already?
     _made_at_own_level: list[weakref.ref[torch.Tensor]] | None = None  # (during that run, what it made)
+    # The primals of the forward run's own grad level, where it took one above a vmap (not lowered
+    # into plain autograd): a recomputation with no grad or jvp level left runs under one too (see run).
+    _primals_above_a_vmap: list[int] | None = None
     _taint_at_own_level: Taint | None = None  # (that run's, where a forward-mode derivative flows)
     escapes_live: list[bool] | None = None  # per escaped output: held after the call? (settle_escapes)
     # What the forward run made and is still alive (kept outside the call, or returned), where it
@@ -2116,7 +2121,16 @@ class UserRegion(Region):
             )
 
     def run(self, flat: tuple[torch.Tensor, ...], phase: Phase) -> tuple[torch.Tensor, ...]:
-        return self.forward_run(flat) if phase is Phase.FORWARD else self.recompute(flat)
+        if phase is Phase.FORWARD:
+            return self.forward_run(flat)
+        if self._primals_above_a_vmap is not None and not (grad_levels_active() or jvp_levels_active()):
+            # The forward run took a grad level of its own above a vmap (``vmap(grad(f))``,
+            # ``vmap(jvp(f))``: see _forward_run_at_a_grad_level); a recomputation with none left, for a
+            # backward at the base level (``vmap(grad_and_value(f))``'s value, ``vmap(jvp(f))``'s output,
+            # then ``.backward()``), takes one too: what the function computes from a module's parameter
+            # alone says it requires no grad there, as in the forward run and without remat.
+            return at_a_grad_level_of_its_own(lambda full: self.recompute(tuple(full)), flat, self._primals_above_a_vmap)
+        return self.recompute(flat)
 
     def replacements(
         self, captured: Sequence[torch.Tensor]
@@ -2518,6 +2532,8 @@ class UserRegion(Region):
         self._made_at_own_level = []
         if lowered:  # (its recomputations in plain autograd run at a level of their own too)
             self.primals_of_own_level = wrt
+        else:
+            self._primals_above_a_vmap = wrt
         grad_was = torch.is_grad_enabled()
         set_grad_enabled(self.caller_grad_enabled)  # (a Function's forward runs without)
         try:

@@ -1065,6 +1065,40 @@ def test_under_other_transforms_a_tensor_computed_from_a_parameter_alone_require
     assert set(seen) == {False}
 
 
+@pytest.mark.parametrize("check", ["default", "none"])
+@pytest.mark.parametrize(
+    "transform", ["vmap of jvp, then backward", "vmap of grad_and_value, then backward", "vmap of grad of vmap, then backward"]
+)
+def test_a_base_level_backward_below_a_vmap_recomputes_at_the_forward_runs_grad_level(check, transform):
+    """Where the forward run took a grad level of its own above a vmap (``vmap(jvp(f))``,
+    ``vmap(grad(f))``) or below one nested in another (``vmap(grad(vmap(f)))``), a backward at the
+    base level afterwards (the outputs' ``.backward()`` to a module's parameter) recomputes the
+    region below the vmap with no grad level left: it takes one of its own too, where what the
+    function computes from the parameter alone says it requires no grad, as in the forward run."""
+    lin = torch.nn.Linear(4, 4).double()
+
+    def f(x):
+        w2 = lin.weight * 2
+        return ((x @ w2) * (2.0 if w2.requires_grad else 5.0)).sum() + lin.bias.sum()
+
+    xs = torch.randn(3, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    v = torch.ones(4, dtype=torch.float64)
+
+    def run(g):
+        lin.zero_grad()
+        if transform == "vmap of jvp, then backward":
+            outs = tf.vmap(lambda x: tf.jvp(g, (x,), (v,)))(xs)
+        elif transform == "vmap of grad_and_value, then backward":
+            outs = tf.vmap(tf.grad_and_value(g))(xs)
+        else:
+            outs = (tf.vmap(tf.grad(lambda x: tf.vmap(g)(x).sum()))(xs.expand(2, 3, 4)),)
+        sum(o.square().sum() for o in outs).backward()
+        return outs, lin.weight.grad, lin.bias.grad
+
+    expected = run(f)
+    assert_close(run(remat(f, determinism_check=check)), expected)
+
+
 @pytest.mark.parametrize("transform", ["grad", "grad of grad", "gradient penalty"])
 def test_under_grad_a_hook_on_an_intermediate_acts_where_the_function_reads_a_parameter(transform):
     """``grad(f)``'s own backward of a call whose function reads a module's parameter recomputes and
