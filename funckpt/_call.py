@@ -741,6 +741,9 @@ def _detached_if_made(
     ]
 
 
+_REQUIRES_GRAD = operator.attrgetter("requires_grad")
+
+
 def _alive_after_collecting(alive: Callable[[], list[_T]]) -> list[_T]:
     """``alive()``, asked again after a garbage collection where it found anything: a reference
     cycle waiting for the collector is not an escape. (The first answer is let go of first: it
@@ -2179,7 +2182,7 @@ class UserRegion(Region):
         plain_autograd = peek_interpreter_stack() is None
         if (
             self.required_grad_at_call is not None
-            and (not plain_autograd or self._reads_a_lower_levels_grad())
+            and (not plain_autograd or self._reads_a_lower_levels_grad(flat, True))
             and not self.vmap_innermost_at_call
             and not self._at_a_grad_level
             and self.saved is None
@@ -2460,7 +2463,7 @@ class UserRegion(Region):
             return frozenset(i for i, (t, r) in enumerate(zip(flat, required)) if r and has_gradient_dtype(t))
         return frozenset()
 
-    def _reads_a_lower_levels_grad(self) -> bool:
+    def _reads_a_lower_levels_grad(self, flat: tuple[torch.Tensor, ...], lowered: bool) -> bool:
         """Was the call, made at a grad or jvp level (``grad(f)``, ``vjp``, ``jacrev``, ``jvp``,
         ``jacfwd``, ``vmap(jvp(f))``), given an input requiring grad of a level below it (a module's
         parameter)? Then what the function computes from it alone says it requires no grad without
@@ -2476,11 +2479,21 @@ class UserRegion(Region):
         no gradient (a zero one). The forward run stays in plain autograd there."""
         required, innermost = self.required_grad_at_call, self.of_the_innermost_level
         # (Asked on every call lowered out of a grad level, as under ``grad`` over a model's parameters,
-        # where no input of a lower level requires grad: C loops over the two lists of bools.)
+        # where no input of a lower level requires grad: C loops over lists of bools.)
         if required is None or innermost is None:
             return False
+        if lowered:
+            # Lowered: any input requiring grad here, in plain autograd, other than one that required
+            # grad at the innermost level. Also one that said it required none at the call, a tensor of
+            # that level computed from (or, in a remat'd call nested in another's run at a level of its
+            # own, wrapped from) one requiring grad below it: ``x = xs * 1`` inside ``grad``.
+            lower = True in map(_REQUIRES_GRAD, flat) and any(
+                t.requires_grad and not (r and own) for t, r, own in zip(flat, required, innermost)
+            )
+        else:
+            lower = True in map(operator.gt, required, innermost)  # (r and not own: required grad of a lower level)
         return (
-            True in map(operator.gt, required, innermost)  # (r and not own: required grad of a lower level)
+            lower
             and not any(isinstance(m, torch.jit.ScriptModule) for m, _ in self.captured.modules)
         )
 
@@ -2515,7 +2528,7 @@ class UserRegion(Region):
         # it alone then says it requires no grad, as without remat, where the recomputation's does.)
         wrt = [i for i, (t, r, own) in enumerate(zip(flat, required, innermost)) if r and own and has_gradient_dtype(t)]
         lowered = peek_interpreter_stack() is None
-        if not wrt and not self._reads_a_lower_levels_grad():
+        if not wrt and not self._reads_a_lower_levels_grad(flat, lowered):
             self._at_a_grad_level = True
             return self.forward_run(flat)
 

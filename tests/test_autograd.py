@@ -1099,6 +1099,41 @@ def test_a_base_level_backward_below_a_vmap_recomputes_at_the_forward_runs_grad_
     assert_close(run(remat(f, determinism_check=check)), expected)
 
 
+@pytest.mark.parametrize("check", ["default", "none"])
+@pytest.mark.parametrize("case", ["computed from a plain tensor requiring grad", "a remat'd call nested in another"])
+def test_under_grad_an_input_that_requires_grad_only_below_the_grad_level(check, case):
+    """An input of the grad level that says it requires no grad there, while the tensor it wraps
+    requires grad below it: ``x = xs * 1`` made inside ``grad`` from a plain tensor requiring grad,
+    or a module's parameter as a remat'd call nested in another's run (at that run's own grad level)
+    receives it. What the function computes from it says it requires no grad without remat; the
+    forward run, lowered into plain autograd where it is a leaf, saw it require grad. It takes a
+    grad level of its own there too, and a backward at the base level still reaches the tensor."""
+    xs = torch.randn(4, dtype=torch.float64, generator=torch.Generator().manual_seed(0), requires_grad=True)
+    lin = torch.nn.Linear(4, 4).double()
+    y = torch.randn(4, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+
+    def branching(x, y):
+        return ((x * y) * (2.0 if x.requires_grad else 5.0)).sum()
+
+    def inner(h):
+        return (lin(h) * (2.0 if (lin.weight * 1).requires_grad else 5.0)).tanh().sum()
+
+    def run(wrap):
+        xs.grad = None
+        lin.zero_grad()
+        if case == "computed from a plain tensor requiring grad":
+            step = wrap(branching)
+            grad = tf.grad(lambda y: step(xs * 1, y))(y)
+        else:
+            step = wrap(inner)
+            grad = tf.grad(wrap(lambda y: step(y * 2)))(y)
+        grad.square().sum().backward()
+        return grad, xs.grad, lin.weight.grad
+
+    expected = run(lambda f: f)
+    assert_close(run(lambda f: remat(f, determinism_check=check)), expected)
+
+
 @pytest.mark.parametrize("transform", ["grad", "grad of grad", "gradient penalty"])
 def test_under_grad_a_hook_on_an_intermediate_acts_where_the_function_reads_a_parameter(transform):
     """``grad(f)``'s own backward of a call whose function reads a module's parameter recomputes and
