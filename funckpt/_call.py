@@ -1353,7 +1353,7 @@ class UserRegion(Region):
         self.constant: set[int] = set()  # outputs that did not require grad in the forward run's graph
         self.moved_hooks: set[int] = set()  # inputs whose hooks fn registered went to the caller's tensors
         # The forward run's hooks on tensors fn made, whose handles a recomputation's follow (see Substitute.hooks).
-        self.followed_hooks: list[tuple[dict[int, Any], int, Handles]] = []
+        self.followed_hooks: list[tuple[dict[int, Any] | None, int, Handles]] = []
         self.unchecked: set[int] = set()  # inputs saved without a version check (see _autograd.setup_context)
         self.used_constants: set[int] = set()  # non-differentiable inputs the forward run read
         # Outputs aliasing inputs or each other are rebuilt as views by the caller

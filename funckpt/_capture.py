@@ -63,6 +63,7 @@ from typing import Any, cast
 import torch
 from torch._library.fake_class_registry import FakeScriptObject as _FakeScriptObject
 from torch.overrides import TorchFunctionMode
+from torch.utils.hooks import RemovableHandle
 
 from ._draws import LAYOUT_DRAWS, in_a_run, layout_draw, redrawn
 from ._errors import CheckpointError
@@ -1992,6 +1993,20 @@ def _register_followed_hook(func: Any, args: tuple[Any, ...], kwargs: dict[str, 
     noted at its forward run's registration in the same order is there (:class:`FollowingItsHandle`).
     (Once, by the innermost run's mode: an enclosing one's, passed the call on, lets it through.)
     """
+
+    def register(follow: Callable[[Callable[..., Any]], Callable[..., Any]]) -> Any:
+        if args[1:]:
+            return func(args[0], follow(args[1]), *args[2:], **kwargs)
+        if "hook" in kwargs:
+            return func(*args, **{**kwargs, "hook": follow(kwargs["hook"])})
+        return func(*args, **kwargs)
+
+    return _following(register)
+
+
+def _following(register: Callable[[Callable[[Callable[..., Any]], Callable[..., Any]]], Any]) -> Any:
+    """Register a hook for the runs on this thread (see :func:`_register_followed_hook`):
+    ``register(follow)`` registers ``follow(hook)`` and returns its handle."""
     runs = [s for s in _active.substitutes if s.hooks is not None]
     handles: Handles = ()
     for run in runs:
@@ -2000,24 +2015,41 @@ def _register_followed_hook(func: Any, args: tuple[Any, ...], kwargs: dict[str, 
             n, run.hooks_seen = run.hooks_seen, run.hooks_seen + 1
             if n < len(run.hooks):
                 mine, key, followed = run.hooks[n]
-                handles += ((mine, key), *followed)
-    if handles:
-        if args[1:]:
-            args = (args[0], FollowingItsHandle(args[1], handles), *args[2:])
-        elif "hook" in kwargs:
-            kwargs = {**kwargs, "hook": FollowingItsHandle(kwargs["hook"], handles)}
+                # (Removed in the forward run itself, after a gradient of its own went through it:
+                # the recomputation removes it again at the same point, by its own handle.)
+                handles += followed if mine is None else ((mine, key), *followed)
     was, _active.registering = _active.registering, True
     try:
-        handle = func(*args, **kwargs)
+        handle = register((lambda hook: FollowingItsHandle(hook, handles)) if handles else (lambda hook: hook))
     finally:
         _active.registering = was
     registered_in = getattr(handle, "hooks_dict_ref", lambda: None)()
+    if handles and type(handle) is RemovableHandle:
+        handle.__class__ = _RemovingTheFollowed
+        cast(_RemovingTheFollowed, handle).followed = handles
     if isinstance(registered_in, dict) and getattr(handle, "id", None) in registered_in:
         for run in runs:
             if run.forward:
                 assert run.hooks is not None
                 run.hooks.append((registered_in, handle.id, handles))
     return handle
+
+
+class _RemovingTheFollowed(RemovableHandle):
+    """The handle ``register_hook`` gives the function in a recomputation, for a hook that follows
+    the forward run's handle (see :func:`_register_followed_hook`): removing it removes the hook
+    for good, from the forward run's dicts of hooks too, as without remat there is one hook, and
+    one removal. (A hook that removes itself when it first runs, ``handle.remove()`` inside it,
+    runs in the recomputation of a first backward pass; a second one through the same graph,
+    ``retain_graph=True``, recomputes again: without this the hook ran there again, where without
+    remat it does not.)"""
+
+    followed: Handles
+
+    def remove(self) -> None:
+        super().remove()
+        for hooks, key in self.followed:
+            hooks.pop(key, None)
 
 
 def nested_run(depth: int) -> bool:
@@ -2522,7 +2554,7 @@ class Substitute(OnThreadStack, TorchFunctionMode):
         # _register_followed_hook): in the forward run, each one's dict of hooks and key (and the
         # handles its registration followed itself, where that run is a recomputation's); in a
         # recomputation, those the forward run noted. (Not on its inputs: see _move_input_hooks.)
-        self.hooks: list[tuple[dict[int, Any], int, Handles]] | None = [] if forward else None
+        self.hooks: list[tuple[dict[int, Any] | None, int, Handles]] | None = [] if forward else None
         self.hooks_seen = 0  # (a recomputation's count of them so far)
         # Did the run call a dropout whose mask depends on its input's layout (see ``_draws``)?
         self.layout_draws = False
@@ -2942,15 +2974,26 @@ class Substitute(OnThreadStack, TorchFunctionMode):
                 trail.clear()
         return out
 
-    def forget_hooks(self) -> list[tuple[dict[int, Any], int, Handles]]:
+    def forget_hooks(self) -> list[tuple[dict[int, Any] | None, int, Handles]]:
         """The forward run's hooks on the tensors it made (see :func:`_register_followed_hook`), once it is
         over: their dicts are kept for the recomputation, each entry now a no-op, so as not to hold
-        on to what the hook holds (the forward run's tensors, which would look kept outside the call)."""
+        on to what the hook holds (the forward run's tensors, which would look kept outside the call).
+
+        A hook the run removed itself (``handle.remove()`` in the function once a gradient of its own
+        went through it, ``torch.autograd.grad`` inside; or the hook removing itself there) is noted
+        with no dict: the recomputation registers it as it is and removes it at the same point, and its
+        own gradient goes through it as the forward run's did. (Followed, it did not run there at all:
+        a false "did not reproduce", or another gradient with the check off.)"""
         hooks, self.hooks = self.hooks or [], None
-        for mine, key, _ in hooks:
+        noted: list[tuple[dict[int, Any] | None, int, Handles]] = []
+        for mine, key, followed in hooks:
+            assert mine is not None  # (a forward run notes each hook's dict)
             if key in mine:
                 mine[key] = no_hook
-        return hooks
+                noted.append((mine, key, followed))
+            else:
+                noted.append((None, key, followed))
+        return noted
 
     def _follow_unset(self, t: torch.Tensor) -> None:
         """Follow the storage of ``t``, allocated uninitialized, until it is written whole (see

@@ -1444,6 +1444,52 @@ def test_hook_registered_on_an_intermediate_inside_the_function_follows_its_hand
     assert_close(run(remat_fn), run(fn))
 
 
+@pytest.mark.parametrize("how", ["backward_twice", "autograd_grad_twice", "grad"])
+@pytest.mark.parametrize("nested", [False, True])
+@pytest.mark.parametrize("removal", ["by_itself", "in_the_function"])
+def test_hook_removed_by_the_function_is_removed_once_for_all_passes(how, nested, removal):
+    """A hook on an intermediate that the function removes by the handle it got: the hook itself
+    when it first runs (``handle.remove()`` inside it), or the function once a gradient of its own
+    went through it (``torch.autograd.grad`` inside, then ``handle.remove()``). Without remat it is
+    removed once: a second backward pass through the same graph (``retain_graph=True``) runs it no
+    more, and the function's own gradient went through it. remat's recomputations register it again;
+    removed by a recomputation's handle it stays removed for the next recomputation, and removed in
+    the forward run it runs in the recomputation up to the same point."""
+
+    def fn(x):
+        h = x.sin()
+        handle = None
+
+        def hook(g):
+            if removal == "by_itself":
+                handle.remove()
+            return g * 3
+
+        handle = h.register_hook(hook)
+        if removal == "in_the_function":
+            inner = torch.autograd.grad(h.square().sum(), x, create_graph=True)[0]
+            handle.remove()
+            return h.exp() + inner
+        return h.exp()
+
+    def run(f):
+        x = randn(2, 3, seed=1)
+        if how == "grad":
+            return tf.grad(lambda x: f(x).sum())(x)
+        x.requires_grad_()
+        y = f(x).sum()
+        if how == "backward_twice":
+            y.backward(retain_graph=True)
+            first = x.grad.clone()
+            y.backward()
+            return first, x.grad
+        return torch.autograd.grad(y, x, retain_graph=True)[0], torch.autograd.grad(y, x)[0]
+
+    remat_fn = remat(lambda x: remat(fn)(x) * 1) if nested else remat(fn)
+    assert_close(run(remat_fn), run(fn))
+    assert_close(run(lambda x: funckpt.checkpoint(fn, x)), run(fn))
+
+
 @pytest.mark.parametrize("how", ["grad", "vjp", "autograd_create_graph"])
 def test_hook_registered_on_an_input_inside_the_function_under_transforms(how):
     def fn(x):
