@@ -86,6 +86,8 @@ from ._internals import (
     is_dead_tensor_wrapper,
     is_functorch_wrapped,
     maybe_get_level,
+    register_node_hook,
+    route_node_hooks,
     sequence_nr,
     set_fwd_grad_enabled,
     storage_expired,
@@ -2033,6 +2035,37 @@ def _following(register: Callable[[Callable[[Callable[..., Any]], Callable[..., 
                 assert run.hooks is not None
                 run.hooks.append((registered_in, handle.id, handles))
     return handle
+
+
+def _register_node_hook(hooks: Any, hook: Callable[..., Any]) -> tuple[Any, Any]:
+    """``h.grad_fn.register_hook(hook)``, ``register_prehook``: every hook registered on an autograd
+    node goes through here (see :func:`funckpt._internals.route_node_hooks`).
+
+    In a remat'd call's run, a hook on a node of the graph it records is followed as a tensor hook
+    is (:func:`_register_followed_hook`): the recomputation registers it again on its own node, the
+    one the backward pass goes through, and there it runs only while the handle the forward run
+    returned has not removed it; removed by the recomputation's handle (the hook removing itself
+    when it first runs), it does not run in a second backward pass through the same graph either.
+    (Not followed, a hook the caller removed between the forward and the backward pass ran all the
+    same, and one removing itself ran again at each backward pass: ``torch.utils.checkpoint`` keeps
+    the forward pass's nodes, and runs it once.) Elsewhere, as torch registers it.
+    """
+    if not _active.substitutes or _active.internal or _active.registering:
+        return register_node_hook(hooks, hook)
+    if not any(s.hooks is not None for s in _active.substitutes):
+        return register_node_hook(hooks, hook)
+    registered: list[Any] = []
+
+    def register(follow: Callable[[Callable[..., Any]], Callable[..., Any]]) -> Any:
+        mine, handle = register_node_hook(hooks, follow(hook))
+        registered.append(mine)
+        return handle
+
+    handle = _following(register)
+    return registered[0], handle
+
+
+route_node_hooks(_register_node_hook)
 
 
 class _RemovingTheFollowed(RemovableHandle):

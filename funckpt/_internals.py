@@ -547,6 +547,22 @@ def register_tensor_hook(t: torch.Tensor, hook: Callable[..., Any]) -> None:
     t.register_hook(hook)  # type: ignore[no-untyped-call]
 
 
+# Where autograd registers a hook on a node (``grad_fn.register_hook``, ``register_prehook``; a
+# module's full backward hooks too): torch's C++ ``registerFunctionHook`` looks this static method
+# up on ``torch.autograd.Function`` at each registration (torch >= 2.0), and calls it with the node's
+# dict of hooks of that kind (None for its first) and the hook; it returns the dict and the handle.
+from torch.autograd.function import _HookMixin  # noqa: E402
+
+register_node_hook: Callable[[Any, Callable[..., Any]], tuple[Any, Any]] = _HookMixin._register_hook
+
+
+def route_node_hooks(route: Callable[[Any, Callable[..., Any]], tuple[Any, Any]]) -> None:
+    """Have every hook registered on an autograd node go through ``route``, which takes and returns
+    what :data:`register_node_hook` does (and calls it). Once, at import: a node is a C++ object whose
+    methods cannot be wrapped, and no torch function sees its hooks registered."""
+    _HookMixin._register_hook = staticmethod(route)  # type: ignore[method-assign]
+
+
 def backward_names_no_inputs() -> bool:
     """Does the backward pass running now name no ``inputs`` (``.backward()``, not ``torch.autograd.grad``)?
 

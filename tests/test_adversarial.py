@@ -1490,6 +1490,62 @@ def test_hook_removed_by_the_function_is_removed_once_for_all_passes(how, nested
     assert_close(run(lambda x: funckpt.checkpoint(fn, x)), run(fn))
 
 
+@pytest.mark.parametrize("kind", ["hook", "prehook"])
+@pytest.mark.parametrize("removal", ["by_the_caller", "by_itself", "in_the_function", "none"])
+@pytest.mark.parametrize("how", ["backward_twice", "grad", "vmap_grad"])
+@pytest.mark.parametrize("nested", [False, True])
+def test_hook_registered_on_an_autograd_node_inside_the_function_follows_its_handle(kind, removal, how, nested):
+    """A hook the function registers on an intermediate's autograd node (``h.grad_fn.register_hook``,
+    ``register_prehook``) is followed as one on the tensor is: the recomputation registers it again
+    on its own node, where it runs only while the forward run's handle has not removed it (the
+    caller removing it between the forward and the backward pass), and a recomputation's handle
+    removes it for good (the hook removing itself when it first runs: a second backward pass
+    through the same graph runs it no more), as without remat and under torch.utils.checkpoint."""
+    handles = []
+
+    def fn(x):
+        h = x.sin()
+        handle = None
+
+        def hook(*grads):
+            if removal == "by_itself":
+                handle.remove()
+            return (grads[0][0] * 3,)
+
+        node = h.grad_fn
+        handle = node.register_hook(hook) if kind == "hook" else node.register_prehook(hook)
+        handles.append(handle)
+        if removal == "in_the_function":
+            inner = torch.autograd.grad(h.square().sum(), x, create_graph=True)[0]
+            handle.remove()
+            return h.exp() + inner
+        return h.exp()
+
+    def run(f):
+        def loss(x):
+            handles.clear()
+            y = f(x).sum()
+            if removal == "by_the_caller":
+                handles[0].remove()
+            return y
+
+        x = randn(2, 3, seed=1)
+        if how == "grad":
+            return tf.grad(loss)(x)
+        if how == "vmap_grad":
+            return tf.vmap(tf.grad(loss))(x)
+        x.requires_grad_()
+        y = loss(x)
+        y.backward(retain_graph=True)
+        first = x.grad.clone()
+        y.backward()
+        return first, x.grad
+
+    remat_fn = remat(lambda x: remat(fn)(x) * 1) if nested else remat(fn)
+    assert_close(run(remat_fn), run(fn))
+    assert_close(run(lambda x: funckpt.checkpoint(fn, x)), run(fn))
+
+
 @pytest.mark.parametrize("how", ["grad", "vjp", "autograd_create_graph"])
 def test_hook_registered_on_an_input_inside_the_function_under_transforms(how):
     def fn(x):
