@@ -1701,6 +1701,63 @@ class training_as_at_the_call:
             module.training = before
 
 
+def backward_hooks_now(
+    modules: Sequence[tuple[torch.nn.Module, bool]],
+) -> list[tuple[torch.nn.Module, dict[int, Any], dict[int, Any]]]:
+    """The modules among ``modules`` (``Captured.training``) that have full backward hooks or
+    pre-hooks now, each with a copy of both dicts (see :class:`backward_hooks_as_at_the_call`)."""
+    return [
+        (m, dict(m._backward_hooks), dict(m._backward_pre_hooks))
+        for m, _ in modules
+        if m._backward_hooks or m._backward_pre_hooks
+    ]
+
+
+class backward_hooks_as_at_the_call:
+    """Put each module's full backward hooks and pre-hooks back to what they were at the call, for
+    a recomputation.
+
+    Without remat a module's call takes its backward hooks as they are then: its graph runs them in
+    the backward pass, also when the caller removed them in between (a handle removed after the
+    forward pass), and not one registered since. A recomputation calls the module again, and would
+    take them as they are in the backward pass: a gradient hook silently missing, or one more. So
+    it gets the hooks it had at the call (``then``: :func:`backward_hooks_now`), in dicts of its own,
+    and the module its own dicts back on leaving (those the handles edit). (A hook the function
+    registers itself is registered again by the recomputation, there only.)
+    """
+
+    def __init__(
+        self,
+        modules: Sequence[tuple[torch.nn.Module, bool]],
+        then: Sequence[tuple[torch.nn.Module, dict[int, Any], dict[int, Any]]],
+    ) -> None:
+        self.modules, self.then = modules, then
+        self.changed: list[tuple[torch.nn.Module, dict[int, Any], dict[int, Any]]] = []
+
+    def __enter__(self) -> None:
+        then = {id(m): (full, pre) for m, full, pre in self.then}
+        for module, _ in self.modules:
+            full_now, pre_now = module._backward_hooks, module._backward_pre_hooks
+            had = then.get(id(module))
+            if had is None:
+                if not full_now and not pre_now:
+                    continue  # (the common case: none then, none now)
+                had = _NO_HOOKS
+            full, pre = had
+            if full_now.keys() != full.keys() or pre_now.keys() != pre.keys():
+                self.changed.append((module, full_now, pre_now))
+                module._backward_hooks = collections.OrderedDict(full)
+                module._backward_pre_hooks = collections.OrderedDict(pre)
+
+    def __exit__(self, *exc: Any) -> None:
+        changed, self.changed = self.changed, []
+        for module, full, pre in reversed(changed):
+            module._backward_hooks, module._backward_pre_hooks = full, pre
+
+
+_NO_HOOKS: tuple[dict[int, Any], dict[int, Any]] = ({}, {})
+
+
 #: Values of a module attribute that a recomputation puts back as they were at the call: numbers,
 #: strings, flags, dtypes, devices, shapes (``self.max_seq_len_cached``, ``self.attention_scaling``).
 _PLAIN_VALUES = frozenset({bool, int, float, complex, str, bytes, type(None), torch.dtype, torch.device, torch.Size})

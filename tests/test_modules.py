@@ -8,7 +8,7 @@ import torch.func as tf
 import torch.nn as nn
 from torch.testing import assert_close
 
-from funckpt import CheckpointError, checkpoint, policies, remat
+from funckpt import CheckpointError, checkpoint, checkpoint_sequential, policies, remat
 
 D = torch.float64
 
@@ -248,6 +248,61 @@ def test_global_backward_hooks_apply_once_where_the_layer_has_its_own_too(pre):
         return x.grad, layer.weight.grad
 
     assert_close(run(remat), run(lambda m: m))
+
+
+@pytest.mark.parametrize("kind", ["hook", "pre-hook"])
+@pytest.mark.parametrize("change", ["removed", "added", "registered_inside"])
+@pytest.mark.parametrize("how", ["remat_function", "remat_outer_module", "checkpoint_sequential"])
+def test_backward_hooks_of_a_module_inside_are_those_it_had_at_the_call(kind, change, how):
+    """Without remat a module's call takes its full backward (pre-)hooks as they are then: removed
+    between the forward and the backward pass, they run all the same; registered in between, they
+    do not; registered by the function itself, once per call. A recomputation calls the module again
+    in the backward pass, and gets the hooks it had at the call (they went missing, or one more ran,
+    or the function's own accumulated on the module, one more at each recomputation)."""
+    ran = []
+
+    def register(layer):
+        if kind == "hook":
+            return layer.register_full_backward_hook(lambda m, gi, go: (ran.append(kind), (gi[0] * 3,))[1])
+        return layer.register_full_backward_pre_hook(lambda m, go: (ran.append(kind), (go[0] * 3,))[1])
+
+    def run(wrap):
+        torch.manual_seed(0)
+        inner = nn.Linear(4, 4, dtype=D)
+        model = nn.Sequential(nn.Linear(4, 4, dtype=D), nn.Tanh(), inner, nn.Tanh())
+        handles = [register(inner)] if change == "removed" else []
+
+        def fn(x):
+            if change == "registered_inside":
+                handles.append(register(inner))
+            return model(x)
+
+        x = torch.randn(3, 4, dtype=D, generator=torch.Generator().manual_seed(1), requires_grad=True)
+        grads = []
+        for _ in range(2):  # (a second step: the hooks the first left on the module)
+            ran.clear()
+            out = wrap(fn, model)(x)
+            if change == "removed":
+                handles.pop().remove()
+            elif change == "added":
+                handles.append(register(inner))
+            out.square().sum().backward()
+            grads.append((x.grad.clone(), inner.weight.grad.clone(), len(ran)))
+            for handle in handles:
+                handle.remove()
+            handles.clear()
+            if change == "removed":
+                handles.append(register(inner))
+        return grads
+
+    if how == "checkpoint_sequential" and change == "registered_inside":
+        pytest.skip("checkpoint_sequential calls the model's layers: no function of the user's to register from")
+    wraps = {
+        "remat_function": lambda fn, model: remat(fn),
+        "remat_outer_module": lambda fn, model: (lambda x: remat(lambda x: fn(x) * 1)(x)),
+        "checkpoint_sequential": lambda fn, model: (lambda x: checkpoint_sequential(model, 2, x)),
+    }
+    assert_close(run(wraps[how]), run(lambda fn, model: fn))
 
 
 def test_the_wrapped_class_own_train_and_apply_run():
