@@ -56,7 +56,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from . import _aliasing, _rng
-from ._capture import has_tangent, made_by_nested_region, note_nested_node, set_internal
+from ._capture import has_tangent, made_by_nested_region, note_nested_node, replayable_backward, set_internal
 from ._errors import CheckpointError, differing_digests, digest
 from ._internals import (
     at_a_grad_level_of_its_own,
@@ -559,7 +559,11 @@ class VjpRegion(Region):
         # and Mish's infinitely_differentiable_*_backward, not the fused silu_backward and
         # mish_backward kernels, which have no forward-mode derivative); see _vjp_here.
         create_graph = _needs_graph(flat) or forward_mode_active()
-        grads = vjp(self.base, primals, cotangents, self.needs, create_graph=create_graph)
+        replayable_backward(True)  # (a hook removing itself here runs again when this is recomputed)
+        try:
+            grads = vjp(self.base, primals, cotangents, self.needs, create_graph=create_graph)
+        finally:
+            replayable_backward(False)
         needed = [(p, g) for p, g, need in zip(primals, grads, self.needs) if need]
         if phase is Phase.FORWARD:
             self.unused = {k for k, (_, g) in enumerate(needed) if g is None}

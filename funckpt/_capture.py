@@ -2027,6 +2027,9 @@ class _Active(threading.local):
         self.internal = False
         # Is a hook being registered by _register_followed_hook (the enclosing runs' modes pass it on)?
         self.registering = False
+        # How many backward passes that a later differentiation recomputes (a VjpRegion's) are on
+        # (see _RemovingTheFollowed).
+        self.replayable_backward = 0
         # The recomputations in progress that run without the substitution mode, innermost last:
         # where each started (its first autograd node) and its inputs (see enter_unwatched).
         self.unwatched: list[tuple[int, Sequence[torch.Tensor]]] = []
@@ -2127,19 +2130,28 @@ route_node_hooks(_register_node_hook)
 
 class _RemovingTheFollowed(RemovableHandle):
     """The handle ``register_hook`` gives the function in a recomputation, for a hook that follows
-    the forward run's handle (see :func:`_register_followed_hook`): removing it removes the hook
-    for good, from the forward run's dicts of hooks too, as without remat there is one hook, and
-    one removal. (A hook that removes itself when it first runs, ``handle.remove()`` inside it,
-    runs in the recomputation of a first backward pass; a second one through the same graph,
-    ``retain_graph=True``, recomputes again: without this the hook ran there again, where without
-    remat it does not.)"""
+    the forward run's handle (see :func:`_register_followed_hook`): removed in a backward pass that
+    records no graph (the hook removing itself when it first runs), it removes the hook for good,
+    from the forward run's dicts of hooks too, as without remat there is one hook, and one removal:
+    a second backward pass through the same graph (``retain_graph=True``) recomputes, and without
+    this ran the hook again, where without remat it does not. (Not where the backward pass records
+    a graph, ``create_graph=True``, or is itself remat'd (see :func:`replayable_backward`): differentiating
+    it recomputes that backward, which must run the hook again as it did.)"""
 
-    followed: Handles
+    followed: Handles = ()  # (a copy of the handle, which pickling makes without it, removes its own hook only)
 
     def remove(self) -> None:
         super().remove()
-        for hooks, key in self.followed:
-            hooks.pop(key, None)
+        if not torch.is_grad_enabled() and not _active.replayable_backward:
+            for hooks, key in self.followed:
+                hooks.pop(key, None)
+
+
+def replayable_backward(entering: bool) -> None:
+    """Enter (``entering``) or leave a backward pass that a later differentiation recomputes (a
+    remat'd vjp, differentiated again): a hook removing itself there must run again when it is
+    recomputed (see :class:`_RemovingTheFollowed`)."""
+    _active.replayable_backward += 1 if entering else -1
 
 
 def nested_run(depth: int) -> bool:

@@ -1444,7 +1444,7 @@ def test_hook_registered_on_an_intermediate_inside_the_function_follows_its_hand
     assert_close(run(remat_fn), run(fn))
 
 
-@pytest.mark.parametrize("how", ["backward_twice", "autograd_grad_twice", "grad"])
+@pytest.mark.parametrize("how", ["backward_twice", "autograd_grad_twice", "grad", "double_backward"])
 @pytest.mark.parametrize("nested", [False, True])
 @pytest.mark.parametrize("removal", ["by_itself", "in_the_function"])
 def test_hook_removed_by_the_function_is_removed_once_for_all_passes(how, nested, removal):
@@ -1454,7 +1454,9 @@ def test_hook_removed_by_the_function_is_removed_once_for_all_passes(how, nested
     removed once: a second backward pass through the same graph (``retain_graph=True``) runs it no
     more, and the function's own gradient went through it. remat's recomputations register it again;
     removed by a recomputation's handle it stays removed for the next recomputation, and removed in
-    the forward run it runs in the recomputation up to the same point."""
+    the forward run it runs in the recomputation up to the same point. A backward pass that records
+    a graph (``create_graph=True``) is recomputed to be differentiated: the hook runs there again, as
+    it did in it."""
 
     def fn(x):
         h = x.sin()
@@ -1478,6 +1480,9 @@ def test_hook_removed_by_the_function_is_removed_once_for_all_passes(how, nested
             return tf.grad(lambda x: f(x).sum())(x)
         x.requires_grad_()
         y = f(x).sum()
+        if how == "double_backward":
+            g = torch.autograd.grad(y, x, create_graph=True)[0]
+            return g, torch.autograd.grad(g.sum(), x)[0]
         if how == "backward_twice":
             y.backward(retain_graph=True)
             first = x.grad.clone()
@@ -1492,7 +1497,7 @@ def test_hook_removed_by_the_function_is_removed_once_for_all_passes(how, nested
 
 @pytest.mark.parametrize("kind", ["hook", "prehook"])
 @pytest.mark.parametrize("removal", ["by_the_caller", "by_itself", "in_the_function", "none"])
-@pytest.mark.parametrize("how", ["backward_twice", "grad", "vmap_grad"])
+@pytest.mark.parametrize("how", ["backward_twice", "grad", "vmap_grad", "double_backward"])
 @pytest.mark.parametrize("nested", [False, True])
 def test_hook_registered_on_an_autograd_node_inside_the_function_follows_its_handle(kind, removal, how, nested):
     """A hook the function registers on an intermediate's autograd node (``h.grad_fn.register_hook``,
@@ -1536,6 +1541,9 @@ def test_hook_registered_on_an_autograd_node_inside_the_function_follows_its_han
             return tf.vmap(tf.grad(loss))(x)
         x.requires_grad_()
         y = loss(x)
+        if how == "double_backward":
+            g = torch.autograd.grad(y, x, create_graph=True)[0]
+            return g, torch.autograd.grad(g.sum(), x)[0]
         y.backward(retain_graph=True)
         first = x.grad.clone()
         y.backward()
