@@ -72,7 +72,6 @@ from ._capture import (
     substitution_depth,
     tensors_inside,
     training_as_at_the_call,
-    backward_hooks_as_at_the_call,
     backward_hooks_now,
 )
 from ._compile import can_lower, lowered_call, skip_as_frame
@@ -1356,7 +1355,7 @@ class UserRegion(Region):
         self.moved_hooks: set[int] = set()  # inputs whose hooks fn registered went to the caller's tensors
         # The forward run's hooks on tensors fn made, whose handles a recomputation's follow (see Substitute.hooks).
         self.followed_hooks: list[tuple[dict[int, Any] | None, int, Handles]] = []
-        # The full backward hooks of the modules fn reaches, at the forward run (see backward_hooks_as_at_the_call).
+        # The full backward hooks of the modules fn reaches, at the forward run (see training_as_at_the_call).
         self.backward_hooks: list[tuple[torch.nn.Module, dict[int, Any], dict[int, Any]]] = []
         self.unchecked: set[int] = set()  # inputs saved without a version check (see _autograd.setup_context)
         self.used_constants: set[int] = set()  # non-differentiable inputs the forward run read
@@ -2786,8 +2785,7 @@ class UserRegion(Region):
         if self.options.preserve_rng_state and self.rng is not None:
             contexts.append(_rng.replay(self.rng))
         if self.captured.training:
-            contexts.append(training_as_at_the_call(self.captured.training))
-            contexts.append(backward_hooks_as_at_the_call(self.captured.training, self.backward_hooks))
+            contexts.append(training_as_at_the_call(self.captured.training, self.backward_hooks))
         if self.rebound_attributes:
             contexts.append(attributes_as_at_the_call(self.rebound_attributes))
         return contexts

@@ -1683,76 +1683,62 @@ class training_as_at_the_call:
     callback) must not turn the recomputation's dropout off or its BatchNorm to
     running statistics: the gradient is the forward pass's computation's. The
     flags are restored on leaving.
+
+    So are the modules' full backward hooks and pre-hooks (``hooks``: those the forward run found,
+    :func:`backward_hooks_now`). Without remat a module's call takes them as they are then: its
+    graph runs them in the backward pass, also when the caller removed them in between (a handle
+    removed after the forward pass), and not one registered since. A recomputation calls the module
+    again, and would take them as they are in the backward pass: a gradient hook silently missing,
+    or one more. So it gets those it had at the call, in dicts of its own, and the module its own
+    dicts back on leaving (those the handles edit). (A hook the function registers itself is
+    registered again by the recomputation, there only.) One walk over the modules does both.
     """
 
-    def __init__(self, flags: Sequence[tuple[torch.nn.Module, bool]]) -> None:
-        self.flags = flags
+    def __init__(
+        self,
+        flags: Sequence[tuple[torch.nn.Module, bool]],
+        hooks: Sequence[tuple[torch.nn.Module, dict[int, Any], dict[int, Any]]] = (),
+    ) -> None:
+        self.flags, self.hooks = flags, hooks
         self.changed: list[tuple[torch.nn.Module, bool]] = []  # (module, its flag before)
+        self.rehooked: list[tuple[torch.nn.Module, dict[int, Any], dict[int, Any]]] = []  # (module, its dicts)
 
     def __enter__(self) -> None:
+        then = {id(m): (full, pre) for m, full, pre in self.hooks} if self.hooks else None
         for module, training in self.flags:
             if module.training != training:
                 self.changed.append((module, module.training))
                 module.training = training
+            if module._backward_hooks or module._backward_pre_hooks or (then is not None and id(module) in then):
+                self._hooks_as_then(module, _NO_HOOKS if then is None else then.get(id(module), _NO_HOOKS))
+
+    def _hooks_as_then(self, module: torch.nn.Module, had: tuple[dict[int, Any], dict[int, Any]]) -> None:
+        full_now, pre_now = module._backward_hooks, module._backward_pre_hooks
+        full, pre = had
+        if full_now.keys() != full.keys() or pre_now.keys() != pre.keys():
+            self.rehooked.append((module, full_now, pre_now))
+            module._backward_hooks = collections.OrderedDict(full)
+            module._backward_pre_hooks = collections.OrderedDict(pre)
 
     def __exit__(self, *exc: Any) -> None:
         changed, self.changed = self.changed, []
         for module, before in reversed(changed):
             module.training = before
+        rehooked, self.rehooked = self.rehooked, []
+        for module, full, pre in reversed(rehooked):
+            module._backward_hooks, module._backward_pre_hooks = full, pre
 
 
 def backward_hooks_now(
     modules: Sequence[tuple[torch.nn.Module, bool]],
 ) -> list[tuple[torch.nn.Module, dict[int, Any], dict[int, Any]]]:
     """The modules among ``modules`` (``Captured.training``) that have full backward hooks or
-    pre-hooks now, each with a copy of both dicts (see :class:`backward_hooks_as_at_the_call`)."""
+    pre-hooks now, each with a copy of both dicts (see :class:`training_as_at_the_call`)."""
     return [
         (m, dict(m._backward_hooks), dict(m._backward_pre_hooks))
         for m, _ in modules
         if m._backward_hooks or m._backward_pre_hooks
     ]
-
-
-class backward_hooks_as_at_the_call:
-    """Put each module's full backward hooks and pre-hooks back to what they were at the call, for
-    a recomputation.
-
-    Without remat a module's call takes its backward hooks as they are then: its graph runs them in
-    the backward pass, also when the caller removed them in between (a handle removed after the
-    forward pass), and not one registered since. A recomputation calls the module again, and would
-    take them as they are in the backward pass: a gradient hook silently missing, or one more. So
-    it gets the hooks it had at the call (``then``: :func:`backward_hooks_now`), in dicts of its own,
-    and the module its own dicts back on leaving (those the handles edit). (A hook the function
-    registers itself is registered again by the recomputation, there only.)
-    """
-
-    def __init__(
-        self,
-        modules: Sequence[tuple[torch.nn.Module, bool]],
-        then: Sequence[tuple[torch.nn.Module, dict[int, Any], dict[int, Any]]],
-    ) -> None:
-        self.modules, self.then = modules, then
-        self.changed: list[tuple[torch.nn.Module, dict[int, Any], dict[int, Any]]] = []
-
-    def __enter__(self) -> None:
-        then = {id(m): (full, pre) for m, full, pre in self.then}
-        for module, _ in self.modules:
-            full_now, pre_now = module._backward_hooks, module._backward_pre_hooks
-            had = then.get(id(module))
-            if had is None:
-                if not full_now and not pre_now:
-                    continue  # (the common case: none then, none now)
-                had = _NO_HOOKS
-            full, pre = had
-            if full_now.keys() != full.keys() or pre_now.keys() != pre.keys():
-                self.changed.append((module, full_now, pre_now))
-                module._backward_hooks = collections.OrderedDict(full)
-                module._backward_pre_hooks = collections.OrderedDict(pre)
-
-    def __exit__(self, *exc: Any) -> None:
-        changed, self.changed = self.changed, []
-        for module, full, pre in reversed(changed):
-            module._backward_hooks, module._backward_pre_hooks = full, pre
 
 
 _NO_HOOKS: tuple[dict[int, Any], dict[int, Any]] = ({}, {})
