@@ -460,7 +460,15 @@ class VmapRegion(Region):
         level = top.level()
         own = [maybe_get_level(t) == level for t in flat]
         required = [t.requires_grad for t in flat]
-        if True in map(operator.gt, required, own) and not _reaches_a_script_module(self.base):
+        # (Also an input of that level that says it requires no grad there while the tensor it wraps
+        # does below it, where the forward run goes lowered: one that level computed from a tensor
+        # requiring grad below it, or wrapped, in a remat'd call nested in another's run at a level
+        # of its own, where every input of the outer call is wrapped: ``jvp(vmap(f))`` of a function
+        # whose nested remat'd call reads a module's parameter.)
+        lower = True in map(operator.gt, required, own) or any(
+            o and not r and unwrap_for_grad(t, level).requires_grad for t, r, o in zip(flat, required, own)
+        )
+        if lower and not _reaches_a_script_module(self.base):
             self.grad_primals_below = [i for i, (t, r, o) in enumerate(zip(flat, required, own)) if r and o and has_gradient_dtype(t)]
 
     def run(self, flat: Tensors, phase: Phase) -> Tensors:

@@ -532,7 +532,13 @@ def prepare(
     if transforms_active():
         top = peek_interpreter_stack()  # (None where a level is alive but lowered off the stack)
         required = [t.requires_grad for t in routed]
-        if any(required) and torch.is_grad_enabled():
+        # (Also where none requires grad at the call's grad or jvp level, as long as grad mode is on:
+        # they may below it, in plain autograd, where the forward run goes lowered (a tensor the
+        # caller computed there from a module's parameter, every input of a remat'd call nested in
+        # another's run at a grad level of its own, which wraps them: see _reads_a_lower_levels_grad).)
+        if torch.is_grad_enabled() and (
+            any(required) or (top is not None and top.key() in (TransformType.Grad, TransformType.Jvp))
+        ):
             region.required_grad_at_call = required
             # Only a tensor of the innermost level requires grad there: what the function computes
             # from one of a level below (a module's parameter, a tensor an outer grad wraps) is a
@@ -2253,7 +2259,7 @@ class UserRegion(Region):
                 run.substitute.trail = collections.deque(maxlen=_tail.TRAIL_LENGTH)
             if tainting and run.substitute is not None:
                 seeds = (t for t, d in zip(flat, self.differentiable) if d)
-                run.substitute.taint = Taint(seeds, any_grad_mode=sweep or self.required_grad_at_call is None)
+                run.substitute.taint = Taint(seeds, any_grad_mode=sweep or True not in (self.required_grad_at_call or ()))
             elif at_own_level and forward_mode_active() and run.substitute is not None:
                 # The level's graph shows a reverse-mode derivative only: a tangent of an input
                 # that does not require grad (vmap(jvp) of a function whose module's parameters
@@ -2485,16 +2491,15 @@ class UserRegion(Region):
         # where no input of a lower level requires grad: C loops over lists of bools.)
         if required is None or innermost is None:
             return False
-        if lowered:
-            # Lowered: any input requiring grad here, in plain autograd, other than one that required
-            # grad at the innermost level. Also one that said it required none at the call, a tensor of
-            # that level computed from (or, in a remat'd call nested in another's run at a level of its
-            # own, wrapped from) one requiring grad below it: ``x = xs * 1`` inside ``grad``.
-            lower = True in map(_REQUIRES_GRAD, flat) and any(
-                t.requires_grad and not (r and own) for t, r, own in zip(flat, required, innermost)
-            )
-        else:
-            lower = True in map(operator.gt, required, innermost)  # (r and not own: required grad of a lower level)
+        # Lowered (or below a vmap): any input requiring grad here, where the forward run gets it, other
+        # than one that required grad at the innermost level. Also one that said it required none at
+        # the call, a tensor of that level computed from (or, in a remat'd call nested in another's run
+        # at a level of its own, wrapped from) one requiring grad below it: ``x = xs * 1`` inside
+        # ``grad``, a module's parameter reaching a call nested in a run under ``vmap(jvp(f))``.
+        lower = (not lowered and True in map(operator.gt, required, innermost)) or (  # (r and not own: a lower level's)
+            True in map(_REQUIRES_GRAD, flat)
+            and any(t.requires_grad and not (r and own) for t, r, own in zip(flat, required, innermost))
+        )
         return (
             lower
             and not any(isinstance(m, torch.jit.ScriptModule) for m, _ in self.captured.modules)

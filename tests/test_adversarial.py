@@ -1554,6 +1554,118 @@ def test_hook_registered_on_an_autograd_node_inside_the_function_follows_its_han
     assert_close(run(lambda x: funckpt.checkpoint(fn, x)), run(fn))
 
 
+@pytest.mark.parametrize("on", ["intermediate", "parameter_only", "input", "input_post_accumulate", "node", "module"])
+@pytest.mark.parametrize("how", ["jvp", "jacfwd", "vmap_jvp", "jvp_vmap"])
+@pytest.mark.parametrize("input_requires_grad", [False, True])
+def test_hook_registered_where_it_requires_grad_in_a_nested_call_under_jvp_then_backward(on, how, input_requires_grad):
+    """Under torch.func.jvp (jacfwd) with no grad transform, what the function computes says it
+    requires no grad, though its inputs or a module's parameters require grad at plain autograd's
+    level below, through which ``.backward()`` then differentiates: a hook registered only where
+    it does (``if h.requires_grad: h.register_hook(...)``, on a node ``if h.grad_fn is not None``,
+    a post-accumulate-grad hook on an input, a module's full backward hook) is registered nowhere
+    without remat. The outer call's forward run takes a grad level of its own, which wraps every
+    input of the remat'd call nested in it: they say there that they require no grad, and below it,
+    where the nested call's forward run goes lowered (below the vmap of ``jvp(vmap(f))``), they do.
+    The nested call's forward run takes a grad level of its own too (it registered the hook, and
+    silently changed the gradient, or refused the post-accumulate-grad hook)."""
+    lin = nn.Linear(3, 3).double()
+    if on == "module":
+        lin.register_full_backward_hook(lambda m, gi, go: tuple(None if g is None else g * 3 for g in gi))
+
+    def fn(x):
+        h = lin(x)
+        if on == "node":
+            if h.grad_fn is not None:
+                h.grad_fn.register_prehook(lambda go: (go[0] * 3,))
+            return h.sin()
+        if on == "module":
+            return h.sin()
+        if on == "input_post_accumulate":
+            if x.requires_grad:
+                x.register_post_accumulate_grad_hook(lambda p: p.grad.mul_(3))
+            return h.sin()
+        if on == "intermediate":
+            hooked = h
+        elif on == "input":
+            hooked = x
+        else:  # (computed from a parameter alone)
+            hooked = lin.weight * 2
+            h = h + hooked.sum()
+        if hooked.requires_grad:
+            hooked.register_hook(lambda g: g * 3)
+        return h.sin()
+
+    def run(f):
+        lin.zero_grad()
+        x = randn(2, 3, seed=1).requires_grad_(input_requires_grad)
+        t = randn(2, 3, seed=2)
+        if how == "jvp":
+            outs = tf.jvp(f, (x,), (t,))
+        elif how == "jacfwd":
+            outs = (tf.jacfwd(f)(x),)
+        elif how == "vmap_jvp":
+            outs = tf.vmap(lambda a, b: tf.jvp(f, (a,), (b,)))(x, t)
+        else:
+            outs = tf.jvp(tf.vmap(f), (x,), (t,))
+        sum(o.square().sum() for o in outs).backward()
+        return lin.weight.grad, lin.bias.grad, x.grad
+
+    assert_close(run(remat(lambda x: remat(fn)(x * 2) * 1)), run(lambda x: fn(x * 2) * 1))
+
+
+@pytest.mark.parametrize("nested", [False, True])
+def test_requires_grad_only_below_the_jvp_of_an_input_computed_there(nested):
+    """Under torch.func.jvp with no grad transform, an input the caller computed at the jvp's level
+    from a tensor requiring grad below it (``y * w``, ``w`` a plain tensor requiring grad) says it
+    requires no grad, and so does what the function computes from it: a hook registered only where
+    it does is registered nowhere without remat. The call saw no input requiring grad at its own
+    level; its forward run, lowered into plain autograd, saw them require grad and registered the
+    hook (a silently wrong gradient of ``w``). It runs at a grad level of its own there too."""
+    w = randn(3, seed=3).requires_grad_()
+
+    def fn(x):
+        h = x.sin()
+        if h.requires_grad:
+            h.register_hook(lambda g: g * 3)
+        return h.cos()
+
+    def run(f):
+        w.grad = None
+        y, t = randn(2, 3, seed=1), randn(2, 3, seed=2)
+
+        def g(y):
+            return f(y * w)
+
+        outs = tf.jvp(g, (y,), (t,))
+        sum(o.square().sum() for o in outs).backward()
+        return w.grad
+
+    remat_fn = remat(lambda x: remat(fn)(x * 2) * 1) if nested else remat(fn)
+    assert_close(run(remat_fn), run(lambda x: fn(x * 2) * 1 if nested else fn(x)))
+
+
+@pytest.mark.parametrize("nested", [False, True])
+def test_branch_on_requires_grad_under_jvp_then_backward_as_without_remat(nested):
+    """Under torch.func.jvp with plain autograd below (an input requiring grad outside the
+    transform), what the function computes says it requires no grad: a function branching on it
+    computes the same values in remat's forward run (at a grad level of its own, below the jvp) and
+    in its recomputations, as without remat (it raised "did not reproduce": the forward run saw it
+    require grad in plain autograd)."""
+
+    def f(x):
+        h = x.sin()
+        return h * 2 if h.requires_grad else h
+
+    def run(g):
+        x = randn(3, seed=1).requires_grad_()
+        outs = tf.jvp(g, (x,), (torch.ones_like(x),))
+        sum(o.sum() for o in outs).backward()
+        return outs, x.grad
+
+    remat_fn = remat(lambda x: remat(f)(x * 2) * 1) if nested else remat(f)
+    assert_close(run(remat_fn), run(lambda x: f(x * 2) * 1 if nested else f(x)))
+
+
 @pytest.mark.parametrize("how", ["grad", "vjp", "autograd_create_graph"])
 def test_hook_registered_on_an_input_inside_the_function_under_transforms(how):
     def fn(x):
