@@ -2096,9 +2096,12 @@ def _register_node_hook(hooks: Any, hook: Callable[..., Any]) -> tuple[Any, Any]
     same, and one removing itself ran again at each backward pass: ``torch.utils.checkpoint`` keeps
     the forward pass's nodes, and runs it once.) Elsewhere, as torch registers it.
     """
-    if not _active.substitutes or _active.internal or _active.registering:
-        return register_node_hook(hooks, hook)
-    if not any(s.hooks is not None for s in _active.substitutes):
+    if (
+        not _active.substitutes
+        or _active.internal
+        or _active.registering
+        or not any(s.hooks is not None for s in _active.substitutes)
+    ):
         return register_node_hook(hooks, hook)
     registered: list[Any] = []
 

@@ -587,19 +587,17 @@ def digest(tensors: Sequence[torch.Tensor]) -> list[Digest | None]:
 def _read_now() -> bool:
     """Are CPU digests taken here read at once (:func:`_on_cpu`): no torch.func transform, forward-mode
     level, torch-function or dispatch mode on (a traced value cannot be read), none deferred?
-    (torch's C functions themselves, as ``transforms_active`` and the others call them: this runs
-    for every digest of a small output.)"""
+    (The forward-mode level and the dispatch stack read directly, not through their one-line
+    wrappers: this runs for every digest of a small output.)"""
     return not (
         DEFER_ON_CPU
-        or _functorch_transforms_active()
+        or transforms_active()
         or _fwAD._current_level >= 0
-        or _torch_function_mode_enabled()
+        or torch_function_mode_enabled()
         or _len_torch_dispatch_stack()
     )
 
 
-_functorch_transforms_active = torch._C._are_functorch_transforms_active
-_torch_function_mode_enabled = torch._C._is_torch_function_mode_enabled
 _len_torch_dispatch_stack = torch._C._len_torch_dispatch_stack
 
 

@@ -255,7 +255,6 @@ def at_a_grad_level_of_its_own(
         _C._grad_decrement_nesting()
 
 
-
 _pop_layer = torch._C._functorch.pop_dynamic_layer_stack
 _push_layer = torch._C._functorch.push_dynamic_layer_stack
 
@@ -345,9 +344,8 @@ def interpreter_stack() -> list[Any]:
     return _C.get_interpreter_stack() or []
 
 
-def transforms_active() -> bool:
-    """Is any torch.func transform active?"""
-    return bool(torch._C._are_functorch_transforms_active())
+#: Is any torch.func transform active? (torch's C function itself: asked several times per remat'd call.)
+transforms_active: Callable[[], bool] = torch._C._are_functorch_transforms_active
 
 
 def level_kinds() -> set[Any]:
@@ -576,9 +574,8 @@ def dispatch_modes_active() -> bool:
     return bool(torch._C._len_torch_dispatch_stack())
 
 
-def torch_function_mode_enabled() -> bool:
-    """Is any torch-function mode active (``with torch.device(...)`` is one)?"""
-    return bool(torch._C._is_torch_function_mode_enabled())
+#: Is any torch-function mode active (``with torch.device(...)`` is one)? (torch's C function itself.)
+torch_function_mode_enabled: Callable[[], bool] = torch._C._is_torch_function_mode_enabled
 
 
 def torch_function_modes() -> list[Any]:
