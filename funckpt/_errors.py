@@ -40,10 +40,10 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 import torch.autograd.forward_ad as _fwAD
 
 from ._internals import (
+    DispatchMode,
     has_gradient_dtype,
     current_graph_task_id,
     queue_engine_callback,
@@ -119,7 +119,7 @@ def debug_enabled(requested: bool) -> bool:
     return requested if override is None else override
 
 
-class OpTrace(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's untyped __init_subclass__
+class OpTrace(DispatchMode):
     """Records ``op -> output shapes`` for every ATen operator executed under it."""
 
     def __init__(self) -> None:

@@ -25,6 +25,7 @@ import torch
 import torch.autograd.forward_ad as _fwAD
 from torch._C._dynamo.eval_frame import get_eval_frame_callback as eval_frame_callback  # Dynamo's frame callback now
 from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__ = [
     "AccumulateGrad",
@@ -917,6 +918,51 @@ def storage_weak_ref(storage: torch.UntypedStorage) -> StorageWeakRef:
 def storage_expired(ref: StorageWeakRef) -> bool:
     """Is the storage ``ref`` (:func:`storage_weak_ref`) handles freed?"""
     return bool(ref.expired())  # type: ignore[no-untyped-call]
+
+
+
+
+
+class DispatchMode(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's untyped __init_subclass__
+    """A ``TorchDispatchMode`` whose ``__torch_dispatch__`` enters ``torch.compiler.disable``'s
+    wrapper only where Dynamo could see the call (see :func:`compiler_disable`).
+
+    torch wraps every mode's ``__torch_dispatch__`` in ``torch._dynamo.disable`` (two Python
+    frames, three frame-evaluator swaps and an ``is_exporting()`` per operator), so that Dynamo
+    does not compile the mode's frames where a compiled function's eager code runs under it.
+    funckpt's modes run once per ATen operator of every forward run and recomputation that a
+    policy, a write watch or a trace follows, always inside a remat'd call's eager code: the
+    wrapper cost more than some modes' own work. The same protection is kept where it applies
+    (a ``torch.compile``'d function called inside the remat'd function, its frame callback set).
+    """
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return False  # (torch's wrapper: replaced by the conditional one below)
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)  # type: ignore[no-untyped-call]
+        raw = cls.__dict__.get("__torch_dispatch__")
+        if raw is not None and not isinstance(raw, classmethod):
+            cls.__torch_dispatch__ = _dispatch_unless_compiled(raw)  # type: ignore[method-assign]
+
+
+def _dispatch_unless_compiled(raw: _F) -> _F:
+    """``raw``, a ``__torch_dispatch__``, through ``torch.compiler.disable`` where Dynamo's frame
+    callback is set (eager code a compiled function runs, whose callees it would compile). (Unlike
+    :func:`compiler_disable`, no ``is_compiling()``: the dispatcher calls a mode from C++, never
+    from code Dynamo traces.)"""
+    disabled = cast("Callable[..., Any]", torch.compiler.disable(raw))  # type: ignore[no-untyped-call]
+    run = cast("Callable[..., Any]", raw)
+
+    @functools.wraps(raw)
+    def dispatch(self: Any, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
+        if eval_frame_callback() is not None:
+            return disabled(self, func, types, args, kwargs)
+        return run(self, func, types, args, kwargs)
+
+    skip_code(dispatch.__code__)  # (its own frame, which decides, is not Dynamo's to compile either)
+    return cast(_F, dispatch)
 
 
 # ------------------------------------------------------------ operators

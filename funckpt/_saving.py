@@ -37,11 +37,10 @@ from collections.abc import Callable, Sequence
 from typing import Any, cast
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import _budget, _offload, _tail
 from ._errors import CheckpointError
-from ._internals import OpOverload, OpOverloadPacket, bottom, clone_storage, skip_code, storage_of
+from ._internals import DispatchMode, OpOverload, OpOverloadPacket, bottom, clone_storage, skip_code, storage_of
 from ._naming import OnThreadStack, active
 from .policies import CHECKPOINT_NAME, Offloadable, Policy, Verdict, budget_of, excluded_names, uses_names
 
@@ -561,7 +560,7 @@ def _versions(out: Any) -> list[int]:
     return [-1 if t.is_inference() else t._version for t in _tensors(out)]
 
 
-class WriteWatch(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's untyped __init_subclass__
+class WriteWatch(DispatchMode):
     """Calls ``before_write(index)`` before any operator writes to input ``index``'s storage."""
 
     def __init__(self, storages: dict[int | None, int], before_write: Callable[[int, torch.Tensor], None]) -> None:
@@ -847,7 +846,7 @@ def _functional_writes(func: types.FunctionType) -> _Writes | None:
     return _WRITES_OUT
 
 
-class Recorder(OnThreadStack, WriteWatch):  # type: ignore[no-untyped-call]  # torch's untyped __init_subclass__
+class Recorder(OnThreadStack, WriteWatch):
     """Records the forward run for a policy (and watches input writes, as WriteWatch does)."""
 
     def __init__(
@@ -936,7 +935,7 @@ def _own_alias(t: torch.Tensor) -> torch.Tensor:
     return torch.empty((0,), dtype=t.dtype, device=t.device).set_(t.untyped_storage(), t.storage_offset(), t.size(), t.stride())
 
 
-class Replayer(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's untyped __init_subclass__
+class Replayer(DispatchMode):
     def __init__(self, saved: Saved, fetched: dict[int, Any] | None = None) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
         self.saved = saved

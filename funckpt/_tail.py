@@ -36,9 +36,10 @@ from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from torch.utils._python_dispatch import _disable_current_modes
 
 from ._errors import Digest, digest
+from ._internals import DispatchMode
 
 __all__ = ["TAIL", "TRAIL_LENGTH", "Deferring", "TailPlan", "plan", "run_or_skip"]
 
@@ -289,7 +290,7 @@ def _empty(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], tensors: li
     return torch.empty_strided(shape.shape, shape.stride(), dtype=shape.dtype, device=tensors[0].device)
 
 
-class _Skip(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's untyped __init_subclass__
+class _Skip(DispatchMode):
     """Below autograd, for one deferred call: :func:`run_or_skip` for each operator. (With a saving
     policy, its replayer skips instead: it must count every operator, see ``Replayer``.)"""
 

@@ -199,6 +199,28 @@ def test_compiled_function_inside_remat_is_correct():
     torch.testing.assert_close(tf.grad(lambda x: inner(x).sin().sum())(x), expected)
 
 
+@pytest.mark.parametrize("policy", [None, policies.dots_saveable], ids=["recompute", "dots_saveable"])
+def test_a_compiled_function_with_a_graph_break_inside_remat_under_its_dispatch_modes(policy):
+    """The eager code after a graph break runs with Dynamo's frame callback set while funckpt's
+    dispatch modes (a policy's recorder, the write watch) follow each operator: the modes run
+    there as they do elsewhere, and the gradients are the plain function's."""
+
+    @torch.compile(backend="eager")
+    def inner(x, w):
+        y = x @ w
+        torch._dynamo.graph_break()
+        return torch.tanh(y) @ w
+
+    def f(x, w):
+        return inner(x, w).sin()
+
+    x = torch.randn(4, D, dtype=torch.double, requires_grad=True)
+    w = torch.randn(D, D, dtype=torch.double, requires_grad=True)
+    expected = torch.autograd.grad(f(x, w).sum(), (x, w))
+    torch.testing.assert_close(torch.autograd.grad(remat(f, policy=policy)(x, w).sum(), (x, w)), expected)
+    torch.testing.assert_close(tf.grad(lambda x, w: remat(f, policy=policy)(x, w).sum(), argnums=(0, 1))(x, w), expected)
+
+
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
 def test_compiled_function_inside_remat_writing_a_non_differentiable_input(backend):
     """The write happens once, and the recomputation starts from the value at the call."""
