@@ -961,7 +961,7 @@ def _dispatch_unless_compiled(raw: _F) -> _F:
             return disabled(self, func, types, args, kwargs)
         return run(self, func, types, args, kwargs)
 
-    skip_code(dispatch.__code__)  # (its own frame, which decides, is not Dynamo's to compile either)
+    skip_code(dispatch.__code__)  # type: ignore[attr-defined]  # (its own frame, which decides, is not Dynamo's to compile either)
     return cast(_F, dispatch)
 
 
