@@ -1005,6 +1005,8 @@ def _module_state(module: torch.nn.Module) -> _ModuleState:
             for k, c in m._modules.items():
                 edges.append((m, k, c))
         attributes = vars(m)
+        if first and (attributes.get("_forward_hooks") or attributes.get("_forward_pre_hooks") or "forward" in attributes):
+            outside.extend(_code_run_on_the_call(dot, attributes))
         kinds = list(map(type, attributes.values()))
         if _SCREENED.issuperset(kinds) and kinds.count(dict) <= _OWN_DICTS:
             continue  # most modules: nothing but plain values (tuples: a kernel size), no list or dict of their own
@@ -1024,7 +1026,9 @@ def _module_state(module: torch.nn.Module) -> _ModuleState:
                         # (And the one a wrapper of a wrapper wraps, remat(remat(layer)), each once.)
                         if id(value) not in scanned:
                             scanned.add(id(value))
-                            scans.append((value, vars(value)))
+                            wrapped_attributes = vars(value)
+                            scans.append((value, wrapped_attributes))
+                            outside.extend(_code_run_on_the_call(f"{dot}{key}.", wrapped_attributes))
                         # Listed too, for its training flag and its plain attributes, which are
                         # its own: a remat'd call nested in this one that rebinds a flag on it
                         # (ActNorm's ``self.initialized``) or state (``self.hidden``) must find
@@ -1052,6 +1056,41 @@ def _module_state(module: torch.nn.Module) -> _ModuleState:
     return _ModuleState(named, list(where.values()), training, generators, edges, outside)
 
 
+def _code_run_on_the_call(dot: str, attributes: dict[str, Any]) -> list[tuple[str, Any]]:
+    """A module's forward hooks and pre-hooks, and a ``forward`` set on the instance (a hand-written
+    LoRA's ``layer.forward = new_forward``), that reach a differentiable tensor other than through
+    a module: code the module runs at every call, inside the remat'd function, as its closure is.
+
+    A hook adding a trainable steering vector to a layer's output, or applying an adapter kept
+    outside the model (closures over ``nn.Parameter`` objects, a dict that ``torch.func.grad``'s
+    function fills with its inputs), is as much the function's as its own closure. Left
+    unwalked, its tensors were refused as unreachable (a false ``CheckpointError``). Hooks of
+    library code (transformers' output recorders, torch's own) and hooks that reach no such
+    tensor (a logger, a hook closing over its module's own parameters, which the module's walk
+    routes already) add nothing: only what reaches one is entered.
+    """
+    found: list[tuple[str, Any]] = []
+    for kind in ("_forward_pre_hooks", "_forward_hooks"):
+        for key, hook in (attributes.get(kind) or {}).items():
+            if _reaches_a_differentiable_tensor(hook):
+                found.append((f"{dot}{kind}[{key}]", hook))
+    forward = attributes.get("forward")
+    if forward is not None and _reaches_a_differentiable_tensor(forward):
+        found.append((f"{dot}forward", forward))
+    return found
+
+
+def _reaches_a_differentiable_tensor(code: Any) -> bool:
+    """Does ``code`` (a hook, an instance's ``forward``) reach, other than through a module, a tensor
+    that requires grad or belongs to a live torch.func transform?"""
+    if type(code) is types.FunctionType and _reaches_nothing(code):
+        return False
+    for t in find_captured(code, modules_too=False).tensors:
+        if t.requires_grad or has_tangent(t) or (is_functorch_wrapped(t) and not is_dead_tensor_wrapper(t)):
+            return True
+    return False
+
+
 def _not_aliases(
     outside: list[tuple[str, Any]], named: dict[str, torch.Tensor], visited: set[int]
 ) -> list[tuple[str, Any]]:
@@ -1063,6 +1102,8 @@ def _not_aliases(
     registered = {id(t) for t in named.values()}
 
     def alias(value: Any) -> bool:
+        if not isinstance(value, (torch.Tensor, torch.nn.Module, list, dict)):
+            return False  # (a hook or a forward: see _code_run_on_the_call)
         if isinstance(value, torch.nn.Module):
             return id(value) in visited
         if isinstance(value, torch.Tensor):

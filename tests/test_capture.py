@@ -933,6 +933,49 @@ def test_forward_hook_closing_over_the_modules_own_parameter():
     assert_close(_backward_grads(lambda: remat(lin)(X), params), expected)
 
 
+def _adapted_block(how, store):
+    """A two-layer block whose first layer gets ``store[0]`` (a steering vector, outside the model)
+    added to its output by code the layer runs at its call: a forward hook, a pre-hook on the
+    second layer, or a ``forward`` set on the instance (a hand-written adapter)."""
+    torch.manual_seed(0)
+    block = torch.nn.Sequential(torch.nn.Linear(4, 4, dtype=D), torch.nn.Tanh(), torch.nn.Linear(4, 4, dtype=D))
+    if how == "forward hook":
+        block[0].register_forward_hook(lambda m, args, out: out + store[0])
+    elif how == "pre-hook":
+        block[2].register_forward_pre_hook(lambda m, args: (args[0] * store[0],))
+    else:
+        plain = block[0].forward
+        block[0].forward = types.MethodType(lambda self, x: plain(x) + torch.sin(x) * store[0], block[0])
+    return block
+
+
+@pytest.mark.parametrize("how", ["forward hook", "pre-hook", "instance forward"])
+def test_code_a_submodule_runs_at_its_call_reaching_a_tensor_outside_the_model(how):
+    """Hooks and an instance's ``forward`` run inside the remat'd call, as the function's closure does:
+    the trainable tensors they reach get their gradients (under ``.backward()``, ``torch.func.grad``
+    of a function that puts its input where the hook reads it, and ``vmap`` of that), where they
+    used to be refused as unreachable."""
+    vector = torch.randn(4, dtype=D, generator=torch.Generator().manual_seed(1))
+    results = []
+    for wrap in (lambda m: m, remat):
+        store = [vector.clone().requires_grad_()]
+        block = _adapted_block(how, store)
+        model = wrap(block)
+        leaves = [store[0], *block.parameters()]
+        model(X).square().sum().backward()
+        by_autograd = [t.grad for t in leaves]
+
+        def loss(v, x):
+            store[0] = v
+            return model(x).square().sum()
+
+        by_grad = tf.grad(loss)(vector, X)
+        per_example = tf.vmap(tf.grad(loss), in_dims=(None, 0))(vector, X)
+        results.append((by_autograd, by_grad, per_example))
+    assert all(g is not None for g in results[0][0])
+    assert_close(results[1], results[0])
+
+
 def test_module_reading_its_parameter_from_an_unregistered_list():
     class Net(torch.nn.Module):
         def __init__(self):

@@ -648,6 +648,69 @@ def test_parametrized_lora(route, cached):
 
 
 # ---------------------------------------------------------------------------
+# 6b. Adapters kept outside the model, applied by hooks
+# ---------------------------------------------------------------------------
+
+
+def _hooked_adapters(model, store):
+    """LoRA on each layer's q_proj and v_proj, and a steering vector on each layer's MLP input, all
+    kept outside the model (``store``: name -> tensor) and applied by forward hooks and pre-hooks on
+    modules inside the layers, with dropout on the adapter's input (pyreft's and steering's way)."""
+    for i, layer in enumerate(layers_of(model)):
+        for proj in ("q_proj", "v_proj"):
+            def lora(module, args, out, key=f"{i}.{proj}"):
+                a = F.dropout(args[0], 0.1, module.training) @ store[key + ".A"].t()
+                return out + a @ store[key + ".B"].t() * 2.0
+            getattr(layer.self_attn, proj).register_forward_hook(lora)
+        layer.mlp.register_forward_pre_hook(lambda module, args, key=f"{i}.steer": (args[0] + store[key],))
+
+
+def _hooked_adapter_tensors():
+    g = torch.Generator().manual_seed(1)
+    tensors = {}
+    for i in range(2):
+        for proj in ("q_proj", "v_proj"):
+            tensors[f"{i}.{proj}.A"] = torch.randn(4, H, dtype=D, generator=g) * 0.1
+            tensors[f"{i}.{proj}.B"] = torch.randn(H // 2 if proj == "v_proj" else H, 4, dtype=D, generator=g) * 0.1
+        tensors[f"{i}.steer"] = torch.randn(H, dtype=D, generator=g) * 0.1
+    return tensors
+
+
+@pytest.mark.parametrize("route", ["hf_non_reentrant", "remat"])
+def test_adapters_applied_by_hooks_from_outside_the_model(route):
+    """The adapters' tensors are reached only through the hooks of modules inside the checkpointed
+    layers: they get the gradients they get without checkpointing, under ``.backward()`` (adapter
+    dropout seeded alike) and under ``torch.func.grad`` of a function that puts its input in the
+    store the hooks read (a false CheckpointError before: the hooks were not walked)."""
+    torch.manual_seed(0)
+    base = _llama().train()
+    for p in base.parameters():
+        p.requires_grad_(False)
+    values = _hooked_adapter_tensors()
+    results = []
+    for checkpointed_model in (False, True):
+        model = copy.deepcopy(base)
+        store = {k: v.clone().requires_grad_() for k, v in values.items()}
+        _hooked_adapters(model, store)
+        if checkpointed_model:
+            ROUTES[route](model)
+        torch.manual_seed(5)
+        lm_loss(model).backward()
+        by_autograd = {k: v.grad for k, v in store.items()}
+        if route.startswith("hf"):
+            model.disable_input_require_grads()
+
+        def loss(adapters):
+            store.update(adapters)
+            return lm_loss(model)
+
+        torch.manual_seed(5)
+        results.append((by_autograd, tf.grad(loss)(values)))
+    assert all(g is not None for g in results[0][0].values())
+    assert_close(results[1], results[0])
+
+
+# ---------------------------------------------------------------------------
 # 7. peft (skipped where it is not installed)
 # ---------------------------------------------------------------------------
 
