@@ -43,6 +43,7 @@ from ._capture import (
     SPENT,
     Captured,
     Roots,
+    global_module_hooks,
     stored_attributes,
     Substitute,
     FollowingItsHandle,
@@ -504,7 +505,7 @@ def prepare(
         for leaf in (*argspec.dynamic.leaves, *argspec.static.values())
         if leaf is not None and not isinstance(leaf, (str, bytes, int, float, complex))
     ]
-    roots = [*(reaches if isinstance(reaches, Roots) else [fn if reaches is None else reaches]), *objects]
+    roots = [*(reaches if isinstance(reaches, Roots) else [fn if reaches is None else reaches]), *objects, *global_module_hooks()]
     captured = find_captured(Roots(roots) if len(roots) > 1 else roots[0], record_places=True)
     refused = refused_around(captured)  # (a call nested in another's run: see refused_around)
     if refused:

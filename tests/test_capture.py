@@ -976,6 +976,37 @@ def test_code_a_submodule_runs_at_its_call_reaching_a_tensor_outside_the_model(h
     assert_close(results[1], results[0])
 
 
+def test_a_global_module_hook_reaching_a_tensor_outside_the_model():
+    """A hook registered for every module (``register_module_forward_hook``) runs inside the remat'd
+    call at each module it calls: the tensor it reaches gets its gradient, as through a module's own
+    hook, under ``.backward()`` and ``torch.func.grad``."""
+    torch.manual_seed(0)
+    block = torch.nn.Sequential(torch.nn.Linear(4, 4, dtype=D), torch.nn.Tanh(), torch.nn.Linear(4, 4, dtype=D))
+    vector = torch.randn(4, dtype=D, generator=torch.Generator().manual_seed(1))
+    store = [vector]
+
+    def steer(module, args, out):
+        return out + store[0] if isinstance(module, torch.nn.Tanh) else None
+
+    handle = torch.nn.modules.module.register_module_forward_hook(steer)
+    try:
+        results = []
+        for model in (block, remat(block), lambda x: checkpoint(block, x, use_reentrant=False)):
+            store[0] = leaf = vector.clone().requires_grad_()
+            model(X).square().sum().backward()
+
+            def loss(v):
+                store[0] = v
+                return model(X).square().sum()
+
+            results.append((leaf.grad, tf.grad(loss)(vector)))
+        assert results[0][0] is not None
+        assert_close(results[1], results[0])
+        assert_close(results[2], results[0])
+    finally:
+        handle.remove()
+
+
 def test_module_reading_its_parameter_from_an_unregistered_list():
     class Net(torch.nn.Module):
         def __init__(self):
