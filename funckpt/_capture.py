@@ -1096,12 +1096,28 @@ _GLOBAL_HOOKS = sys.modules[torch.nn.Module.__module__]
 def _reaches_a_differentiable_tensor(code: Any) -> bool:
     """Does ``code`` (a hook, an instance's ``forward``) reach, other than through a module, a tensor
     that requires grad or belongs to a live torch.func transform?"""
-    if type(code) is types.FunctionType and _reaches_nothing(code):
+    if _installed_code(code) or (type(code) is types.FunctionType and _reaches_nothing(code)):
         return False
     for t in find_captured(code, modules_too=False).tensors:
         if t.requires_grad or has_tangent(t) or (is_functorch_wrapped(t) and not is_dead_tensor_wrapper(t)):
             return True
     return False
+
+
+def _installed_code(code: Any) -> bool:
+    """Is ``code`` (a hook) a function of an installed package, not the user's (transformers' output
+    recorders, which it puts on every decoder layer and attention module)? Such hooks keep what
+    they record; they reach no tensor of the user's to differentiate, and walking each at every
+    call would cost a layer's walk several times over."""
+    while isinstance(code, (functools.partial, types.MethodType)):
+        code = code.func if isinstance(code, functools.partial) else code.__func__
+    return type(code) is types.FunctionType and _installed_module(code.__globals__.get("__name__") or "")
+
+
+@functools.lru_cache(maxsize=1024)
+def _installed_module(name: str) -> bool:
+    module = sys.modules.get(name)
+    return module is not None and not _is_users_module(module)
 
 
 def _not_aliases(
