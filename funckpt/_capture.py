@@ -1006,7 +1006,7 @@ def _module_state(module: torch.nn.Module) -> _ModuleState:
                 edges.append((m, k, c))
         attributes = vars(m)
         if first and (attributes.get("_forward_hooks") or attributes.get("_forward_pre_hooks") or "forward" in attributes):
-            outside.extend(_code_run_on_the_call(dot, attributes))
+            outside.extend(_code_run_on_the_call(m, dot, attributes))
         kinds = list(map(type, attributes.values()))
         if _SCREENED.issuperset(kinds) and kinds.count(dict) <= _OWN_DICTS:
             continue  # most modules: nothing but plain values (tuples: a kernel size), no list or dict of their own
@@ -1028,7 +1028,7 @@ def _module_state(module: torch.nn.Module) -> _ModuleState:
                             scanned.add(id(value))
                             wrapped_attributes = vars(value)
                             scans.append((value, wrapped_attributes))
-                            outside.extend(_code_run_on_the_call(f"{dot}{key}.", wrapped_attributes))
+                            outside.extend(_code_run_on_the_call(value, f"{dot}{key}.", wrapped_attributes))
                         # Listed too, for its training flag and its plain attributes, which are
                         # its own: a remat'd call nested in this one that rebinds a flag on it
                         # (ActNorm's ``self.initialized``) or state (``self.hidden``) must find
@@ -1056,7 +1056,7 @@ def _module_state(module: torch.nn.Module) -> _ModuleState:
     return _ModuleState(named, list(where.values()), training, generators, edges, outside)
 
 
-def _code_run_on_the_call(dot: str, attributes: dict[str, Any]) -> list[tuple[str, Any]]:
+def _code_run_on_the_call(owner: torch.nn.Module, dot: str, attributes: dict[str, Any]) -> list[tuple[str, Any]]:
     """A module's forward hooks and pre-hooks, and a ``forward`` set on the instance (a hand-written
     LoRA's ``layer.forward = new_forward``), that reach a differentiable tensor other than through
     a module: code the module runs at every call, inside the remat'd function, as its closure is.
@@ -1067,15 +1067,18 @@ def _code_run_on_the_call(dot: str, attributes: dict[str, Any]) -> list[tuple[st
     unwalked, its tensors were refused as unreachable (a false ``CheckpointError``). Hooks of
     library code (transformers' output recorders, torch's own) and hooks that reach no such
     tensor (a logger, a hook closing over its module's own parameters, which the module's walk
-    routes already) add nothing: only what reaches one is entered.
+    routes already) add nothing: only what reaches one is entered. A module the hook closes over
+    is one such where it is kept outside ``owner``'s registries and has a trainable parameter (an
+    intervention module, pyreft's way), not ``owner`` or a module holding it (the hook's own
+    layer, a back-reference to the model: see :func:`_kept_outside_the_registries`).
     """
     found: list[tuple[str, Any]] = []
     for kind in ("_forward_pre_hooks", "_forward_hooks"):
         for key, hook in (attributes.get(kind) or {}).items():
-            if _reaches_a_differentiable_tensor(hook):
+            if _reaches_a_differentiable_tensor(hook, owner):
                 found.append((f"{dot}{kind}[{key}]", hook))
     forward = attributes.get("forward")
-    if forward is not None and _reaches_a_differentiable_tensor(forward):
+    if forward is not None and _reaches_a_differentiable_tensor(forward, owner):
         found.append((f"{dot}forward", forward))
     return found
 
@@ -1093,15 +1096,47 @@ def global_module_hooks() -> list[Any]:
 _GLOBAL_HOOKS = sys.modules[torch.nn.Module.__module__]
 
 
-def _reaches_a_differentiable_tensor(code: Any) -> bool:
+def _reaches_a_differentiable_tensor(code: Any, owner: torch.nn.Module | None = None) -> bool:
     """Does ``code`` (a hook, an instance's ``forward``) reach, other than through a module, a tensor
-    that requires grad or belongs to a live torch.func transform?"""
+    that requires grad or belongs to a live torch.func transform, or hold in its closure, defaults or
+    partial arguments (or a global it names) a module outside ``owner``'s registries with a trainable
+    parameter? (``owner`` None, a global hook's: tensors only.)"""
     if _installed_code(code) or (type(code) is types.FunctionType and _reaches_nothing(code)):
         return False
     for t in find_captured(code, modules_too=False).tensors:
-        if t.requires_grad or has_tangent(t) or (is_functorch_wrapped(t) and not is_dead_tensor_wrapper(t)):
+        if _differentiable(t):
             return True
-    return False
+    return owner is not None and any(
+        isinstance(value, torch.nn.Module)
+        and _kept_outside_the_registries(owner, value)
+        and any(_differentiable(p) for p in value.parameters())
+        for value in _held_directly(code)
+    )
+
+
+def _differentiable(t: torch.Tensor) -> bool:
+    return t.requires_grad or has_tangent(t) or (is_functorch_wrapped(t) and not is_dead_tensor_wrapper(t))
+
+
+def _held_directly(code: Any) -> list[Any]:
+    """What a hook holds itself: its closure's values, defaults and the globals its code names, a
+    partial's arguments (and theirs)."""
+    held: list[Any] = []
+    while isinstance(code, functools.partial):
+        held += [*code.args, *code.keywords.values()]
+        code = code.func
+    if isinstance(code, types.MethodType):
+        code = code.__func__
+    if type(code) is types.FunctionType:
+        for cell in code.__closure__ or ():
+            try:
+                held.append(cell.cell_contents)
+            except ValueError:  # an empty cell
+                pass
+        held += [*(code.__defaults__ or ()), *(code.__kwdefaults__ or {}).values()]
+        namespace = code.__globals__
+        held += [namespace[name] for name in global_names(code.__code__) if name in namespace]
+    return held
 
 
 def _installed_code(code: Any) -> bool:

@@ -976,6 +976,38 @@ def test_code_a_submodule_runs_at_its_call_reaching_a_tensor_outside_the_model(h
     assert_close(results[1], results[0])
 
 
+@pytest.mark.parametrize("held", ["intervention module", "layer of another segment"])
+def test_a_hook_applying_a_module_the_remat_d_call_does_not_hold(held):
+    """A hook closing over a module with trainable parameters that the checkpointed region does not
+    hold: an intervention kept outside the model (pyreft's way), or a layer that ``remat(Sequential)``
+    puts in another segment. Its parameters get their gradients, under ``.backward()``,
+    ``torch.func.grad`` and ``vmap`` of it (a false CheckpointError before)."""
+
+    def make():
+        torch.manual_seed(0)
+        block = torch.nn.Sequential(torch.nn.Linear(4, 4, dtype=D), torch.nn.Tanh(), torch.nn.Linear(4, 4, dtype=D))
+        other = torch.nn.Linear(4, 4, dtype=D) if held == "intervention module" else block[2]
+        block[0].register_forward_hook(lambda m, args, out: out + torch.sin(other(out)))
+        return block, other
+
+    results = []
+    for wrap in (lambda m: m, remat):
+        block, other = make()
+        model = wrap(block)
+        model(X).square().sum().backward()
+        both = torch.nn.ModuleDict({"model": model, "other": other})  # (functional_call swaps other's too)
+        params = {k: v.detach() for k, v in both.named_parameters()}
+
+        def loss(p, x):
+            return tf.functional_call(both, p, (x,)).square().sum()
+
+        both.forward = lambda x: model(x)  # type: ignore[method-assign]
+        by_grad = tf.grad(loss)(params, X)
+        per_example = tf.vmap(tf.grad(loss), in_dims=(None, 0))(params, X)
+        results.append(([p.grad for p in (*block.parameters(), *other.parameters())], by_grad, per_example))
+    assert_close(results[1], results[0])
+
+
 def test_a_global_module_hook_reaching_a_tensor_outside_the_model():
     """A hook registered for every module (``register_module_forward_hook``) runs inside the remat'd
     call at each module it calls: the tensor it reaches gets its gradient, as through a module's own
