@@ -1097,14 +1097,15 @@ _GLOBAL_HOOKS = sys.modules[torch.nn.Module.__module__]
 
 
 def _reaches_a_differentiable_tensor(code: Any, owner: torch.nn.Module | None = None) -> bool:
-    """Does ``code`` (a hook, an instance's ``forward``) reach, other than through a module, a tensor
-    that requires grad or belongs to a live torch.func transform, or hold in its closure, defaults or
+    """Does ``code`` (a hook, an instance's ``forward``) reach, other than through a module, a leaf
+    tensor that requires grad or belongs to a live torch.func transform (not an activation a logging
+    hook keeps, which a call does not take as an input: see :func:`_kept_outside_the_registries`), or hold in its closure, defaults or
     partial arguments (or a global it names) a module outside ``owner``'s registries with a trainable
     parameter? (``owner`` None, a global hook's: tensors only.)"""
     if _installed_code(code) or (type(code) is types.FunctionType and _reaches_nothing(code)):
         return False
     for t in find_captured(code, modules_too=False).tensors:
-        if _differentiable(t):
+        if t.grad_fn is None and _differentiable(t):
             return True
     return owner is not None and any(
         isinstance(value, torch.nn.Module)
@@ -1115,6 +1116,7 @@ def _reaches_a_differentiable_tensor(code: Any, owner: torch.nn.Module | None = 
 
 
 def _differentiable(t: torch.Tensor) -> bool:
+    """Does ``t`` require grad, carry a forward-mode tangent or belong to a live torch.func transform?"""
     return t.requires_grad or has_tangent(t) or (is_functorch_wrapped(t) and not is_dead_tensor_wrapper(t))
 
 
