@@ -976,6 +976,23 @@ def test_code_a_submodule_runs_at_its_call_reaching_a_tensor_outside_the_model(h
     assert_close(results[1], results[0])
 
 
+def test_a_forward_set_on_the_remat_d_module_itself_reaching_a_tensor_outside_it():
+    """``remat(m)`` and ``checkpoint(m, x)`` of a module whose instance ``forward`` was replaced by a
+    closure over a trainable tensor (a hand-written adapter on the module itself): the gradients
+    are those without remat."""
+    results = []
+    for wrap in (lambda m: m, remat, lambda m: functools.partial(checkpoint, m, use_reentrant=False)):
+        torch.manual_seed(0)
+        lin = torch.nn.Linear(4, 4, dtype=D)
+        scale = torch.randn(4, dtype=D, generator=torch.Generator().manual_seed(1)).requires_grad_()
+        plain = lin.forward
+        lin.forward = lambda x: plain(x).tanh() * scale  # type: ignore[method-assign]
+        wrap(lin)(X).square().sum().backward()
+        results.append((scale.grad, lin.weight.grad, lin.bias.grad))
+    assert_close(results[1], results[0])
+    assert_close(results[2], results[0])
+
+
 @pytest.mark.parametrize("held", ["intervention module", "layer of another segment"])
 def test_a_hook_applying_a_module_the_remat_d_call_does_not_hold(held):
     """A hook closing over a module with trainable parameters that the checkpointed region does not
