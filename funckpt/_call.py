@@ -505,7 +505,8 @@ def prepare(
         for leaf in (*argspec.dynamic.leaves, *argspec.static.values())
         if leaf is not None and not isinstance(leaf, (str, bytes, int, float, complex))
     ]
-    roots = [*(reaches if isinstance(reaches, Roots) else [fn if reaches is None else reaches]), *objects, *global_module_hooks()]
+    roots = [*(reaches if isinstance(reaches, Roots) else [fn if reaches is None else reaches]), *objects]
+    roots += global_module_hooks()  # (run by every module the function calls: see _capture)
     captured = find_captured(Roots(roots) if len(roots) > 1 else roots[0], record_places=True)
     refused = refused_around(captured)  # (a call nested in another's run: see refused_around)
     if refused:

@@ -1006,7 +1006,7 @@ def _module_state(module: torch.nn.Module) -> _ModuleState:
                 edges.append((m, k, c))
         attributes = vars(m)
         if first and (attributes.get("_forward_hooks") or attributes.get("_forward_pre_hooks") or "forward" in attributes):
-            outside.extend(_code_run_on_the_call(m, dot, attributes))
+            outside.extend(_code_run_on_the_call(m, dot, attributes))  # (hooks, an instance's forward)
         kinds = list(map(type, attributes.values()))
         if _SCREENED.issuperset(kinds) and kinds.count(dict) <= _OWN_DICTS:
             continue  # most modules: nothing but plain values (tuples: a kernel size), no list or dict of their own
@@ -1058,8 +1058,9 @@ def _module_state(module: torch.nn.Module) -> _ModuleState:
 
 def _code_run_on_the_call(owner: torch.nn.Module, dot: str, attributes: dict[str, Any]) -> list[tuple[str, Any]]:
     """A module's forward hooks and pre-hooks, and a ``forward`` set on the instance (a hand-written
-    LoRA's ``layer.forward = new_forward``), that reach a differentiable tensor other than through
-    a module: code the module runs at every call, inside the remat'd function, as its closure is.
+    LoRA's ``layer.forward = new_forward``), that reach a differentiable tensor or a trainable module
+    the walk of the registries does not find: code the module runs at every call, inside the
+    remat'd function, as its closure is.
 
     A hook adding a trainable steering vector to a layer's output, or applying an adapter kept
     outside the model (closures over ``nn.Parameter`` objects, a dict that ``torch.func.grad``'s
@@ -1099,9 +1100,9 @@ _GLOBAL_HOOKS = sys.modules[torch.nn.Module.__module__]
 def _reaches_a_differentiable_tensor(code: Any, owner: torch.nn.Module | None = None) -> bool:
     """Does ``code`` (a hook, an instance's ``forward``) reach, other than through a module, a leaf
     tensor that requires grad or belongs to a live torch.func transform (not an activation a logging
-    hook keeps, which a call does not take as an input: see :func:`_kept_outside_the_registries`), or hold in its closure, defaults or
-    partial arguments (or a global it names) a module outside ``owner``'s registries with a trainable
-    parameter? (``owner`` None, a global hook's: tensors only.)"""
+    hook keeps, which a call does not take as an input: see :func:`_kept_outside_the_registries`),
+    or hold in its closure, defaults or partial arguments (or a global it names) a module outside
+    ``owner``'s registries with a trainable parameter? (``owner`` None, a global hook's: tensors only.)"""
     if _installed_code(code) or (type(code) is types.FunctionType and _reaches_nothing(code)):
         return False
     for t in find_captured(code, modules_too=False).tensors:
