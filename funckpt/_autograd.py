@@ -284,6 +284,22 @@ def _requires_grad(t: torch.Tensor) -> bool:
     return t.requires_grad
 
 
+def _requires_grad_below(t: torch.Tensor, level: int) -> bool:
+    """Does ``t``, a tensor of the grad or jvp level ``level``, require grad at some level below it,
+    down to plain autograd's, where the forward run of a Function applied at ``level`` goes lowered?
+
+    Not only at the level right below: under ``jvp(vmap(f))`` a remat'd call nested in another's run
+    at a grad level of its own gets a module's parameter wrapped by that level, around the jvp's
+    wrapper (which says it requires no grad), around the parameter (which does, in plain autograd).
+    """
+    t = unwrap_for_grad(t, level)
+    while not t.requires_grad:
+        if maybe_get_level(t) == -1:
+            return False
+        t = unwrap_one_level(t)
+    return True
+
+
 @eager_under_compile
 def apply(region: Region, flat: Sequence[torch.Tensor]) -> Tensors:
     """Run ``region`` checkpointed: differentiable, keeping only its inputs.
@@ -466,7 +482,7 @@ class VmapRegion(Region):
         # of its own, where every input of the outer call is wrapped: ``jvp(vmap(f))`` of a function
         # whose nested remat'd call reads a module's parameter.)
         lower = True in map(operator.gt, required, own) or any(
-            o and not r and unwrap_for_grad(t, level).requires_grad for t, r, o in zip(flat, required, own)
+            o and not r and _requires_grad_below(t, level) for t, r, o in zip(flat, required, own)
         )
         if lower and not _reaches_a_script_module(self.base):
             self.grad_primals_below = [i for i, (t, r, o) in enumerate(zip(flat, required, own)) if r and o and has_gradient_dtype(t)]

@@ -3,12 +3,15 @@
 Every test compares against the same computation without remat, in float64.
 """
 
+import functools
+
 import pytest
 import torch
 import torch.func as tf
 import torch.nn.functional as F
 from torch.testing import assert_close
 
+import funckpt
 from funckpt import CheckpointError, policies, remat
 
 D = torch.float64
@@ -1132,6 +1135,48 @@ def test_under_grad_an_input_that_requires_grad_only_below_the_grad_level(check,
 
     expected = run(lambda f: f)
     assert_close(run(lambda f: remat(f, determinism_check=check)), expected)
+
+
+@pytest.mark.parametrize("nesting", ["remat in remat", "checkpoint in remat"])
+@pytest.mark.parametrize(
+    "transform", ["jvp of vmap", "jacfwd of vmap", "vmap of jvp of vmap", "jvp", "vmap of jvp", "grad of vmap", "hessian"]
+)
+def test_a_nested_call_branching_on_a_tensor_computed_from_a_parameter_alone(nesting, transform):
+    """A remat'd call (or ``checkpoint``) nested in another's run, branching on a tensor computed from
+    a module's parameter alone, which says it requires no grad under every transform here, as
+    without remat. Under ``jvp(vmap(f))`` (``jacfwd(vmap(f))``) the outer call's recomputation for
+    the jvp runs at a grad level of its own, whose wrapper of the parameter wraps the jvp's (which
+    says it requires no grad), which wraps the parameter (which does): the nested call's forward
+    run, lowered to plain autograd, saw it require grad, where its recomputation under the jvp did
+    not (a false "did not reproduce"). It takes a grad level of its own there too."""
+    lin = torch.nn.Linear(3, 3).double()
+
+    def inner(x):
+        w2 = lin.weight * 2
+        y = x @ w2.T
+        return y * 2 if w2.requires_grad else y
+
+    nested = remat(inner) if nesting == "remat in remat" else functools.partial(funckpt.checkpoint, inner, use_reentrant=False)
+    xs = torch.randn(4, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    v = torch.randn(4, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+
+    def run(inner_fn, wrap):
+        f = wrap(lambda x: inner_fn(x).sin().sum())
+        if transform == "jvp of vmap":
+            return tf.jvp(tf.vmap(f), (xs,), (v,))
+        if transform == "jacfwd of vmap":
+            return tf.jacfwd(tf.vmap(f))(xs)
+        if transform == "vmap of jvp of vmap":
+            return tf.vmap(lambda x, t: tf.jvp(tf.vmap(f), (x,), (t,)))(xs.expand(2, 4, 3), v.expand(2, 4, 3))
+        if transform == "jvp":
+            return tf.jvp(f, (xs[0],), (v[0],))
+        if transform == "vmap of jvp":
+            return tf.vmap(lambda x, t: tf.jvp(f, (x,), (t,)))(xs, v)
+        if transform == "grad of vmap":
+            return tf.grad(lambda x: tf.vmap(f)(x).sum())(xs)
+        return tf.hessian(f)(xs[0])
+
+    assert_close(run(nested, remat), run(inner, lambda f: f))
 
 
 @pytest.mark.parametrize("transform", ["grad", "grad of grad", "gradient penalty"])
