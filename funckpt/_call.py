@@ -128,6 +128,8 @@ from ._internals import (
     restore_saved_tensors_hooks,
     set_fwd_grad_mode,
     set_grad_enabled,
+    script_optimized,
+    set_script_optimized,
     storage_of,
     TransformType,
     transforms_active,
@@ -549,6 +551,7 @@ def prepare(
             region.of_the_innermost_level = [maybe_get_level(t) == innermost for t in routed]
         kinds = level_kinds()
         region.rewrapped_for_caller = TransformType.Grad in kinds or TransformType.Jvp in kinds
+        region.under_transforms = True
         region.vmap_innermost_at_call = top is not None and top.key() == TransformType.Vmap
         region.grad_level_at_call = TransformType.Grad in kinds
     region.function_modes = callers_function_modes()
@@ -1090,6 +1093,10 @@ def _forward_ad_off(*exc: Any) -> None:
     set_fwd_grad_mode(False)
 
 
+def _script_optimized_again(*exc: Any) -> None:
+    set_script_optimized(True)
+
+
 class _Running:
     """:meth:`UserRegion._running`: enters its contexts in order and leaves them in reverse.
 
@@ -1173,6 +1180,16 @@ class _Running:
                 grad_was = torch.is_grad_enabled()
                 set_grad_enabled(True)
                 self.exits.append(lambda *exc: set_grad_enabled(grad_was))
+            if region.under_transforms and script_optimized():
+                # TorchScript's optimized graphs do not compose with torch.func (see script_optimized):
+                # the runs of a call made under a transform run the graphs of the scripted modules and
+                # functions they reach unoptimized, the same operators, whose derivatives torch.func
+                # sees. (Without remat such code raises under vmap, or gives a zero tangent under jvp,
+                # once TorchScript has optimized its graph; remat's runs go under vmap and jvp levels
+                # of their own. Also a run lowered into plain autograd: a graph optimized there for
+                # inputs requiring grad gives a zero Hessian under torch.func ever after.)
+                set_script_optimized(False)
+                self.exits.append(_script_optimized_again)
             if region.caller_fwd_grad_enabled and not fwd_grad_enabled() and not forward_mode_active():
                 # A Function's forward (the forward run's, a differentiable recomputation's) runs with
                 # forward-mode AD off: on again, as at the call, so that a ``forward_ad.dual_level()``
@@ -1309,6 +1326,9 @@ class UserRegion(Region):
     # Does a grad or jvp level around the call give the caller its outputs as other tensors (their
     # wrappers), rather than the tensors the forward run returned? (Set by prepare.)
     rewrapped_for_caller = False
+    # Was the call made under a torch.func transform? Its runs then run TorchScript's graphs unoptimized
+    # (see _Running.__enter__). (Set by prepare.)
+    under_transforms = False
     # The plain module attributes the forward run rebound with a tensor place of their module,
     # with their values at the call: a recomputation starts from those (see _capture.reparametrized).
     rebound_attributes: Sequence[tuple[torch.nn.Module, str, Any]] = ()

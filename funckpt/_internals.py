@@ -107,6 +107,8 @@ __all__ = [
     "storage_weak_ref",
     "storage_expired",
     "transforms_active",
+    "script_optimized",
+    "set_script_optimized",
     "unpack_dual",
     "unwrap_batched",
     "unwrap_for_grad",
@@ -347,6 +349,13 @@ def interpreter_stack() -> list[Any]:
 
 #: Is any torch.func transform active? (torch's C function itself: asked several times per remat'd call.)
 transforms_active: Callable[[], bool] = torch._C._are_functorch_transforms_active
+
+#: Does TorchScript's graph executor optimize the graphs it runs (thread-local; what
+#: ``torch.jit.optimized_execution`` sets)? Its optimized graphs do not compose with torch.func: a
+#: differentiable graph reads its inputs' ``.data`` (refused under vmap) and drops their
+#: forward-mode tangents (a zero jvp), both only once the profiling executor has optimized the graph.
+script_optimized: Callable[[], bool] = torch._C._get_graph_executor_optimize
+set_script_optimized: Callable[[bool], None] = torch._C._set_graph_executor_optimize
 
 
 def level_kinds() -> set[Any]:

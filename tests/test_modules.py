@@ -1746,3 +1746,61 @@ def test_a_torchscript_module_as_without_remat(wrap, how):
         return tf.jvp(f, (x,), (torch.ones_like(x),))
 
     assert_close(results(True), results(False))
+
+
+def _scripted_function(x, w):
+    return torch.tanh(x @ w) * x.sin()
+
+
+@pytest.mark.parametrize("scripted", ["module", "function"])
+@pytest.mark.parametrize(
+    "how", ["vmap of jvp", "jvp of vmap", "vmap", "jvp", "jacfwd", "vmap of grad", "grad, then hessian", "trained, then vmap of jvp"]
+)
+def test_torchscript_under_torch_func_transforms_is_differentiated_as_its_python_code(scripted, how):
+    """Once TorchScript has optimized a scripted module's or function's graph (from its second call),
+    that graph does not compose with torch.func: it reads its inputs' ``.data``, refused under vmap
+    ("accessing `data` under vmap transform is not allowed"), and drops their forward-mode tangents (a
+    zero jvp without remat). remat's runs of a call made under a transform run TorchScript's graphs
+    unoptimized (``torch.jit.optimized_execution(False)``): every call gives the values and
+    derivatives of the same code unscripted, also where the module was trained in plain autograd
+    first (its graph optimized there for inputs requiring grad). (Under vmap(jvp) remat's forward
+    run goes below the jvp, under a vmap of its own: it raised where the function without remat
+    gave a wrong tangent.)"""
+    torch.manual_seed(0)
+    python_module = nn.Sequential(nn.Linear(3, 5, dtype=D), nn.Tanh(), nn.Linear(5, 3, dtype=D))
+    w = torch.randn(3, 3, dtype=D, requires_grad=True)  # (a weight, like the module's)
+    python_function = _scripted_function
+    if scripted == "module":
+        script = torch.jit.script(copy.deepcopy(python_module))
+        f, reference = (lambda x: script(x).sin()), (lambda x: python_module(x).sin())
+    else:
+
+        def function(x, w):  # (a new function object on every test: a graph of its own to optimize)
+            return torch.tanh(x @ w) * x.sin()
+
+        script = torch.jit.script(function)
+        f, reference = (lambda x: script(x, w).cos()), (lambda x: python_function(x, w).cos())
+    xs, ts = torch.randn(4, 3, dtype=D), torch.randn(4, 3, dtype=D)
+
+    def run(g):
+        if how in ("vmap of jvp", "trained, then vmap of jvp"):
+            return tf.vmap(lambda x, t: tf.jvp(g, (x,), (t,)))(xs, ts)
+        if how == "jvp of vmap":
+            return tf.jvp(tf.vmap(g), (xs,), (ts,))
+        if how == "vmap":
+            return tf.vmap(g)(xs)
+        if how == "jvp":
+            return tf.jvp(g, (xs,), (ts,))
+        if how == "jacfwd":
+            return tf.jacfwd(g)(xs[0])
+        if how == "vmap of grad":
+            return tf.vmap(tf.grad(lambda x: g(x).sum()))(xs)
+        tf.grad(lambda x: g(x).square().sum())(xs)  # (grad, then hessian)
+        return tf.hessian(lambda x: g(x).sum())(xs[0])
+
+    if how == "trained, then vmap of jvp" and scripted == "module":
+        for _ in range(3):
+            script(xs.clone().requires_grad_()).square().sum().backward()
+    expected = run(reference)
+    for _ in range(3):  # (TorchScript optimizes the graph from its second call)
+        assert_close(run(remat(f)), expected)
