@@ -155,6 +155,9 @@ class Region:
     #: that were its primals. A recomputation in plain autograd runs under one too
     #: (:func:`_recomputed_at_the_forward_runs_level`). ``None``: no such level.
     primals_of_own_level: list[int] | None = None
+    #: Where the call was made with a torch.func grad or jvp level innermost: that level (see
+    #: :func:`_hooks_acting_at`). ``None`` otherwise, and for a region derived from another.
+    grad_level_of_the_call: int | None = None
 
     def run(self, flat: Tensors, phase: Phase) -> Tensors:
         raise NotImplementedError
@@ -565,9 +568,12 @@ class VmapRegion(Region):
 class VjpRegion(Region):
     """``(primals, cotangents) -> gradients``: the backward of ``base``, recomputing it."""
 
-    def __init__(self, base: Region, n_primals: int, needs: Sequence[bool]) -> None:
+    def __init__(self, base: Region, n_primals: int, needs: Sequence[bool], of_a_grad_level: int | None = None) -> None:
         self.base, self.n, self.needs = base, n_primals, tuple(needs)
         self.name = base.name
+        # The torch.func grad level whose backward this is, lowered out of it (grad(grad(f))'s inner
+        # one), which an outer level differentiates: see vjp's ``of_a_grad_level``.
+        self.of_a_grad_level = of_a_grad_level
         # Positions (among the needed gradients) the outputs do not depend on, as the
         # forward run found: a Function cannot return None, so the caller restores it.
         self.unused: set[int] = set()
@@ -585,7 +591,7 @@ class VjpRegion(Region):
         create_graph = _needs_graph(flat) or forward_mode_active()
         replayable_backward(True)  # (a hook removing itself here runs again when this is recomputed)
         try:
-            grads = vjp(self.base, primals, cotangents, self.needs, create_graph=create_graph)
+            grads = vjp(self.base, primals, cotangents, self.needs, create_graph=create_graph, of_a_grad_level=self.of_a_grad_level)
         finally:
             replayable_backward(False)
         needed = [(p, g) for p, g, need in zip(primals, grads, self.needs) if need]
@@ -728,7 +734,12 @@ def _recomputed_at_the_forward_runs_level(region: Region, leaves: Tensors, wrt: 
 
 
 def _differentiated_at_the_forward_runs_level(
-    region: Region, leaves: Tensors, cotangents: Tensors, wrt: Sequence[int], create_graph: bool
+    region: Region,
+    leaves: Tensors,
+    cotangents: Tensors,
+    wrt: Sequence[int],
+    create_graph: bool,
+    primals: Sequence[int] | None = None,
 ) -> list[torch.Tensor | None]:
     """``region``'s vjp with respect to the primals of its forward run's own grad level alone (see
     ``primals_of_own_level``): ``grad(f)``'s own backward of a call lowered into plain autograd.
@@ -738,6 +749,7 @@ def _differentiated_at_the_forward_runs_level(
     grad, as in the forward run, and a hook the function registers on an intermediate acts on this
     gradient, as without remat. With ``create_graph`` the level's operators are recorded by plain
     autograd below it too, from the local leaves: a gradient penalty reaches the parameter.
+    ``primals``: the level's primals, where more inputs than ``wrt`` require grad there.
     """
 
     def run(full: list[torch.Tensor]) -> Sequence[torch.Tensor | None]:
@@ -751,28 +763,69 @@ def _differentiated_at_the_forward_runs_level(
         return grads
 
     result: list[torch.Tensor | None] = [None] * len(leaves)
-    for i, g in zip(wrt, at_a_grad_level_of_its_own(run, leaves, wrt)):
+    for i, g in zip(wrt, at_a_grad_level_of_its_own(run, leaves, wrt if primals is None else primals)):
         result[i] = g
     return result
+
+
+def _hooks_acting_at(region: Region, level: int) -> bool | None:
+    """Does a hook the function of ``region`` registers at its call act on the gradient of the grad
+    level ``level``? ``True`` at the level the call was made at (its innermost transform a grad
+    level), ``False`` at a level below it (or below the jvp level the call was made at, where the
+    function's tensors say they require no grad, and register no hook); ``None`` where the call was
+    made at no grad or jvp level."""
+    while isinstance(region, _SomeOutputs):
+        region = region.base
+    at = region.grad_level_of_the_call
+    return None if at is None else level >= at
+
+
+def _primals_at_the_call(region: Region, leaves: Sequence[torch.Tensor]) -> list[int]:
+    """The inputs of ``region`` that required grad at its call, at its innermost level."""
+    while isinstance(region, _SomeOutputs):
+        region = region.base
+    required, innermost = region.required_grad_at_call, region.of_the_innermost_level
+    if required is None or innermost is None:
+        return []
+    return [i for i, (t, r, own) in enumerate(zip(leaves, required, innermost)) if r and own and has_gradient_dtype(t)]
 
 
 # --------------------------------------------------------------------- the vjp itself
 
 
 def vjp(
-    region: Region, primals: Tensors, cotangents: Tensors, needs: Sequence[bool], *, create_graph: bool
+    region: Region,
+    primals: Tensors,
+    cotangents: Tensors,
+    needs: Sequence[bool],
+    *,
+    create_graph: bool,
+    of_a_grad_level: int | None = None,
 ) -> list[torch.Tensor | None]:
     """Recompute ``region`` at the current functorch stack and return its vjp.
 
     With ``create_graph`` the result is differentiable; without it nothing of
     the recomputation outlives this call. ``None`` marks an input the outputs
     do not depend on.
+
+    ``of_a_grad_level``: the torch.func grad level (its number) whose backward this is, lowered out
+    of it into plain autograd. Without remat a hook the function registers (``h.register_hook``)
+    is registered at the grad level the call was made at and acts on that level's gradient only;
+    the levels below it (``grad(grad(f))``'s outer one) record the same operators without it.
+    Recomputed in plain autograd, the hook acted on every level's gradient that went through the
+    recomputed graph (silently scaled under ``grad(grad(f))``, ``hessian``). So (see
+    :func:`_hooks_acting_at`) the backward of the call's own level, to be differentiated again
+    (``create_graph``), is recomputed and differentiated at a grad level of its own, and that of a
+    level below the call's is recomputed at a grad level of its own and differentiated below it,
+    where the hook does not act.
     """
     if type(region).own_vjp is not Region.own_vjp:  # (a loop's region; asked only where it may answer)
         own = _own_vjp_here(region, primals, cotangents, needs, create_graph)
         if own is not None:
             return own
     wrt = [i for i, need in enumerate(needs) if need]
+    # (Whether the hooks the function registers act on this gradient: see of_a_grad_level.)
+    acting = None if of_a_grad_level is None or not wrt else _hooks_acting_at(region, of_a_grad_level)
     if peek_interpreter_stack() is None:
         # Plain autograd: recompute and differentiate locally. Without
         # create_graph the recomputation starts from detached leaves; with it,
@@ -795,6 +848,11 @@ def vjp(
             if _in_legacy_vmap():
                 with _outside_legacy_vmap():
                     outs = region.run(leaves, Phase.RECOMPUTE)
+            elif acting is False:
+                outs = _recomputed_at_the_forward_runs_level(region, leaves, _primals_at_the_call(region, leaves))
+            elif acting and create_graph:
+                primals_there = sorted({*wrt, *_primals_at_the_call(region, leaves)})
+                return _differentiated_at_the_forward_runs_level(region, leaves, cotangents, wrt, create_graph, primals_there)
             elif own_level is not None and wrt and set(wrt) <= set(own_level):
                 return _differentiated_at_the_forward_runs_level(region, leaves, cotangents, wrt, create_graph)
             elif own_level is not None:
@@ -820,7 +878,7 @@ def vjp(
     else:
         # Under torch.func transforms: a fresh vjp level on top of the current stack.
         differentiable: list[bool] = []
-        f = _recompute_of(region, primals, wrt, differentiable)
+        f = _recompute_of(region, primals, wrt, differentiable, hooks_elsewhere=acting is False)
         outs, vjp_fn = _func_vjp(f, [primals[i] for i in wrt])
         if not outs:
             return [None] * len(primals)
@@ -970,19 +1028,25 @@ def at_the_top_level(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
 
 
 def _recompute_of(
-    region: Region, primals: Tensors, wrt: Sequence[int], differentiable: list[bool]
+    region: Region, primals: Tensors, wrt: Sequence[int], differentiable: list[bool], hooks_elsewhere: bool = False
 ) -> Callable[..., Tensors]:
     """The recomputation as a function of the primals at positions ``wrt``, for ``torch.func.vjp``.
 
     It returns the differentiable outputs only and records in ``differentiable``
     which outputs those were, so the caller can pick the matching cotangents.
+    ``hooks_elsewhere``: the vjp is that of a grad level below the call's, on whose gradient the
+    hooks the function registers do not act (see :func:`vjp`): the recomputation runs at a grad
+    level of its own above the vjp's, its inputs requiring grad there as at the call.
     """
 
     def f(*xs: torch.Tensor) -> Tensors:
         full = at_the_top_level(primals)
         for i, x in zip(wrt, xs):
             full[i] = x
-        outs = region.run(tuple(full), Phase.RECOMPUTE)
+        if hooks_elsewhere:
+            outs = _recomputed_at_the_forward_runs_level(region, tuple(full), _primals_at_the_call(region, full))
+        else:
+            outs = region.run(tuple(full), Phase.RECOMPUTE)
         differentiable[:] = [has_gradient_dtype(o) and not made_under_no_grad(o) for o in outs]
         return tuple(o for o, d in zip(outs, differentiable) if d)
 
@@ -1057,11 +1121,14 @@ def local_input(t: torch.Tensor, leaf: bool) -> torch.Tensor:
     return t.requires_grad_(True) if leaf else t
 
 
-def _vjp_here(region: Region, primals: Tensors, cotangents: Tensors, needs: Sequence[bool]) -> list[Any]:
-    """The vjp at the current stack; itself remat'd when it must be differentiable."""
+def _vjp_here(
+    region: Region, primals: Tensors, cotangents: Tensors, needs: Sequence[bool], of_a_grad_level: int | None = None
+) -> list[Any]:
+    """The vjp at the current stack; itself remat'd when it must be differentiable.
+    ``of_a_grad_level``: a torch.func grad level's backward, lowered out of it (see :func:`vjp`)."""
     top = peek_interpreter_stack()
     if top is not None and top.key() == TransformType.Vmap and not any(_batched_at(p, top.level()) for p in primals):
-        return _vjp_of_batched_cotangents(region, primals, cotangents, needs, VmapInterpreter(top))
+        return _vjp_of_batched_cotangents(region, primals, cotangents, needs, VmapInterpreter(top), of_a_grad_level)
     needs_graph = _needs_graph((*primals, *cotangents))
     # Computed directly (not as a remat'd VjpRegion) where a transform of this backward
     # must see its operations: a jvp level (jvp of grad), plain forward-mode AD around a
@@ -1071,7 +1138,7 @@ def _vjp_here(region: Region, primals: Tensors, cotangents: Tensors, needs: Sequ
     under_jvp = top is not None and _only_forward_levels_active()
     direct = under_jvp or legacy_vmap or plain_forward_mode
     if needs_graph and not direct:
-        vjp_region = VjpRegion(region, len(primals), needs)
+        vjp_region = VjpRegion(region, len(primals), needs, of_a_grad_level)
         grads = iter(apply(vjp_region, (*primals, *cotangents)))
         needed = [next(grads) if need else None for need in needs]
         positions = [i for i, need in enumerate(needs) if need]
@@ -1083,7 +1150,7 @@ def _vjp_here(region: Region, primals: Tensors, cotangents: Tensors, needs: Sequ
     # infinitely_differentiable_*_backward, not the fused silu_backward/mish_backward kernels,
     # which have no forward-mode derivative), so the jvp levels can differentiate them.
     create_graph = (needs_graph and (plain_forward_mode or legacy_vmap)) or under_jvp
-    return vjp(region, primals, cotangents, needs, create_graph=create_graph)
+    return vjp(region, primals, cotangents, needs, create_graph=create_graph, of_a_grad_level=of_a_grad_level)
 
 
 def _batched_at(t: torch.Tensor, level: int) -> bool:
@@ -1104,12 +1171,18 @@ def _batched_under(t: torch.Tensor, level: int) -> bool:
 
 
 def _vjp_of_batched_cotangents(
-    region: Region, primals: Tensors, cotangents: Tensors, needs: Sequence[bool], interpreter: Any
+    region: Region,
+    primals: Tensors,
+    cotangents: Tensors,
+    needs: Sequence[bool],
+    interpreter: Any,
+    of_a_grad_level: int | None = None,
 ) -> list[Any]:
     """Unbatched primals, batched cotangents (``jacrev``, ``is_grads_batched``): recompute once.
 
     The forward is recomputed once, below the vmap level, where random
     operators may run (the vmap may forbid them); only the vjp is batched.
+    ``of_a_grad_level``: as :func:`vjp`'s.
     """
     level = interpreter.level()
     # An enclosing transform may differentiate the result (grad of jacrev): then the
@@ -1133,7 +1206,8 @@ def _vjp_of_batched_cotangents(
     unwrapped = [unwrap_batched(c, level) for c in cotangents]
     wrt = [i for i, need in enumerate(needs) if need]
     differentiable: list[bool] = []
-    f = _recompute_of(region, primals, wrt, differentiable)
+    acting = None if of_a_grad_level is None or not wrt else _hooks_acting_at(region, of_a_grad_level)
+    f = _recompute_of(region, primals, wrt, differentiable, hooks_elsewhere=acting is False)
     if region.drew_at_level == level:
         # The forward run drew its random values per example, at this vmap: so does the
         # recomputation, one vjp per example under this vmap (of a checkpointed loop too, whole:
@@ -1342,7 +1416,8 @@ class _RematFunction(torch.autograd.Function):
         if interpreter is None:
             primals = tuple(unwrap_if_dead(p) for p in primals)
             cotangents = tuple(unwrap_if_dead(c) for c in cotangents)
-            grads = _vjp_here(region, primals, cotangents, needs)
+            # (A dead level's, called after its transform returned, or plain autograd's: level 0.)
+            grads = _vjp_here(region, primals, cotangents, needs, of_a_grad_level=ctx.level)
             if not graph_task_keeps_graph():
                 ctx.region.release_kept()  # no second backward through this node: free them now
                 _forget_region(ctx)
@@ -1351,7 +1426,7 @@ class _RematFunction(torch.autograd.Function):
         lowered_p = tuple(unwrap_for_grad(p, level) for p in primals)
         lowered_c = tuple(unwrap_for_grad(c, level) for c in cotangents)
         with lowered(interpreter):
-            grads = _vjp_here(region, lowered_p, lowered_c, needs)
+            grads = _vjp_here(region, lowered_p, lowered_c, needs, of_a_grad_level=level)
         ctx.region.release_kept()  # this level's backward runs once
         if not graph_task_keeps_graph():
             _forget_region(ctx)

@@ -554,6 +554,8 @@ def prepare(
         region.under_transforms = True
         region.vmap_innermost_at_call = top is not None and top.key() == TransformType.Vmap
         region.grad_level_at_call = TransformType.Grad in kinds
+        if top is not None and top.key() in (TransformType.Grad, TransformType.Jvp):
+            region.grad_level_of_the_call = top.level()
     region.function_modes = callers_function_modes()
     if not argspec.tensors_only and holds_containers(argspec.dynamic.treespec):  # (see UserRegion._container_writes)
         region.caller_arguments = (tuple(a for i, a in enumerate(args) if i not in static), kwargs, tuple(flat))

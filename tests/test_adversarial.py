@@ -1444,6 +1444,69 @@ def test_hook_registered_on_an_intermediate_inside_the_function_follows_its_hand
     assert_close(run(remat_fn), run(fn))
 
 
+@pytest.mark.parametrize("on", ["intermediate", "intermediate_of_a_parameter"])
+@pytest.mark.parametrize(
+    "how", ["grad_of_grad", "vjp_of_grad", "jacrev_of_grad", "hessian", "hessian_of_vjp", "jacrev_of_jvp", "hessian_of_jvp"]
+)
+@pytest.mark.parametrize("nested", [False, True])
+def test_hook_registered_on_an_intermediate_acts_at_the_grad_level_of_the_call_only(on, how, nested):
+    """Without remat a hook the function registers on a tensor it makes (``if h.requires_grad:
+    h.register_hook(...)``) is registered at the torch.func level the call was made at, and acts
+    on that level's gradient only: an outer grad level (``grad(grad(f))``, ``jacrev``, ``hessian``)
+    records the same operators without it, and under a jvp level (``jacrev(jvp(f))``) the function's
+    tensors say they require no grad, so it registers none. remat's backward of that level, lowered
+    into plain autograd and differentiated again, recomputed there: the hook sat in the graph the
+    outer level differentiates, and acted on its gradient too; the backward of an outer level
+    recomputed where the inputs require grad, and registered it (silently scaled derivatives). The
+    first is now recomputed and differentiated at a grad level of its own, the second recomputed at
+    one whose inputs require grad as at the call, and differentiated below it. (The function branches
+    on requires_grad too: under jacrev(jvp(f)) that raised a false "did not reproduce".)"""
+    lin = nn.Linear(3, 3).double()
+
+    def fn(x):
+        h = lin(x) if on == "intermediate_of_a_parameter" else x * 2
+        if h.requires_grad:
+            h.register_hook(lambda g: g * 3)
+        y = h.sin()
+        return y * 2 if y.requires_grad else y
+
+    def loss(g):
+        return lambda x: g(x).sin().sum()
+
+    def vjp_of(g):
+        def f(x):
+            out, vjp_fn = tf.vjp(g, x)
+            return vjp_fn(tangent_like(out) + 0.5)[0] + out.sum()
+
+        return f
+
+    def jvp_of(g):
+        def f(x):
+            out, tangent = tf.jvp(g, (x,), (tangent_like(x) + 0.5,))
+            return out + tangent
+
+        return f
+
+    def run(f):
+        x = randn(3, seed=1)
+        if how == "grad_of_grad":
+            return tf.grad(loss(tf.grad(loss(f))))(x)
+        if how == "vjp_of_grad":
+            return vjp_of(tf.grad(loss(f)))(x)
+        if how == "jacrev_of_grad":
+            return tf.jacrev(tf.grad(loss(f)))(x)
+        if how == "hessian":
+            return tf.hessian(loss(f))(x)
+        if how == "hessian_of_vjp":
+            return tf.hessian(loss(vjp_of(f)))(x)
+        if how == "jacrev_of_jvp":
+            return tf.jacrev(jvp_of(f))(x)
+        return tf.hessian(loss(jvp_of(f)))(x)
+
+    remat_fn = remat(lambda x: remat(fn)(x * 2).sin() + x) if nested else remat(fn)
+    assert_close(run(remat_fn), run(lambda x: fn(x * 2).sin() + x if nested else fn(x)))
+
+
 @pytest.mark.parametrize("how", ["backward_twice", "autograd_grad_twice", "grad", "double_backward"])
 @pytest.mark.parametrize("nested", [False, True])
 @pytest.mark.parametrize("removal", ["by_itself", "in_the_function"])
