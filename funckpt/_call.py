@@ -733,6 +733,24 @@ def _remove_hooks_since(t: torch.Tensor, before: dict[str, set[Any]]) -> None:
                 del hooks[key]
 
 
+_TORCHSCRIPT_FAILED = "The following operation failed in the TorchScript interpreter"
+
+
+def _torchscript_under_transforms_error(name: str, e: Exception) -> CheckpointError:
+    """What to say where TorchScript code the function calls failed in a run of a call made under a
+    torch.func transform (see :meth:`UserRegion._call_fn`)."""
+    said = next((line for line in reversed(str(e).splitlines()) if line.strip()), "")
+    return CheckpointError(
+        f"remat({name}): TorchScript code the function calls (a torch.jit.script module or function) "
+        "failed in remat's run under a torch.func transform. TorchScript's interpreter does not compose "
+        "with the torch-function mode remat runs the function under (to route the tensors it reaches: "
+        "under a transform TorchScript hands it its operators' tensors unwrapped from the transform's "
+        "wrappers), nor does its optimized graph with vmap (it reads .data). Inside the remat'd "
+        "function call the Python code that was scripted (the module before torch.jit.script, the "
+        "Python function), or remat outside the transform. (TorchScript said: " + (said.strip() or "nothing") + ")"
+    )
+
+
 def _functorch_level_assert(e: Exception) -> bool:
     """Is ``e`` functorch's internal assert on a tensor of a level the running transform does not
     have (a closure tensor of an enclosing transform given to a transform inside the function)?"""
@@ -1507,6 +1525,8 @@ class UserRegion(Region):
         except CheckpointError:
             raise
         except RuntimeError as e:
+            if self.under_transforms and str(e).startswith(_TORCHSCRIPT_FAILED):
+                raise _torchscript_under_transforms_error(self.name, e) from e
             if _refused_by_fullgraph_compile(e):
                 raise CheckpointError(
                     f"remat({self.name}): the function is compiled with torch.compile(fullgraph=True), and "
@@ -2383,8 +2403,9 @@ class UserRegion(Region):
                 raise CheckpointError(
                     f"remat({self.name}): a differentiable tensor reached the function's result without being "
                     "routed through remat: typically a closure or global tensor passed straight to a custom "
-                    "autograd.Function (whose .apply remat cannot intercept). Its gradient would be missing. "
-                    "Pass the tensor to the remat'd function as an argument."
+                    "autograd.Function (whose .apply remat cannot intercept) or to TorchScript code (a "
+                    "torch.jit.script function or module's method, whose arguments it cannot see). Its gradient "
+                    "would be missing. Pass the tensor to the remat'd function as an argument."
                 )
             self._refuse_differentiable_writes(flat)
         self.planned = self.views_outside and plain_autograd

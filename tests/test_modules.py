@@ -1804,3 +1804,28 @@ def test_torchscript_under_torch_func_transforms_is_differentiated_as_its_python
     expected = run(reference)
     for _ in range(3):  # (TorchScript optimizes the graph from its second call)
         assert_close(run(remat(f)), expected)
+
+
+@pytest.mark.parametrize("how", ["vmap, then backward", "grad, a constant passed to a scripted function"])
+def test_torchscript_that_cannot_run_under_a_transform_in_remat_raises_saying_so(how):
+    """Under a transform TorchScript hands the torch-function mode remat runs the function under the
+    tensors of its operators unwrapped from the transform's wrappers (under vmap, the whole batch):
+    remat cannot route them. A raw, empty RuntimeError from TorchScript's interpreter came out (or a
+    CheckpointError blaming a torch.func transform inside the function); it is a CheckpointError
+    that says to call the Python code that was scripted, or to remat outside the transform."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, dtype=D)
+    if how == "vmap, then backward":
+        script = torch.jit.script(nn.Sequential(nn.Linear(3, 3, dtype=D), nn.Tanh()))
+        xs = x.clone().requires_grad_()
+        with pytest.raises(CheckpointError, match="TorchScript code the function calls"):
+            tf.vmap(remat(lambda x: script(x).sin() * x))(xs).sum().backward()
+        return
+    w, c = torch.randn(3, 3, dtype=D, requires_grad=True), torch.randn(3, 3, dtype=D)
+
+    def function(x, w, c):
+        return torch.tanh(x @ w) * (x @ c).sin()
+
+    script = torch.jit.script(function)
+    with pytest.raises(CheckpointError, match="TorchScript code the function calls"):
+        tf.grad(lambda x: remat(lambda x: script(x, w, c).cos())(x).sum())(x)
