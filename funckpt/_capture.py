@@ -2157,13 +2157,22 @@ def _register_followed_hook(func: Any, args: tuple[Any, ...], kwargs: dict[str, 
             return func(*args, **{**kwargs, "hook": follow(kwargs["hook"])})
         return func(*args, **kwargs)
 
-    return _following(register)
+    return _following(register, args[0] if args and isinstance(args[0], torch.Tensor) else None)
 
 
-def _following(register: Callable[[Callable[[Callable[..., Any]], Callable[..., Any]]], Any]) -> Any:
+def _following(
+    register: Callable[[Callable[[Callable[..., Any]], Callable[..., Any]]], Any], on: torch.Tensor | None = None
+) -> Any:
     """Register a hook for the runs on this thread (see :func:`_register_followed_hook`):
-    ``register(follow)`` registers ``follow(hook)`` and returns its handle."""
-    runs = [s for s in _active.substitutes if s.hooks is not None]
+    ``register(follow)`` registers ``follow(hook)`` and returns its handle. ``on``: the tensor it is
+    registered on, where a tensor's.
+
+    Not for a run whose input ``on`` is (a remat'd call nested in another's run, registering a hook
+    on its input, which the enclosing run made): the forward run moves that hook to the caller's
+    tensor (``_move_input_hooks``), and the recomputation drops it. Followed there too, the forward
+    run's end made its entry a no-op before it was moved: the hook never ran (a silently missing
+    factor in the input's gradient)."""
+    runs = [s for s in _active.substitutes if s.hooks is not None and (on is None or id(on) not in s.known)]
     handles: Handles = ()
     for run in runs:
         if not run.forward:

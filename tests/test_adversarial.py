@@ -1444,6 +1444,36 @@ def test_hook_registered_on_an_intermediate_inside_the_function_follows_its_hand
     assert_close(run(remat_fn), run(fn))
 
 
+@pytest.mark.parametrize("how", ["backward", "autograd_grad", "create_graph"])
+def test_hook_a_nested_calls_function_registers_on_its_input_acts_in_plain_autograd(how):
+    """A remat'd call nested in another's run whose function registers a hook on its input (which
+    the enclosing run made): the nested forward run moves the hook to the caller's tensor, as for a
+    call that is not nested. The enclosing run noted it too, as a hook on a tensor it made, and its
+    end made the hook's entry a no-op before it was moved: the hook never ran (a silently missing
+    factor in the gradient)."""
+    fired = []
+
+    def inner(x):
+        if x.requires_grad:
+            x.register_hook(lambda g: (fired.append(1), g * 3)[1])
+        return (x * 1.5).sin()
+
+    def run(f):
+        fired.clear()
+        x = randn(3, seed=1).requires_grad_()
+        y = f(x).sum()
+        if how == "backward":
+            y.backward()
+            return x.grad, len(fired)
+        (g,) = torch.autograd.grad(y, x, create_graph=how == "create_graph")
+        if how == "create_graph":  # (values only: the recomputation for the second pass runs the hook again)
+            return g, torch.autograd.grad(g.sum(), x)[0]
+        return g, len(fired)
+
+    nested = remat(inner)
+    assert_close(run(remat(lambda x: nested(x * 2).sin() + x)), run(lambda x: inner(x * 2).sin() + x))
+
+
 @pytest.mark.parametrize("on", ["intermediate", "intermediate_of_a_parameter"])
 @pytest.mark.parametrize(
     "how", ["grad_of_grad", "vjp_of_grad", "jacrev_of_grad", "hessian", "hessian_of_vjp", "jacrev_of_jvp", "hessian_of_jvp"]
