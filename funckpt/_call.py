@@ -801,16 +801,24 @@ def _refused_by_fullgraph_compile(e: Exception) -> bool:
     return type(e).__name__ == "Unsupported" and type(e).__module__ == "torch._dynamo.exc"
 
 
-def _move_input_hooks(leaves: tuple[torch.Tensor, ...], given: tuple[torch.Tensor, ...], name: str) -> set[int]:
+def _move_input_hooks(
+    leaves: tuple[torch.Tensor, ...], given: tuple[torch.Tensor, ...], name: str, of_a_level: Sequence[bool] | None = None
+) -> set[int]:
     """Hooks ``fn`` registered on its inputs (``x.register_hook(...)``) go to the caller's tensors.
 
     The forward run's inputs are local leaves; a hook there would see only the
     gradient through ``fn``, where without remat it sees the input's whole gradient.
     Returns the indices of the inputs whose hooks moved. (Under ``torch.func`` the
-    caller's tensors are at another level; their hooks stay with the recomputation.)
+    caller's tensors are at another level; their hooks stay with the recomputation. So do those
+    of an input that was a tensor of the grad or jvp level the call was made at, ``of_a_level``,
+    where the forward run went lowered out of it: ``given`` is then the tensor under the caller's,
+    which that level's backward does not go through, as in a remat'd call nested in another's run
+    at a grad level of its own, under ``grad(f)`` of a function reading a module's parameter.)
     """
     moved = set()
     for i, (leaf, t) in enumerate(zip(leaves, given)):
+        if of_a_level is not None and of_a_level[i]:
+            continue
         accumulated = getattr(leaf, "_post_accumulate_grad_hooks", None)
         if accumulated and leaf is not t and t.requires_grad:
             # ``p.register_post_accumulate_grad_hook(...)`` (an optimizer step in the backward pass)
@@ -2342,7 +2350,7 @@ class UserRegion(Region):
             self._made_at_own_level, run.substitute.made = run.substitute.made, None
             self._taint_at_own_level, run.substitute.taint = run.substitute.taint, None
         if grad_forward:
-            self.moved_hooks = _move_input_hooks(flat, given, self.name)
+            self.moved_hooks = _move_input_hooks(flat, given, self.name, self.of_the_innermost_level)
             _move_retain_grad(flat, given, run.substitute)
             self._carry_data_rebinds(flat, given)
         tensors, slots = flatten(out)

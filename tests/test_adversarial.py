@@ -1444,22 +1444,32 @@ def test_hook_registered_on_an_intermediate_inside_the_function_follows_its_hand
     assert_close(run(remat_fn), run(fn))
 
 
-@pytest.mark.parametrize("how", ["backward", "autograd_grad", "create_graph"])
-def test_hook_a_nested_calls_function_registers_on_its_input_acts_in_plain_autograd(how):
+@pytest.mark.parametrize("how", ["backward", "autograd_grad", "create_graph", "grad", "vjp"])
+@pytest.mark.parametrize("reads_a_parameter", [False, True])
+def test_hook_a_nested_calls_function_registers_on_its_input_acts(how, reads_a_parameter):
     """A remat'd call nested in another's run whose function registers a hook on its input (which
     the enclosing run made): the nested forward run moves the hook to the caller's tensor, as for a
     call that is not nested. The enclosing run noted it too, as a hook on a tensor it made, and its
     end made the hook's entry a no-op before it was moved: the hook never ran (a silently missing
-    factor in the gradient)."""
+    factor in the gradient). Under ``grad`` of a function reading a module's parameter, the
+    enclosing runs go at a grad level of its own, whose tensor the nested call is given: its forward
+    run, lowered out of that level, moved the hook to the tensor under it, which that level's
+    backward does not go through (the hook never ran either); it stays with the recomputation."""
     fired = []
+    lin = nn.Linear(3, 3).double()
 
     def inner(x):
         if x.requires_grad:
             x.register_hook(lambda g: (fired.append(1), g * 3)[1])
-        return (x * 1.5).sin()
+        return (lin(x) if reads_a_parameter else x * 1.5).sin()
 
     def run(f):
         fired.clear()
+        if how == "grad":
+            return tf.grad(lambda x: f(x).sum())(randn(3, seed=1)), len(fired)
+        if how == "vjp":
+            out, vjp_fn = tf.vjp(f, randn(3, seed=1))
+            return vjp_fn(torch.ones_like(out))[0], len(fired)
         x = randn(3, seed=1).requires_grad_()
         y = f(x).sum()
         if how == "backward":
