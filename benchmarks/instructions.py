@@ -13,7 +13,8 @@ use it to see what a change to the per-call path costs, ``benchmarks.overhead`` 
 Variants: the stack of 32 tiny blocks of ``benchmarks.overhead`` (``.backward()`` with no
 checkpointing, ``torch.utils.checkpoint`` and remat; ``torch.func.grad`` with none and remat),
 the forward pass alone of each, and one GPT-style block of the module stack (forward, and a
-whole step), per call. Needs ``valgrind`` on the PATH.
+whole step), per call; and the GPT block's step keeping its matrix multiplies and attention
+(``dots_saveable``, against torch's selective checkpointing saving the same operators). Needs ``valgrind`` on the PATH.
 
     python -m benchmarks.instructions            # print the table
     python -m benchmarks.instructions --write    # ... and put that section into BENCHMARKS.md
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import functools
 import itertools
 import os
 import re
@@ -34,9 +36,9 @@ from collections.abc import Callable
 
 import torch
 import torch.func as tf
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from funckpt import remat
+from funckpt import policies, remat
 
 from ._common import table, write_block
 from .overhead import BLOCKS, GPTBlock, block
@@ -75,10 +77,13 @@ def _gpt(variant: str) -> tuple[Callable[[], object], int]:
     torch.manual_seed(0)
     b = GPTBlock()
     x = torch.randn(2, 8, 32, requires_grad=True)
+    sac = functools.partial(create_selective_checkpoint_contexts, _sac_policy)
     call: Callable[[torch.Tensor], torch.Tensor] = {
         "none": b,
         "torch.utils.checkpoint": lambda h: checkpoint(b, h, use_reentrant=False),
         "remat": remat(b),
+        "torch selective checkpointing": lambda h: checkpoint(b, h, use_reentrant=False, context_fn=sac),
+        "remat dots_saveable": remat(b, policy=policies.dots_saveable),
     }[variant.split(", ")[1]]
     if variant.startswith("GPT block forward"):
         return (lambda: call(x)), 1
@@ -96,6 +101,22 @@ TINY = [
     "torch.func.grad, remat",
 ]
 GPT = [f"GPT block {what}, {how}" for what in ("forward", "step") for how in ("none", "torch.utils.checkpoint", "remat")]
+#: Saving the matrix multiplies and attention: torch's selective checkpointing and remat's
+#: ``dots_saveable``, the same operators kept (their overhead ratio is to the first's).
+SAVING = [f"GPT block step, {how}" for how in ("torch selective checkpointing", "remat dots_saveable")]
+
+
+def _sac_policy(ctx: object, op: object, *args: object, **kwargs: object) -> CheckpointPolicy:
+    """What ``dots_saveable`` keeps of the GPT block on the CPU, as a selective-checkpointing policy."""
+    return CheckpointPolicy.MUST_SAVE if op in _SAVED_BY_SAC else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+_SAVED_BY_SAC = {
+    torch.ops.aten.mm.default,
+    torch.ops.aten.addmm.default,
+    torch.ops.aten.bmm.default,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+}
 
 
 def _step(variant: str) -> tuple[Callable[[], object], int]:
@@ -148,20 +169,22 @@ def count(variant: str, rounds: int = ROUNDS) -> float:
 def run(jobs: int | None = None) -> str:
     if shutil.which("valgrind") is None:
         return "valgrind is not installed: no instruction counts (install it, or use benchmarks.overhead)."
-    variants = TINY + GPT
+    variants = TINY + GPT + SAVING
     with concurrent.futures.ThreadPoolExecutor(jobs or os.cpu_count() or 1) as pool:
         counts = dict(zip(variants, pool.map(count, variants)))
     rows = []
     for v in variants:
         api = v.rsplit(", ", 1)[0]
         base = counts[f"{api}, none"]
-        peer = counts.get(f"{api}, torch.utils.checkpoint")
+        peer = counts.get(f"{api}, {'torch selective checkpointing' if v in SAVING else 'torch.utils.checkpoint'}")
         own = v.endswith(", none")
         ratio = "-" if own or peer is None else f"{(counts[v] - base) / (peer - base):.2f}"
         rows.append([f"`{v}`", f"{counts[v] / 1e3:.1f}", "-" if own else f"{(counts[v] - base) / 1e3:.1f}", ratio])
     lines = [
         f"torch {torch.__version__}, Python {sys.version.split()[0]}; instructions per call, in thousands "
-        f"(tiny blocks: per checkpointed call of a 32-call step; GPT block: per call).",
+        f"(tiny blocks: per checkpointed call of a 32-call step; GPT block: per call). The last two rows keep the "
+        f"block's matrix multiplies and attention (remat's `dots_saveable`, torch's selective checkpointing with "
+        f"the same operators); their ratio is to the latter's overhead.",
         "",
         table(["variant", "instructions per call (k)", "over the same API without checkpointing (k)", "overhead / torch.utils.checkpoint's"], rows),
     ]

@@ -50,5 +50,5 @@ def test_instruction_count_benchmark_steps_run_without_valgrind():
     """The steps its children count under callgrind run as plain steps (the counts come from BENCHMARKS.md)."""
     from benchmarks import instructions
 
-    for variant in instructions.TINY + instructions.GPT:
+    for variant in instructions.TINY + instructions.GPT + instructions.SAVING:
         instructions.child(variant, rounds=1)
