@@ -74,6 +74,7 @@ from ._capture import (
     tensors_inside,
     training_as_at_the_call,
     backward_hooks_now,
+    CallersNodes,
 )
 from ._compile import can_lower, lowered_call, skip_as_frame
 from ._draws import Redraw, differs_here, enter_run, functorch_at_the_call, leave_run
@@ -557,6 +558,7 @@ def prepare(
         if top is not None and top.key() in (TransformType.Grad, TransformType.Jvp):
             region.grad_level_of_the_call = top.level()
     region.function_modes = callers_function_modes()
+    region.callers_tensors = routed  # (whose grad_fn the function reads as its inputs': see CallersNodes)
     if not argspec.tensors_only and holds_containers(argspec.dynamic.treespec):  # (see UserRegion._container_writes)
         region.caller_arguments = (tuple(a for i, a in enumerate(args) if i not in static), kwargs, tuple(flat))
     notify(region, tuple(routed))
@@ -1253,6 +1255,8 @@ class _Running:
                 substitute.watch_generators(region.generators, region.generator_found)
             if substitute is not None and not forward and region.followed_hooks:
                 substitute.hooks = region.followed_hooks
+            if substitute is not None and not forward and region.callers_nodes is not None:
+                substitute.callers_nodes = region.callers_nodes
             if substitute is not None and self.reached:
                 substitute.reached_since_the_call(self.reached, region.rebound)
             if substitute is None:  # (what a call nested in it may take as an input: see refused_around)
@@ -1411,6 +1415,10 @@ class UserRegion(Region):
         self.moved_hooks: set[int] = set()  # inputs whose hooks fn registered went to the caller's tensors
         # The forward run's hooks on tensors fn made, whose handles a recomputation's follow (see Substitute.hooks).
         self.followed_hooks: list[tuple[dict[int, Any] | None, int, Handles]] = []
+        # The caller's nodes fn read as its inputs' grad_fn, and its hooks there (see CallersNodes).
+        self.callers_nodes: CallersNodes | None = None
+        # The caller's tensors, at the caller's level, by position, until the forward run ends (see prepare).
+        self.callers_tensors: Sequence[torch.Tensor] | None = None
         # The full backward hooks of the modules fn reaches, at the forward run (see training_as_at_the_call).
         self.backward_hooks: list[tuple[torch.nn.Module, dict[int, Any], dict[int, Any]]] = []
         self.unchecked: set[int] = set()  # inputs saved without a version check (see _autograd.setup_context)
@@ -2307,6 +2315,8 @@ class UserRegion(Region):
                 run.substitute.made = []
             if (at_own_level or tainting) and run.substitute is not None:
                 run.substitute.nested = []  # (the nodes of the regions nested here: forgotten once fn returns)
+            if self.callers_tensors is not None and self.caller_grad_enabled and run.substitute is not None:
+                run.substitute.given = self.callers_tensors  # (an input's grad_fn is the caller's: see CallersNodes)
             if grad_forward and run.trace is None and run.substitute is not None and not _traced():
                 run.substitute.trail = collections.deque(maxlen=_tail.TRAIL_LENGTH)
             if tainting and run.substitute is not None:
@@ -2332,6 +2342,8 @@ class UserRegion(Region):
             del caller, watched
         if run.substitute is not None:
             self.followed_hooks = run.substitute.forget_hooks()
+            self.callers_nodes, run.substitute.given = run.substitute.callers_nodes, None
+        self.callers_tensors = None
         if run.substitute is not None and run.substitute.nested is not None:
             # Where the run records no graph its caller keeps, the nodes of the regions nested in it
             # are never differentiated, but its outputs carry those recorded below its levels (in the
@@ -2467,7 +2479,12 @@ class UserRegion(Region):
             self.out_digest = [*digest(tensors[:returned]), *[None] * len(self.escaped_at)]
         self.forward_trace = run.trace.lines if run.trace is not None else None
         # (A hook fn registers on a tensor it makes follows its handle through the mode: see Substitute.hooks.)
-        self.substitutes_again = makes_leaves or bool(self.followed_hooks) or self._substitutes_again(substitute, grad_forward)
+        self.substitutes_again = (
+            makes_leaves
+            or bool(self.followed_hooks)
+            or self.callers_nodes is not None
+            or self._substitutes_again(substitute, grad_forward)
+        )
         if not self.substitutes_again:
             self.forward_substitutes = [weakref.ref(t) for t in substitute.mapping.values()]
         return tuple(tensors)
@@ -2750,7 +2767,13 @@ class UserRegion(Region):
         any tensor it cannot route), the places were found as at the call, and the
         result's graph can be checked (``checkable``: :meth:`graph_checkable`).
         """
-        if self.recompute_under_mode or self.followed_hooks or any(self._escapes_held()) or self._has_fast_path():
+        if (
+            self.recompute_under_mode
+            or self.followed_hooks
+            or self.callers_nodes is not None
+            or any(self._escapes_held())
+            or self._has_fast_path()
+        ):
             return True
         if not mapping:
             return False

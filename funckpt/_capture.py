@@ -2157,22 +2157,23 @@ def _register_followed_hook(func: Any, args: tuple[Any, ...], kwargs: dict[str, 
             return func(*args, **{**kwargs, "hook": follow(kwargs["hook"])})
         return func(*args, **kwargs)
 
-    return _following(register, args[0] if args and isinstance(args[0], torch.Tensor) else None)
+    # Not for a run whose input the tensor is (a remat'd call nested in another's run, registering a
+    # hook on its input, which the enclosing run made): the forward run moves that hook to the
+    # caller's tensor (``_move_input_hooks``), and the recomputation drops it. Followed there too,
+    # the forward run's end made its entry a no-op before it was moved: the hook never ran.
+    on = args[0] if args and isinstance(args[0], torch.Tensor) else None
+    among = None if on is None else [s for s in _active.substitutes if id(on) not in s.known]
+    return _following(register, among)
 
 
 def _following(
-    register: Callable[[Callable[[Callable[..., Any]], Callable[..., Any]]], Any], on: torch.Tensor | None = None
+    register: Callable[[Callable[[Callable[..., Any]], Callable[..., Any]]], Any],
+    among: Sequence[Substitute] | None = None,
 ) -> Any:
     """Register a hook for the runs on this thread (see :func:`_register_followed_hook`):
-    ``register(follow)`` registers ``follow(hook)`` and returns its handle. ``on``: the tensor it is
-    registered on, where a tensor's.
-
-    Not for a run whose input ``on`` is (a remat'd call nested in another's run, registering a hook
-    on its input, which the enclosing run made): the forward run moves that hook to the caller's
-    tensor (``_move_input_hooks``), and the recomputation drops it. Followed there too, the forward
-    run's end made its entry a no-op before it was moved: the hook never ran (a silently missing
-    factor in the input's gradient)."""
-    runs = [s for s in _active.substitutes if s.hooks is not None and (on is None or id(on) not in s.known)]
+    ``register(follow)`` registers ``follow(hook)`` and returns its handle. (``among``: the runs
+    whose graph the hook may be on, where not every one's: see :func:`_register_node_hook`.)"""
+    runs = [s for s in (_active.substitutes if among is None else among) if s.hooks is not None]
     handles: Handles = ()
     for run in runs:
         if not run.forward:
@@ -2213,12 +2214,33 @@ def _register_node_hook(hooks: Any, hook: Callable[..., Any]) -> tuple[Any, Any]
     same, and one removing itself ran again at each backward pass: ``torch.utils.checkpoint`` keeps
     the forward pass's nodes, and runs it once.) Elsewhere, as torch registers it.
     """
-    if (
-        not _active.substitutes
-        or _active.internal
-        or _active.registering
-        or not any(s.hooks is not None for s in _active.substitutes)
-    ):
+    if not _active.substitutes or _active.internal or _active.registering:
+        return register_node_hook(hooks, hook)
+    # The runs that gave this node as one of their inputs' ``x.grad_fn`` (see CallersNodes), outermost first.
+    owners = [] if hooks is None else [s for s in _active.substitutes if s.callers_nodes is not None and id(hooks) in s.callers_nodes.dicts]
+    if owners:
+        # The innermost recomputation among them registers nothing: its forward run registered this hook
+        # (the forward runs nested in it, made again, note the handle to that one); else it is registered
+        # once, followed by the runs around the outermost (whose own graph the node may be on).
+        again = next((k for k in range(len(owners) - 1, -1, -1) if not owners[k].forward), None)
+        if again is not None:
+            callers = owners[again].callers_nodes
+            assert callers is not None
+            mine, handle = hooks, callers.registered_again(owners[again])
+            owners = owners[again + 1 :]
+        else:
+            mine, handle = _register_node_hook_followed(hooks, hook, _active.substitutes[: _active.substitutes.index(owners[0])])
+        for s in owners:
+            assert s.callers_nodes is not None
+            s.callers_nodes.registered(mine, handle)
+        return mine, handle
+    return _register_node_hook_followed(hooks, hook, None)
+
+
+def _register_node_hook_followed(hooks: Any, hook: Callable[..., Any], among: Sequence[Substitute] | None) -> tuple[Any, Any]:
+    """Register ``hook`` on an autograd node, followed by the runs ``among`` (all, if ``None``) that
+    follow hooks (see :func:`_register_node_hook`)."""
+    if not any(s.hooks is not None for s in (_active.substitutes if among is None else among)):
         return register_node_hook(hooks, hook)
     registered: list[Any] = []
 
@@ -2227,11 +2249,71 @@ def _register_node_hook(hooks: Any, hook: Callable[..., Any]) -> tuple[Any, Any]
         registered.append(mine)
         return handle
 
-    handle = _following(register)
+    handle = _following(register, among)
     return registered[0], handle
 
 
 route_node_hooks(_register_node_hook)
+
+
+class CallersNodes:
+    """The autograd nodes of the caller's tensors that a remat'd call's function read (``x.grad_fn``
+    of an input or of a tensor it closes over), and the hooks it registered on them.
+
+    Without remat the function gets the caller's tensors, whose ``grad_fn`` is the node that made
+    them: a hook registered there (``c.grad_fn.register_prehook(...)``) changes the gradient that
+    goes on to the caller's graph, and code may branch on ``x.grad_fn is None``. The forward run's
+    inputs are leaves of its own, whose ``grad_fn`` is ``None``: the hook was an ``AttributeError``,
+    and a branch on it silently skipped. So a run gives the caller's node where the function reads
+    an input's ``grad_fn`` (:meth:`Substitute._callers_node`). A hook the forward run registers there
+    is registered once, as without remat; the recomputation, which reads the same node, registers
+    it again nowhere: it gets a handle to the forward run's hook, by order (:meth:`registered_again`).
+
+    The forward run makes the node's dicts of hooks itself when it hands it out (a node has none
+    until a hook is registered, and :func:`_register_node_hook` is given the dict, not the node):
+    ``dicts`` tells a registration on the caller's node from one on a node of the run's own graph.
+    """
+
+    __slots__ = ("dicts", "hooks", "nodes")
+
+    def __init__(self) -> None:
+        self.nodes: dict[int, Any] = {}  # input index -> the caller's node
+        self.dicts: dict[int, dict[int, Any]] = {}  # id -> a dict of hooks of one of those nodes
+        self.hooks: list[tuple[dict[int, Any], int]] = []  # the forward run's registrations there, in order
+
+    def hand_out(self, i: int, node: Any) -> None:
+        """Note ``node``, the caller's node of input ``i``, with its dicts of hooks (made if none)."""
+        if i in self.nodes:
+            return
+        self.nodes[i] = node
+        was, _active.registering = _active.registering, True
+        try:
+            for register in (node.register_prehook, node.register_hook):
+                handle = register(no_hook)
+                hooks = handle.hooks_dict_ref()
+                handle.remove()
+                if hooks is not None:
+                    self.dicts[id(hooks)] = hooks
+        finally:
+            _active.registering = was
+
+    def registered(self, hooks: Any, handle: Any) -> None:
+        """The forward run registered a hook on a caller's node, in ``hooks`` with ``handle``."""
+        self.hooks.append((hooks, handle.id))
+
+    def registered_again(self, run: Substitute) -> RemovableHandle:
+        """A recomputation registers the hook the forward run did: a handle to that one."""
+        n, run.callers_hooks_seen = run.callers_hooks_seen, run.callers_hooks_seen + 1
+        if n >= len(self.hooks):
+            raise CheckpointError(
+                f"remat({run.name}): the recomputation registered more hooks on the autograd nodes of its "
+                "inputs (x.grad_fn.register_hook, register_prehook) than the forward pass did; a hook there is "
+                "registered once, at the forward pass. Register the same hooks in every run of the function."
+            )
+        hooks, key = self.hooks[n]
+        handle = RemovableHandle(hooks)
+        handle.id = key
+        return handle
 
 
 class _RemovingTheFollowed(RemovableHandle):
@@ -2557,6 +2639,7 @@ def _metadata_reads() -> frozenset[Any]:
 
 #: (A getter's ``__get__`` is a new method-wrapper at each access, equal to the others: found by a set.)
 _METADATA = _metadata_reads()
+_GRAD_FN = cast(Any, torch.Tensor.grad_fn).__get__
 #: Operators whose result passes no gradient back to their input: a foreign tensor may go in.
 #: Besides ``detach``, the reads of a tensor's values as Python numbers or text (``loss.item()``,
 #: ``float(t)``, ``f"{t:.3f}"``, a log line of the previous step's auxiliary loss).
@@ -2788,6 +2871,12 @@ class Substitute(OnThreadStack, TorchFunctionMode):
         # and what to tell it of another one its function draws from (see watch_generators).
         self.generator_ids: set[int] | None = None
         self.generator_found: Callable[[torch.Generator], None] | None = None
+        # A forward run's: the caller's tensors, by the position of ``inputs`` each stands in for,
+        # where they may have nodes of their own (plain autograd). Any run's: the nodes of those the
+        # function read, and the hooks registered there (see CallersNodes); a recomputation's count.
+        self.given: Sequence[torch.Tensor] | None = None
+        self.callers_nodes: CallersNodes | None = None
+        self.callers_hooks_seen = 0
 
     def watch_generators(self, known: Iterable[torch.Generator], found: Callable[[torch.Generator], None]) -> None:
         """Have this forward run tell ``found`` of each ``torch.Generator`` its function passes to a
@@ -3018,6 +3107,10 @@ class Substitute(OnThreadStack, TorchFunctionMode):
                 if mapping and args and id(args[0]) in mapping:
                     self.hit = True
                     args = (mapping[id(args[0])], *args[1:])
+                if (self.given is not None or self.callers_nodes is not None) and func == _GRAD_FN and args:
+                    node = self._callers_node(args[0])  # (an input's x.grad_fn: the caller's node)
+                    if node is not None:
+                        return node
                 return func(*args, **kwargs) if kwargs else func(*args)
             made = self.made
             if (
@@ -3181,6 +3274,23 @@ class Substitute(OnThreadStack, TorchFunctionMode):
             elif trail:
                 trail.clear()
         return out
+
+    def _callers_node(self, t: Any) -> Any:
+        """The node of the caller's tensor that ``t``, an input's stand-in, stands in for, if it has
+        one: the forward run's (``given``), noted for the recomputation (see :class:`CallersNodes`)."""
+        i = next((k for k, s in enumerate(self.inputs) if s is t), None)
+        if i is None:
+            return None
+        if self.given is not None:  # (a forward run)
+            # (Read with the runs this one is nested in on: one's stand-in gives the node that run gives.)
+            node = self.given[i].grad_fn if self.given[i] is not t else None
+            if node is not None:
+                if self.callers_nodes is None:
+                    self.callers_nodes = CallersNodes()
+                self.callers_nodes.hand_out(i, node)
+            return node
+        assert self.callers_nodes is not None
+        return self.callers_nodes.nodes.get(i)
 
     def forget_hooks(self) -> list[tuple[dict[int, Any] | None, int, Handles]]:
         """The forward run's hooks on the tensors it made (see :func:`_register_followed_hook`), once it is
