@@ -96,6 +96,10 @@ from ._errors import (
 from ._internals import (
     CreationMeta,
     DisableFuncTorch,
+    GlobalHooks,
+    global_module_hooks_as_at_the_call,
+    global_module_hooks_now,
+    global_module_hooks_registered,
     add_batch_dim,
     class_forward,
     is_batchedtensor,
@@ -1421,6 +1425,8 @@ class UserRegion(Region):
         self.callers_tensors: Sequence[torch.Tensor] | None = None
         # The full backward hooks of the modules fn reaches, at the forward run (see training_as_at_the_call).
         self.backward_hooks: list[tuple[torch.nn.Module, dict[int, Any], dict[int, Any]]] = []
+        # torch's global module hooks at the forward run, where any (see global_module_hooks_as_at_the_call).
+        self.global_hooks: GlobalHooks | None = None
         self.unchecked: set[int] = set()  # inputs saved without a version check (see _autograd.setup_context)
         self.used_constants: set[int] = set()  # non-differentiable inputs the forward run read
         # Outputs aliasing inputs or each other are rebuilt as views by the caller
@@ -2832,6 +2838,7 @@ class UserRegion(Region):
             self.rng = _rng.capture(flat, self.generators)
         if self.captured.training:
             self.backward_hooks = backward_hooks_now(self.captured.training)
+        self.global_hooks = global_module_hooks_now()
 
     def generator_found(self, generator: torch.Generator) -> None:
         """The forward run draws from ``generator``, which the walk at the call did not find (see
@@ -2869,6 +2876,8 @@ class UserRegion(Region):
             contexts.append(training_as_at_the_call(self.captured.training, self.backward_hooks))
         if self.rebound_attributes:
             contexts.append(attributes_as_at_the_call(self.rebound_attributes))
+        if self.global_hooks is not None or global_module_hooks_registered():
+            contexts.append(global_module_hooks_as_at_the_call(self.global_hooks))
         return contexts
 
     def recompute(self, given: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:

@@ -14,6 +14,7 @@ oldest version it claims.
 
 from __future__ import annotations
 
+import collections
 import functools
 import inspect
 import threading
@@ -750,6 +751,80 @@ def call_with_own_hooks(
     if values:
         return _call_with_own_attributes(module, values, args, kwargs)
     return _call_impl_own_hooks(module, *args, **kwargs)
+
+
+#: The registries of the global module hooks that ``nn.Module._call_impl`` reads at each module call
+#: (``register_module_forward_hook``, ``register_module_full_backward_hook``, ...), and theirs of flags.
+_GLOBAL_HOOKS = ("_global_forward_pre_hooks", "_global_forward_hooks", "_global_backward_pre_hooks", "_global_backward_hooks")
+_GLOBAL_HOOK_FLAGS = ("_global_forward_hooks_with_kwargs", "_global_forward_hooks_always_called")
+
+#: The global module hooks at a call: a copy of each registry, and whether the backward hooks are full.
+GlobalHooks = tuple[tuple[dict[int, Any], ...], Any]
+
+
+def global_module_hooks_registered() -> bool:
+    """Is any global module hook registered now?"""
+    m = _module_module
+    return bool(m._global_forward_pre_hooks or m._global_forward_hooks or m._global_backward_pre_hooks or m._global_backward_hooks)
+
+
+def global_module_hooks_now() -> GlobalHooks | None:
+    """The global module hooks registered now (``None`` where there is none: the common case)."""
+    if not global_module_hooks_registered():
+        return None
+    m = _module_module
+    return tuple(dict(getattr(m, name)) for name in (*_GLOBAL_HOOKS, *_GLOBAL_HOOK_FLAGS)), m._global_is_full_backward_hook
+
+
+class global_module_hooks_as_at_the_call:
+    """Put torch's global module hooks back to those registered at the call (``then``:
+    :func:`global_module_hooks_now`), for a recomputation.
+
+    Without remat each module call inside the function runs the global forward hooks registered
+    then, and takes the global full backward hooks and pre-hooks registered then (``BackwardHook``
+    keeps the lists): removed between the forward and the backward pass they still run, registered
+    in between they do not. A recomputation calls the modules again, and would take those registered
+    in the backward pass: a gradient hook silently missing or one more, a forward hook that changes
+    an output computing another one (a false "did not reproduce", a wrong gradient with the check off),
+    as :class:`funckpt._capture.training_as_at_the_call` does for a module's own backward hooks.
+
+    Where they differ (rare: nothing is done otherwise), torch's registries are copies of those at the
+    call while the recomputation runs, and torch's own again on leaving (those the handles edit); a
+    hook the function registers itself is registered in the copies, for the recomputation only.
+    Process-wide, as the registries are: a module called in another thread meanwhile sees them too.
+    """
+
+    __slots__ = ("saved", "then")
+
+    def __init__(self, then: GlobalHooks | None) -> None:
+        self.then = then
+        self.saved: tuple[list[Any], Any] | None = None
+
+    def __enter__(self) -> None:
+        m = _module_module
+        then = self.then
+        if then is None:
+            if not global_module_hooks_registered():
+                return
+            registries: tuple[dict[int, Any], ...] = tuple({} for _ in (*_GLOBAL_HOOKS, *_GLOBAL_HOOK_FLAGS))
+            full = m._global_is_full_backward_hook
+        else:
+            registries, full = then
+            if all(getattr(m, name).keys() == hooks.keys() for name, hooks in zip(_GLOBAL_HOOKS, registries)):
+                return  # (the same hooks as at the call)
+        names = (*_GLOBAL_HOOKS, *_GLOBAL_HOOK_FLAGS)
+        self.saved = [getattr(m, name) for name in names], m._global_is_full_backward_hook
+        for name, hooks in zip(names, registries):
+            setattr(m, name, collections.OrderedDict(hooks))
+        m._global_is_full_backward_hook = full
+
+    def __exit__(self, *exc: Any) -> None:
+        saved, self.saved = self.saved, None
+        if saved is not None:
+            m = _module_module
+            for name, hooks in zip((*_GLOBAL_HOOKS, *_GLOBAL_HOOK_FLAGS), saved[0]):
+                setattr(m, name, hooks)
+            m._global_is_full_backward_hook = saved[1]
 
 
 #: The modules of torch's module trackers: ``ModuleTracker`` (which ``FlopCounterMode`` runs) and the
