@@ -1423,8 +1423,8 @@ class UserRegion(Region):
         self.callers_nodes: CallersNodes | None = None
         # The caller's tensors, at the caller's level, by position, until the forward run ends (see prepare).
         self.callers_tensors: Sequence[torch.Tensor] | None = None
-        # The full backward hooks of the modules fn reaches, at the forward run (see training_as_at_the_call).
-        self.backward_hooks: list[tuple[torch.nn.Module, dict[int, Any], dict[int, Any]]] = []
+        # The hooks of the modules fn reaches, at the forward run (see training_as_at_the_call).
+        self.backward_hooks: list[tuple[torch.nn.Module, tuple[dict[int, Any], ...]]] = []
         # torch's global module hooks at the forward run, where any (see global_module_hooks_as_at_the_call).
         self.global_hooks: GlobalHooks | None = None
         self.unchecked: set[int] = set()  # inputs saved without a version check (see _autograd.setup_context)

@@ -1792,64 +1792,81 @@ class training_as_at_the_call:
     running statistics: the gradient is the forward pass's computation's. The
     flags are restored on leaving.
 
-    So are the modules' full backward hooks and pre-hooks (``hooks``: those the forward run found,
-    :func:`backward_hooks_now`). Without remat a module's call takes them as they are then: its
-    graph runs them in the backward pass, also when the caller removed them in between (a handle
-    removed after the forward pass), and not one registered since. A recomputation calls the module
-    again, and would take them as they are in the backward pass: a gradient hook silently missing,
-    or one more. So it gets those it had at the call, in dicts of its own, and the module its own
-    dicts back on leaving (those the handles edit). (A hook the function registers itself is
-    registered again by the recomputation, there only.) One walk over the modules does both.
+    So are the modules' hooks: full backward hooks and pre-hooks, forward hooks and pre-hooks
+    (``hooks``: those the forward run found, :func:`backward_hooks_now`). Without remat a module's
+    call takes them as they are then: its graph runs the backward ones in the backward pass, also
+    when the caller removed them in between (a handle removed after the forward pass), and not one
+    registered since; the forward ones made the values the gradient is of. A recomputation calls
+    the module again, and would take them as they are in the backward pass: a gradient hook
+    silently missing, or one more; a forward hook that changes an output (an activation patch
+    removed once the forward pass is done) computing another one (a false "did not reproduce", a
+    wrong gradient with the check off). So it gets those it had at the call, in dicts of its own,
+    and the module its own dicts back on leaving (those the handles edit). (A hook the function
+    registers itself is registered again by the recomputation, there only.) One walk over the
+    modules does both.
     """
 
     def __init__(
         self,
         flags: Sequence[tuple[torch.nn.Module, bool]],
-        hooks: Sequence[tuple[torch.nn.Module, dict[int, Any], dict[int, Any]]] = (),
+        hooks: Sequence[tuple[torch.nn.Module, tuple[dict[int, Any], ...]]] = (),
     ) -> None:
         self.flags, self.hooks = flags, hooks
         self.changed: list[tuple[torch.nn.Module, bool]] = []  # (module, its flag before)
-        self.rehooked: list[tuple[torch.nn.Module, dict[int, Any], dict[int, Any]]] = []  # (module, its dicts)
+        self.rehooked: list[tuple[torch.nn.Module, list[Any]]] = []  # (module, its dicts)
 
     def __enter__(self) -> None:
-        then = {id(m): (full, pre) for m, full, pre in self.hooks} if self.hooks else None
+        then = {id(m): dicts for m, dicts in self.hooks} if self.hooks else None
         for module, training in self.flags:
             if module.training != training:
                 self.changed.append((module, module.training))
                 module.training = training
-            if module._backward_hooks or module._backward_pre_hooks or (then is not None and id(module) in then):
+            if (
+                module._backward_hooks
+                or module._backward_pre_hooks
+                or module._forward_hooks
+                or module._forward_pre_hooks
+                or (then is not None and id(module) in then)
+            ):
                 self._hooks_as_then(module, _NO_HOOKS if then is None else then.get(id(module), _NO_HOOKS))
 
-    def _hooks_as_then(self, module: torch.nn.Module, had: tuple[dict[int, Any], dict[int, Any]]) -> None:
-        full_now, pre_now = module._backward_hooks, module._backward_pre_hooks
-        full, pre = had
-        if full_now.keys() != full.keys() or pre_now.keys() != pre.keys():
-            self.rehooked.append((module, full_now, pre_now))
-            module._backward_hooks = collections.OrderedDict(full)
-            module._backward_pre_hooks = collections.OrderedDict(pre)
+    def _hooks_as_then(self, module: torch.nn.Module, had: tuple[dict[int, Any], ...]) -> None:
+        if any(getattr(module, name).keys() != hooks.keys() for name, hooks in zip(_MODULE_HOOKS, had)):
+            self.rehooked.append((module, [getattr(module, name) for name in _MODULE_HOOK_DICTS]))
+            for name, hooks in zip(_MODULE_HOOK_DICTS, had):
+                setattr(module, name, collections.OrderedDict(hooks))
 
     def __exit__(self, *exc: Any) -> None:
         changed, self.changed = self.changed, []
         for module, before in reversed(changed):
             module.training = before
         rehooked, self.rehooked = self.rehooked, []
-        for module, full, pre in reversed(rehooked):
-            module._backward_hooks, module._backward_pre_hooks = full, pre
+        for module, dicts in reversed(rehooked):
+            for name, hooks in zip(_MODULE_HOOK_DICTS, dicts):
+                setattr(module, name, hooks)
+
+
+#: A module's dicts of hooks that its call reads (see :class:`training_as_at_the_call`), and after
+#: them those of the flags of its forward hooks, keyed as they are.
+_MODULE_HOOKS = ("_backward_hooks", "_backward_pre_hooks", "_forward_hooks", "_forward_pre_hooks")
+_MODULE_HOOK_DICTS = (
+    *_MODULE_HOOKS, "_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_forward_pre_hooks_with_kwargs"
+)
 
 
 def backward_hooks_now(
     modules: Sequence[tuple[torch.nn.Module, bool]],
-) -> list[tuple[torch.nn.Module, dict[int, Any], dict[int, Any]]]:
-    """The modules among ``modules`` (``Captured.training``) that have full backward hooks or
-    pre-hooks now, each with a copy of both dicts (see :class:`training_as_at_the_call`)."""
+) -> list[tuple[torch.nn.Module, tuple[dict[int, Any], ...]]]:
+    """The modules among ``modules`` (``Captured.training``) that have backward or forward hooks or
+    pre-hooks now, each with a copy of its dicts of them (see :class:`training_as_at_the_call`)."""
     return [
-        (m, dict(m._backward_hooks), dict(m._backward_pre_hooks))
+        (m, tuple(dict(getattr(m, name)) for name in _MODULE_HOOK_DICTS))
         for m, _ in modules
-        if m._backward_hooks or m._backward_pre_hooks
+        if m._backward_hooks or m._backward_pre_hooks or m._forward_hooks or m._forward_pre_hooks
     ]
 
 
-_NO_HOOKS: tuple[dict[int, Any], dict[int, Any]] = ({}, {})
+_NO_HOOKS: tuple[dict[int, Any], ...] = tuple({} for _ in _MODULE_HOOK_DICTS)
 
 
 #: Values of a module attribute that a recomputation puts back as they were at the call: numbers,

@@ -305,6 +305,62 @@ def test_backward_hooks_of_a_module_inside_are_those_it_had_at_the_call(kind, ch
     assert_close(run(wraps[how]), run(lambda fn, model: fn))
 
 
+@pytest.mark.parametrize("kind", ["forward", "forward_pre", "forward_with_kwargs", "forward_removing_itself"])
+@pytest.mark.parametrize("change", ["removed", "added", "registered_inside"])
+@pytest.mark.parametrize("check", ["default", "none"])
+def test_forward_hooks_of_a_module_inside_are_those_it_had_at_the_call(kind, change, check):
+    """A forward hook (or pre-hook) that changes a module's output (an activation patch) and is
+    removed once the forward pass is done made the values the gradient is of; one registered after
+    the forward pass changed none. A recomputation calls the module again and gets the forward hooks
+    it had at the call (it computed other values: a false "did not reproduce", or with the check
+    off a wrong gradient), as without remat and under torch.utils.checkpoint."""
+    def register(layer):
+        if kind == "forward":
+            return layer.register_forward_hook(lambda m, i, o: o * 3)
+        if kind == "forward_pre":
+            return layer.register_forward_pre_hook(lambda m, i: (i[0] * 3,))
+        if kind == "forward_with_kwargs":
+            return layer.register_forward_hook(lambda m, i, kw, o: o * 3, with_kwargs=True)
+        handle = None
+
+        def once(m, i, o):
+            handle.remove()
+            return o * 3
+
+        handle = layer.register_forward_hook(once)
+        return handle
+
+    def run(wrap):
+        torch.manual_seed(0)
+        inner = nn.Tanh()
+        model = nn.Sequential(nn.Linear(4, 4, dtype=D), inner, nn.Linear(4, 4, dtype=D), nn.Tanh())
+        handles = [register(inner)] if change == "removed" else []
+
+        def fn(x):
+            if change == "registered_inside":
+                handles.append(register(inner))
+            return model(x)
+
+        x = torch.randn(3, 4, dtype=D, generator=torch.Generator().manual_seed(1), requires_grad=True)
+        grads = []
+        for _ in range(2):  # (a second step: the hooks the first left on the module)
+            out = wrap(fn)(x)
+            if change == "removed":
+                handles.pop().remove()
+            elif change == "added":
+                handles.append(register(inner))
+            out.square().sum().backward()
+            grads.append((x.grad.clone(), model[0].weight.grad.clone()))
+            for handle in handles:
+                handle.remove()
+            handles.clear()
+            if change == "removed":
+                handles.append(register(inner))
+        return grads
+
+    assert_close(run(lambda fn: remat(fn, determinism_check=check)), run(lambda fn: fn))
+
+
 @pytest.mark.parametrize("kind", ["full_backward", "full_backward_pre", "forward", "forward_pre"])
 @pytest.mark.parametrize("change", ["removed", "added", "registered_inside"])
 @pytest.mark.parametrize("how", ["remat_function", "remat_sequential", "checkpoint_sequential"])
