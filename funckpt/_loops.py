@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import numbers
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -537,6 +538,18 @@ class _State:
         return self.slots.fill(self.tensors)
 
 
+#: torch.utils.checkpoint's warning, with use_reentrant=True, where none of its inputs requires grad.
+_NO_INPUT_REQUIRES_GRAD = "None of the inputs have requires_grad=True"
+
+
+@contextlib.contextmanager
+def _reentrant_checkpoint_warning_off() -> Iterator[None]:
+    """Without torch.utils.checkpoint's :data:`_NO_INPUT_REQUIRES_GRAD` (see LoopRegion._carries_not_requiring_grad)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", _NO_INPUT_REQUIRES_GRAD, UserWarning, r"torch\.utils\.checkpoint")
+        yield
+
+
 class LoopRegion(UserRegion):
     """A checkpointed loop as one region: ``(init, xs) -> (carry, ys)``, reversed step by step."""
 
@@ -589,7 +602,22 @@ class LoopRegion(UserRegion):
 
     def _call_fn(self, args: tuple[Any, ...], kwargs: dict[str, Any], forward: bool, grad_forward: bool) -> Any:
         self._forward = forward
-        return super()._call_fn(args, kwargs, forward, grad_forward)
+        with self._carries_not_requiring_grad():
+            return super()._call_fn(args, kwargs, forward, grad_forward)
+
+    def _carries_not_requiring_grad(self) -> contextlib.AbstractContextManager[Any]:
+        """Around steps run without grad to advance the loop (the forward sweep, a reversal's runs from a
+        kept carry): without ``torch.utils.checkpoint(..., use_reentrant=True)``'s warning that none of
+        its inputs requires grad, where the loop is differentiated.
+
+        Those runs record nothing, so the carries a step gets there do not require grad, where without
+        funckpt they do (the loop's differentiable inputs flow into them), and a reentrant checkpoint in
+        the step warns "Gradients will be None": they are not, the steps run again to be differentiated
+        get carries that require grad. (The same warning where the loop is not differentiated is torch's.)
+        """
+        if torch.is_grad_enabled() or not any(self.differentiable):
+            return contextlib.nullcontext()
+        return _reentrant_checkpoint_warning_off()
 
     def run(self, flat: Tensors, phase: Phase) -> Tensors:
         self._stand_ins = self.replacements([flat[i] for i in self.captured_index])[1]
@@ -923,7 +951,7 @@ class LoopRegion(UserRegion):
         :meth:`cond_again`)."""
         if cond_first:
             self.cond_again(k, carry)
-        with self._as_in_the_sweep():
+        with self._as_in_the_sweep(), self._carries_not_requiring_grad():
             cache_was_on = _autocast.cache_off(self.autocast)
             try:
                 return self.loop.step(k, carry, x)

@@ -1841,3 +1841,49 @@ def test_a_bad_policy_is_named_by_the_loop_it_was_given_to(api):
     }
     with pytest.raises(TypeError, match=rf"^{api}: policy must be a callable"):
         calls[api]()
+
+
+@pytest.mark.parametrize("loop", ["fori_loop", "fori_loop_checkpoints", "scan"])
+@pytest.mark.parametrize("grad_mode", [True, False])
+def test_a_reentrant_checkpoint_in_a_step_warns_as_without_funckpt(loop, grad_mode):
+    """A step calling ``torch.utils.checkpoint(..., use_reentrant=True)`` warns as the Python loop does:
+    not "None of the inputs have requires_grad=True" in the forward sweep and the runs that advance
+    from a kept carry, where the carries do not require grad because those runs record nothing (they
+    do without funckpt); still where the loop runs under no_grad, as the Python loop does. The
+    gradients are the Python loop's."""
+    import warnings
+
+    from torch.utils.checkpoint import checkpoint as torch_checkpoint
+
+    lin = torch.nn.Linear(3, 3, dtype=D)
+
+    def body(i, c):
+        return torch_checkpoint(lambda c: torch.tanh(lin(c)), c, use_reentrant=True)
+
+    def python_loop(x):
+        for i in range(5):
+            x = body(i, x)
+        return x
+
+    loops = {
+        "fori_loop": lambda x: funckpt.fori_loop(0, 5, body, x),
+        "fori_loop_checkpoints": lambda x: funckpt.fori_loop(0, 5, body, x, checkpoints=2),
+        "scan": lambda x: funckpt.scan(lambda c, _: (body(0, c), None), x, length=5)[0],
+    }
+
+    def run(f):
+        x = torch.randn(2, 3, dtype=D, generator=torch.Generator().manual_seed(0), requires_grad=True)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with torch.set_grad_enabled(grad_mode):
+                out = f(x).sum()
+            if grad_mode:
+                out.backward()
+        messages = [str(w.message) for w in caught if "requires_grad=True" in str(w.message)]
+        return messages, (x.grad, lin.weight.grad) if grad_mode else out
+
+    expected = run(python_loop)
+    lin.zero_grad(set_to_none=True)
+    got = run(loops[loop])
+    assert got[0] == expected[0]
+    assert_close(got[1], expected[1])
