@@ -158,6 +158,9 @@ class Region:
     #: Where the call was made with a torch.func grad or jvp level innermost: that level (see
     #: :func:`_hooks_acting_at`). ``None`` otherwise, and for a region derived from another.
     grad_level_of_the_call: int | None = None
+    #: Did the forward run register a hook on a leaf requiring grad that the function made itself?
+    #: Without remat a ``.backward()`` naming no inputs reaches that leaf and runs it (see :func:`vjp`).
+    own_leaf_hooks: bool = False
 
     def run(self, flat: Tensors, phase: Phase) -> Tensors:
         raise NotImplementedError
@@ -862,14 +865,17 @@ def vjp(
             pairs = [(o, c) for o, c in zip(outs, cotangents) if o.requires_grad and not made_under_no_grad(o)]
             if not pairs:
                 return [None] * len(primals)
-            try:
-                grads = autograd_grad(
-                    [o for o, _ in pairs], [leaves[i] for i in wrt], [c for _, c in pairs], create_graph
-                )
-            except RuntimeError as e:
-                if not _refused_by_reentrant_checkpoint(e):
-                    raise
-                grads = _vjp_around_reentrant_checkpoint(region, primals, cotangents, needs, wrt, create_graph, e)
+            if region.own_leaf_hooks and not create_graph and own_level is None and backward_names_no_inputs():
+                grads = _vjp_into_own_leaves(leaves, pairs, wrt)
+            else:
+                try:
+                    grads = autograd_grad(
+                        [o for o, _ in pairs], [leaves[i] for i in wrt], [c for _, c in pairs], create_graph
+                    )
+                except RuntimeError as e:
+                    if not _refused_by_reentrant_checkpoint(e):
+                        raise
+                    grads = _vjp_around_reentrant_checkpoint(region, primals, cotangents, needs, wrt, create_graph, e)
             if region.retained_grads:
                 region.add_retained_parts(outs, cotangents)
         finally:
@@ -985,6 +991,23 @@ def _vjp_around_reentrant_checkpoint(
     leaves = tuple(p.detach().requires_grad_(True) if need else p.detach() for p, need in zip(primals, needs))
     outs = region.run(leaves, Phase.RECOMPUTE)
     pairs = [(o, c) for o, c in zip(outs, cotangents) if o.requires_grad and not made_under_no_grad(o)]
+    torch.autograd.backward([o for o, _ in pairs], [c for _, c in pairs])
+    return tuple(leaves[i].grad for i in wrt)
+
+
+def _vjp_into_own_leaves(
+    leaves: Tensors, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], wrt: Sequence[int]
+) -> tuple[torch.Tensor | None, ...]:
+    """The vjp of a recomputation that made a leaf requiring grad with a hook on it, under a ``.backward()``
+    that names no inputs: by a backward pass naming none either, into the recomputation's leaves.
+
+    Without remat such a backward pass reaches every leaf of the graph, the function's own too
+    (``z = torch.zeros(3, requires_grad=True); z.register_hook(log)``): its hooks run with its
+    gradient, its post-accumulate-grad hooks after that. ``torch.autograd.grad`` over the call's inputs
+    alone does not reach it, and they silently did not run. As where the function calls a reentrant
+    checkpoint (:func:`_vjp_around_reentrant_checkpoint`), the recomputation's inputs are fresh leaves
+    of its own, and every other leaf requiring grad it reaches is one it made (or it refuses it).
+    """
     torch.autograd.backward([o for o, _ in pairs], [c for _, c in pairs])
     return tuple(leaves[i].grad for i in wrt)
 

@@ -2349,6 +2349,7 @@ class UserRegion(Region):
         if run.substitute is not None:
             self.followed_hooks = run.substitute.forget_hooks()
             self.callers_nodes, run.substitute.given = run.substitute.callers_nodes, None
+            self.own_leaf_hooks = run.substitute.own_leaf_hooks
         self.callers_tensors = None
         if run.substitute is not None and run.substitute.nested is not None:
             # Where the run records no graph its caller keeps, the nodes of the regions nested in it

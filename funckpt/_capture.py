@@ -2282,7 +2282,7 @@ class CallersNodes:
     goes on to the caller's graph, and code may branch on ``x.grad_fn is None``. The forward run's
     inputs are leaves of its own, whose ``grad_fn`` is ``None``: the hook was an ``AttributeError``,
     and a branch on it silently skipped. So a run gives the caller's node where the function reads
-    an input's ``grad_fn`` (:meth:`Substitute._callers_node`). A hook the forward run registers there
+    an input's ``grad_fn`` (:meth:`Substitute._callers_read`). A hook the forward run registers there
     is registered once, as without remat; the recomputation, which reads the same node, registers
     it again nowhere: it gets a handle to the forward run's hook, by order (:meth:`registered_again`).
 
@@ -2291,10 +2291,12 @@ class CallersNodes:
     ``dicts`` tells a registration on the caller's node from one on a node of the run's own graph.
     """
 
-    __slots__ = ("dicts", "hooks", "nodes")
+    __slots__ = ("dicts", "hooks", "nodes", "requires_grad")
 
     def __init__(self) -> None:
         self.nodes: dict[int, Any] = {}  # input index -> the caller's node
+        # input index -> the caller's tensor's requires_grad, where its stand-in's differs (see Substitute._callers_read)
+        self.requires_grad: dict[int, bool] = {}
         self.dicts: dict[int, dict[int, Any]] = {}  # id -> a dict of hooks of one of those nodes
         self.hooks: list[tuple[dict[int, Any], int]] = []  # the forward run's registrations there, in order
 
@@ -2559,6 +2561,7 @@ _WRITES_WHOLE = frozenset(
 _RETAIN_GRAD = torch.Tensor.retain_grad
 _CUSTOM_FUNCTION_CALL = custom_function_call
 _REGISTER_HOOK = torch.Tensor.register_hook
+_POST_ACCUMULATE_HOOK = torch.Tensor.register_post_accumulate_grad_hook
 #: The torch functions the substitution mode notes (by kind: the set or function above, or
 #: ``LAYOUT_DRAWS`` for a dropout whose mask depends on the layout).
 _SPECIAL: dict[Any, Any] = {
@@ -2566,6 +2569,7 @@ _SPECIAL: dict[Any, Any] = {
     **{f: _UNINITIALIZED for f in _UNINITIALIZED},
     _RETAIN_GRAD: _RETAIN_GRAD,
     _REGISTER_HOOK: _REGISTER_HOOK,
+    _POST_ACCUMULATE_HOOK: _POST_ACCUMULATE_HOOK,
     _CUSTOM_FUNCTION_CALL: _CUSTOM_FUNCTION_CALL,
 }
 
@@ -2600,6 +2604,17 @@ def _generators_read_by_function_class(cls: type) -> list[torch.Generator]:
             if type(value) is _GENERATOR:
                 found.append(value)
     return found
+
+
+#: What :meth:`Substitute._callers_read` gives where the function reads its stand-in's own.
+_NOT_READ = object()
+
+
+def _funckpts_own_read(frame: types.FrameType) -> bool:
+    """Is ``frame``, which read an input's metadata in a run, funckpt's own work (a call nested in
+    the run deciding what its inputs require), not the user's code nor a nested run's read of what
+    the caller's tensor says (see :meth:`Substitute._callers_read`)? That work must see the stand-in."""
+    return frame.f_globals.get("__name__", "").startswith("funckpt.") and frame.f_code.co_name != "_callers_read"
 
 
 def no_hook(*args: Any) -> None:
@@ -2657,6 +2672,7 @@ def _metadata_reads() -> frozenset[Any]:
 #: (A getter's ``__get__`` is a new method-wrapper at each access, equal to the others: found by a set.)
 _METADATA = _metadata_reads()
 _GRAD_FN = cast(Any, torch.Tensor.grad_fn).__get__
+_REQUIRES_GRAD = cast(Any, torch.Tensor.requires_grad).__get__
 #: Operators whose result passes no gradient back to their input: a foreign tensor may go in.
 #: Besides ``detach``, the reads of a tensor's values as Python numbers or text (``loss.item()``,
 #: ``float(t)``, ``f"{t:.3f}"``, a log line of the previous step's auxiliary loss).
@@ -2892,6 +2908,9 @@ class Substitute(OnThreadStack, TorchFunctionMode):
         # where they may have nodes of their own (plain autograd). Any run's: the nodes of those the
         # function read, and the hooks registered there (see CallersNodes); a recomputation's count.
         self.given: Sequence[torch.Tensor] | None = None
+        # Did the run register a hook (a tensor hook, a post-accumulate-grad hook) on a leaf it made
+        # itself that requires grad (``z = torch.zeros(3, requires_grad=True)``)? See funckpt._autograd.vjp.
+        self.own_leaf_hooks = False
         self.callers_nodes: CallersNodes | None = None
         self.callers_hooks_seen = 0
 
@@ -3124,10 +3143,15 @@ class Substitute(OnThreadStack, TorchFunctionMode):
                 if mapping and args and id(args[0]) in mapping:
                     self.hit = True
                     args = (mapping[id(args[0])], *args[1:])
-                if (self.given is not None or self.callers_nodes is not None) and func == _GRAD_FN and args:
-                    node = self._callers_node(args[0])  # (an input's x.grad_fn: the caller's node)
-                    if node is not None:
-                        return node
+                if (
+                    (self.given is not None or self.callers_nodes is not None)
+                    and args
+                    and (func == _GRAD_FN or func == _REQUIRES_GRAD)
+                ):
+                    # (An input's x.grad_fn, x.requires_grad: the caller's tensor's, as without remat.)
+                    read = self._callers_read(func, args[0])
+                    if read is not _NOT_READ:
+                        return read
                 return func(*args, **kwargs) if kwargs else func(*args)
             made = self.made
             if (
@@ -3229,9 +3253,12 @@ class Substitute(OnThreadStack, TorchFunctionMode):
         elif special is _RETAIN_GRAD:
             if args and id(args[0]) in known:
                 self.retained.add(id(args[0]))
-        elif special is _REGISTER_HOOK:
+        elif special is _REGISTER_HOOK or special is _POST_ACCUMULATE_HOOK:
+            if args and id(args[0]) in inside and id(args[0]) not in known and args[0].is_leaf and args[0].requires_grad:
+                self.own_leaf_hooks = True  # (a leaf the function made: see own_leaf_hooks)
             if (
-                not _active.registering
+                special is _REGISTER_HOOK
+                and not _active.registering
                 and not compiling
                 and args
                 and id(args[0]) in inside
@@ -3292,22 +3319,52 @@ class Substitute(OnThreadStack, TorchFunctionMode):
                 trail.clear()
         return out
 
-    def _callers_node(self, t: Any) -> Any:
-        """The node of the caller's tensor that ``t``, an input's stand-in, stands in for, if it has
-        one: the forward run's (``given``), noted for the recomputation (see :class:`CallersNodes`)."""
+    def _callers_read(self, func: Any, t: Any, delegated: bool = False) -> Any:
+        """What ``func`` (``grad_fn``'s or ``requires_grad``'s getter) reads of the caller's tensor that
+        ``t``, an input's stand-in, stands in for, where it differs from what it reads of ``t``:
+        the forward run's (``given``), noted for the recomputation (see :class:`CallersNodes`);
+        :data:`_NOT_READ` where it does not differ (or ``t`` is no input's stand-in).
+
+        A parameter of a module the function reaches says it requires grad without remat under
+        ``torch.func.grad``, and its stand-in, at the forward run's own grad level, that it does not:
+        code summing a penalty over ``p for p in m.parameters() if p.requires_grad`` computed another
+        value. And an input's ``grad_fn`` is the caller's node (see :class:`CallersNodes`)."""
         i = next((k for k, s in enumerate(self.inputs) if s is t), None)
-        if i is None:
-            return None
+        if i is None or (not delegated and _funckpts_own_read(sys._getframe(2))):
+            return _NOT_READ
+        grad_fn = func == _GRAD_FN
         if self.given is not None:  # (a forward run)
-            # (Read with the runs this one is nested in on: one's stand-in gives the node that run gives.)
-            node = self.given[i].grad_fn if self.given[i] is not t else None
-            if node is not None:
-                if self.callers_nodes is None:
-                    self.callers_nodes = CallersNodes()
-                self.callers_nodes.hand_out(i, node)
-            return node
+            caller = self.given[i]
+            if caller is t:
+                return _NOT_READ
+            # (The stand-in of a run this one is nested in: what that run gives for it.)
+            value = self._enclosing_read(func, caller)
+            if value is _NOT_READ:
+                value = caller.grad_fn if grad_fn else caller.requires_grad
+            if value is None or (not grad_fn and value == t.requires_grad):
+                return _NOT_READ
+            if self.callers_nodes is None:
+                self.callers_nodes = CallersNodes()
+            if grad_fn:
+                self.callers_nodes.hand_out(i, value)
+            else:
+                self.callers_nodes.requires_grad[i] = bool(value)
+            return value
         assert self.callers_nodes is not None
-        return self.callers_nodes.nodes.get(i)
+        value = (self.callers_nodes.nodes if grad_fn else self.callers_nodes.requires_grad).get(i)
+        return _NOT_READ if value is None else value
+
+    def _enclosing_read(self, func: Any, t: torch.Tensor) -> Any:
+        """What the runs this one is nested in give where ``t``, their input's stand-in, is read
+        (see :meth:`_callers_read`), innermost first; :data:`_NOT_READ` where none does."""
+        runs = _active.substitutes
+        k = next((k for k in range(len(runs) - 1, -1, -1) if runs[k] is self), len(runs))
+        for run in reversed(runs[:k]):
+            if run.given is not None or run.callers_nodes is not None:
+                value = run._callers_read(func, t, delegated=True)
+                if value is not _NOT_READ:
+                    return value
+        return _NOT_READ
 
     def forget_hooks(self) -> list[tuple[dict[int, Any] | None, int, Handles]]:
         """The forward run's hooks on the tensors it made (see :func:`_register_followed_hook`), once it is
