@@ -815,11 +815,12 @@ def _move_input_hooks(
     The forward run's inputs are local leaves; a hook there would see only the
     gradient through ``fn``, where without remat it sees the input's whole gradient.
     Returns the indices of the inputs whose hooks moved. (Under ``torch.func`` the
-    caller's tensors are at another level; their hooks stay with the recomputation. So do those
-    of an input that was a tensor of the grad or jvp level the call was made at, ``of_a_level``,
-    where the forward run went lowered out of it: ``given`` is then the tensor under the caller's,
-    which that level's backward does not go through, as in a remat'd call nested in another's run
-    at a grad level of its own, under ``grad(f)`` of a function reading a module's parameter.)
+    caller's tensors are at another level: a forward run registers such a hook on the caller's
+    tensor itself, see ``Substitute._callers_hook``. Those of an input that was a tensor of the grad
+    or jvp level the call was made at, ``of_a_level``, where the forward run went lowered out of it,
+    stay with the recomputation: ``given`` is then the tensor under the caller's, which that level's
+    backward does not go through, as in a remat'd call nested in another's run at a grad level of
+    its own, under ``grad(f)`` of a function reading a module's parameter.)
     """
     moved = set()
     for i, (leaf, t) in enumerate(zip(leaves, given)):

@@ -2155,7 +2155,9 @@ def set_internal(internal: bool) -> bool:
 _active = _Active()
 
 
-def _register_followed_hook(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+def _register_followed_hook(
+    func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], among: Sequence[Substitute] | None = None
+) -> Any:
     """``h.register_hook(hook)`` on a tensor a run made, for every run it is made in (this thread's
     substitutions: a remat'd call's forward run, nested in another's, is made in both).
 
@@ -2165,6 +2167,8 @@ def _register_followed_hook(func: Any, args: tuple[Any, ...], kwargs: dict[str, 
     edits) and key, and each recomputation registers the hook as one that runs only while the key
     noted at its forward run's registration in the same order is there (:class:`FollowingItsHandle`).
     (Once, by the innermost run's mode: an enclosing one's, passed the call on, lets it through.)
+    ``among``: the runs that made the tensor, where not every one did (one nested in them gets it
+    as an input, whose hooks it moves to its caller's tensor: see ``funckpt._call._move_input_hooks``).
     """
 
     def register(follow: Callable[[Callable[..., Any]], Callable[..., Any]]) -> Any:
@@ -2174,12 +2178,6 @@ def _register_followed_hook(func: Any, args: tuple[Any, ...], kwargs: dict[str, 
             return func(*args, **{**kwargs, "hook": follow(kwargs["hook"])})
         return func(*args, **kwargs)
 
-    # Not for a run whose input the tensor is (a remat'd call nested in another's run, registering a
-    # hook on its input, which the enclosing run made): the forward run moves that hook to the
-    # caller's tensor (``_move_input_hooks``), and the recomputation drops it. Followed there too,
-    # the forward run's end made its entry a no-op before it was moved: the hook never ran.
-    on = args[0] if args and isinstance(args[0], torch.Tensor) else None
-    among = None if on is None else [s for s in _active.substitutes if id(on) not in s.known]
     return _following(register, among)
 
 
@@ -2291,12 +2289,13 @@ class CallersNodes:
     ``dicts`` tells a registration on the caller's node from one on a node of the run's own graph.
     """
 
-    __slots__ = ("dicts", "hooks", "nodes", "requires_grad")
+    __slots__ = ("dicts", "hooked", "hooks", "nodes", "requires_grad")
 
     def __init__(self) -> None:
         self.nodes: dict[int, Any] = {}  # input index -> the caller's node
         # input index -> the caller's tensor's requires_grad, where its stand-in's differs (see Substitute._callers_read)
         self.requires_grad: dict[int, bool] = {}
+        self.hooked: set[int] = set()  # inputs whose tensor hooks went to the caller's tensor (see Substitute._callers_hook)
         self.dicts: dict[int, dict[int, Any]] = {}  # id -> a dict of hooks of one of those nodes
         self.hooks: list[tuple[dict[int, Any], int]] = []  # the forward run's registrations there, in order
 
@@ -2325,9 +2324,10 @@ class CallersNodes:
         n, run.callers_hooks_seen = run.callers_hooks_seen, run.callers_hooks_seen + 1
         if n >= len(self.hooks):
             raise CheckpointError(
-                f"remat({run.name}): the recomputation registered more hooks on the autograd nodes of its "
-                "inputs (x.grad_fn.register_hook, register_prehook) than the forward pass did; a hook there is "
-                "registered once, at the forward pass. Register the same hooks in every run of the function."
+                f"remat({run.name}): the recomputation registered more hooks on the caller's tensors it gets as "
+                "inputs or on their autograd nodes (x.grad_fn.register_hook, register_prehook; a module's parameter's "
+                "register_hook under torch.func.grad) than the forward pass did; a hook there is registered once, "
+                "at the forward pass. Register the same hooks in every run of the function."
             )
         hooks, key = self.hooks[n]
         handle = RemovableHandle(hooks)
@@ -3256,6 +3256,11 @@ class Substitute(OnThreadStack, TorchFunctionMode):
         elif special is _REGISTER_HOOK or special is _POST_ACCUMULATE_HOOK:
             if args and id(args[0]) in inside and id(args[0]) not in known and args[0].is_leaf and args[0].requires_grad:
                 self.own_leaf_hooks = True  # (a leaf the function made: see own_leaf_hooks)
+            if (self.given is not None or self.callers_nodes is not None) and args and not compiling:
+                given = args if swapped is None else swapped
+                handle = self._callers_hook(func, given[0], tuple(given[1:]), kwargs or {})
+                if handle is not None:
+                    return handle
             if (
                 special is _REGISTER_HOOK
                 and not _active.registering
@@ -3268,7 +3273,9 @@ class Substitute(OnThreadStack, TorchFunctionMode):
                 if self.trail is not None:  # (as for any other call: see the end of this handler)
                     self.calls += 1
                     self.trail.clear()
-                return _register_followed_hook(func, args if swapped is None else tuple(swapped), kwargs or {})
+                runs = _active.substitutes
+                among = None if all(id(args[0]) not in r.known for r in runs) else [r for r in runs if id(args[0]) not in r.known]
+                return _register_followed_hook(func, args if swapped is None else tuple(swapped), kwargs or {}, among)
         elif not compiling:  # a dropout (LAYOUT_DRAWS)
             redraw = self._layout_draw(func, args if swapped is None else tuple(swapped), kwargs or {})
         watch = self.watch
@@ -3353,6 +3360,53 @@ class Substitute(OnThreadStack, TorchFunctionMode):
         assert self.callers_nodes is not None
         value = (self.callers_nodes.nodes if grad_fn else self.callers_nodes.requires_grad).get(i)
         return _NOT_READ if value is None else value
+
+    def _callers_hook(self, func: Any, t: Any, rest: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """A hook registered on ``t``, an input's stand-in, where the caller's tensor is the one to
+        have it: one that does not require grad where the caller's tensor does (a module's parameter
+        under ``torch.func.grad``: see :meth:`_callers_read`; torch refuses it on the stand-in), or
+        one of a torch.func level (a tensor the caller computed inside ``torch.func.grad``: the hook
+        sees its whole gradient, not only the part through the call, and the stand-in's is never
+        computed). The forward run registers it on the caller's tensor, as without remat, and the
+        recomputation gets a handle to that one (see :class:`CallersNodes`). ``None`` where ``t`` is
+        no such stand-in (under plain autograd the forward run moves an input's hooks once it ends:
+        see ``funckpt._call._move_input_hooks``)."""
+        if not isinstance(t, torch.Tensor):
+            return None
+        i = next((k for k, s in enumerate(self.inputs) if s is t), None)
+        if i is None:
+            return None
+        if self.given is not None:  # (a forward run)
+            caller = self.given[i]
+            if caller is t:
+                return None
+            # (The stand-in of a run this one is nested in: registered where that run registers it.)
+            handle = self._enclosing_hook(func, caller, rest, kwargs)
+            if handle is None:
+                if not caller.requires_grad or (t.requires_grad and not is_functorch_wrapped(caller)):
+                    return None
+                with torch._C.DisableTorchFunction():  # (the caller's tensor is no input of the runs around)
+                    handle = func(caller, *rest, **kwargs)
+            if self.callers_nodes is None:
+                self.callers_nodes = CallersNodes()
+            self.callers_nodes.hooked.add(i)
+            self.callers_nodes.registered(handle.hooks_dict_ref(), handle)
+            return handle
+        assert self.callers_nodes is not None
+        if i not in self.callers_nodes.hooked:
+            return None
+        return self.callers_nodes.registered_again(self)
+
+    def _enclosing_hook(self, func: Any, t: torch.Tensor, rest: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """:meth:`_callers_hook` of the innermost run this one is nested in that takes ``t``, its stand-in."""
+        runs = _active.substitutes
+        k = next((k for k in range(len(runs) - 1, -1, -1) if runs[k] is self), len(runs))
+        for run in reversed(runs[:k]):
+            if run.given is not None or run.callers_nodes is not None:
+                handle = run._callers_hook(func, t, rest, kwargs)
+                if handle is not None:
+                    return handle
+        return None
 
     def _enclosing_read(self, func: Any, t: torch.Tensor) -> Any:
         """What the runs this one is nested in give where ``t``, their input's stand-in, is read

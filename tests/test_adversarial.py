@@ -1657,17 +1657,78 @@ def test_hook_registered_on_an_autograd_node_inside_the_function_follows_its_han
     assert_close(run(lambda x: funckpt.checkpoint(fn, x)), run(fn))
 
 
+@pytest.mark.parametrize("on", ["argument", "closure"])
+@pytest.mark.parametrize("how", ["grad", "vjp", "jacrev", "vmap_grad", "backward_twice"])
+@pytest.mark.parametrize("nested", [False, True])
+def test_a_hook_on_an_input_the_caller_computed_under_a_transform(on, how, nested):
+    """A hook the function registers on an input the caller computed inside the transform (an
+    argument, or a tensor it closes over, also used outside the call) sees that tensor's whole
+    gradient and changes it, once, as without remat. (Under torch.func.grad it went on the forward
+    run's stand-in and never ran: a silently wrong gradient.)"""
+    lin = nn.Linear(3, 3).double()
+    calls = []
+
+    def body(x, c):
+        c.register_hook(lambda g: (calls.append(1), g * 3)[1])
+        return (x * c).sin().sum()
+
+    def run(wrap):
+        def loss(x0, x):
+            c = lin(x0)
+            f = wrap((lambda x, c: body(x, c)) if on == "argument" else (lambda x: body(x, c)))
+            y = f(x, c) if on == "argument" else f(x)
+            return y + c.square().sum()
+
+        calls.clear()
+        x0, x = randn(2, 3, seed=1), randn(2, 3, seed=2)
+        if how == "grad":
+            out = tf.grad(loss)(x0, x)
+        elif how == "vjp":
+            y, vjp_fn = tf.vjp(loss, x0, x)
+            out = vjp_fn(torch.ones_like(y))
+        elif how == "jacrev":
+            out = tf.jacrev(loss, argnums=(0, 1))(x0, x)
+        elif how == "vmap_grad":
+            out = tf.vmap(tf.grad(loss), in_dims=(0, None))(randn(2, 2, 3, seed=1), x)
+        else:
+            x0.requires_grad_()
+            y = loss(x0, x)
+            y.backward(retain_graph=True)
+            first = x0.grad.clone()
+            y.backward()
+            out = (first, x0.grad)
+        return out, len(calls)
+
+    def nest(f):
+        inner = remat(f)
+        return remat(lambda *a: inner(*a) * 1)
+
+    expected = run(lambda f: f)
+    assert_close(run(remat), expected)
+    if nested:
+        assert_close(run(nest), expected)
+
+
 @pytest.mark.parametrize("how", ["grad_and_value", "vjp", "jacrev", "vmap_grad", "hessian", "backward"])
 @pytest.mark.parametrize("nested", [False, True])
-def test_a_parameter_says_it_requires_grad_as_without_remat(how, nested):
+@pytest.mark.parametrize("hooked", [False, True])
+def test_a_parameter_says_it_requires_grad_as_without_remat(how, nested, hooked):
     """A module's parameter the function reaches says it requires grad inside a remat'd call as
     without remat, under every torch.func transform too (its stand-in, at the forward run's own
     grad level, says it does not): a penalty summed over the trainable parameters
-    (``if p.requires_grad``) is in the value. (It was silently left out of it.)"""
+    (``if p.requires_grad``) is in the value (it was silently left out of it), and a hook the function
+    registers on them (``p.register_hook``, ``register_post_accumulate_grad_hook``) is registered on
+    the parameter once, as without remat (torch refused it on the stand-in: a raw RuntimeError; and
+    under ``.backward()`` a tensor hook registered so in a nested call silently did not run: the call
+    around it took it for one on a tensor of its own, and left a no-op in its place)."""
     lin = nn.Linear(3, 3).double()
     lin.bias.requires_grad_(False)
+    seen = []
 
     def fn(x):
+        if hooked:
+            lin.weight.register_hook(lambda g: seen.append(g.clone()))
+            lin.weight.register_post_accumulate_grad_hook(lambda p: seen.append(p.grad.clone()))
         penalty = sum(p.square().sum() for p in lin.parameters() if p.requires_grad)
         return lin(x).sin().sum() + penalty
 
@@ -1689,10 +1750,15 @@ def test_a_parameter_says_it_requires_grad_as_without_remat(how, nested):
         y.backward()
         return y, x.grad, lin.weight.grad
 
+    def hooks_off():
+        lin.zero_grad(set_to_none=True)
+        lin.weight._backward_hooks = lin.weight._post_accumulate_grad_hooks = None
+        return list(seen)
+
     remat_fn = remat(lambda x: remat(fn)(x) * 1) if nested else remat(fn)
-    expected = run(fn)
-    lin.zero_grad(set_to_none=True)
-    assert_close(run(remat_fn), expected)
+    expected = run(fn), hooks_off()
+    seen.clear()
+    assert_close((run(remat_fn), hooks_off()), expected)
 
 
 @pytest.mark.parametrize("kind", ["hook", "post_accumulate_grad_hook", "removing_itself"])
