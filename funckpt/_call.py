@@ -25,7 +25,7 @@ import operator
 import types
 import warnings
 import weakref
-from collections.abc import Callable, Container, Iterator, Sequence
+from collections.abc import Callable, Container, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple, TypeVar, cast
 
@@ -338,7 +338,7 @@ def run_prepared(region: UserRegion, routed: list[torch.Tensor]) -> Any:
             writes = [(mine, [map_back(v, back) for v in content]) for mine, content in writes]
     finally:
         region.caller_arguments = region.container_writes = region.returned_container = None
-        region.written_made = None
+        region.written_made = region.at_the_call = None
     restore = _carry_back(writes) if writes else None
     if returned is not None:  # (a copy of one of the caller's containers: the caller's own, written back)
         result = returned
@@ -549,6 +549,7 @@ def prepare(
             any(required) or (top is not None and top.key() in (TransformType.Grad, TransformType.Jvp))
         ):
             region.required_grad_at_call = required
+            region.at_the_call = routed
             # Only a tensor of the innermost level requires grad there: what the function computes
             # from one of a level below (a module's parameter, a tensor an outer grad wraps) is a
             # tensor of the innermost level that says it requires none, as without remat.
@@ -1344,6 +1345,9 @@ class UserRegion(Region):
     # Under a transform: was the caller's innermost level a vmap? (Then the forward run takes no
     # grad level of its own, which would change what autocast does: _forward_run_at_a_grad_level.)
     vmap_innermost_at_call = False
+    # Under a transform, the caller's tensors at the call (its levels' wrappers, whose graphs the
+    # forward run's lowered inputs do not carry), until the forward run ends: see refuse_missed_paths.
+    at_the_call: Sequence[torch.Tensor] | None = None
     _at_a_grad_level = False  # is the forward run under its grad level already?
     _made_at_own_level: list[weakref.ref[torch.Tensor]] | None = None  # (during that run, what it made)
     # The primals of the forward run's own grad level, where it took one above a vmap (not lowered
@@ -1536,6 +1540,52 @@ class UserRegion(Region):
                         return f"{type(module).__name__}'s {name!r} (shape {tuple(t.shape)})"
             return f"a tensor of shape {tuple(t.shape)} that the function reaches through its closure"
         return f"an argument of shape {tuple(t.shape)}"
+
+    def refuse_missed_paths(
+        self, local: tuple[torch.Tensor, ...], callers: Sequence[torch.Tensor], func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> None:
+        """Raise before the forward run's function takes a gradient of its own (``func``, one of
+        ``torch.autograd.grad``, ``torch.autograd.backward``, ``Tensor.backward``, with its arguments)
+        that remat would compute otherwise than the function without remat.
+
+        The run gets its inputs as ``local`` stand-ins of the caller's tensors ``callers`` (leaves
+        of a graph of its own). A gradient it takes with respect to one of them follows the
+        function's operations only: where the caller computed another input the differentiated
+        outputs depend on (or a tensor the function reaches, a module's parameter under
+        ``functional_call``) from the caller's tensor of the differentiated one (``w = W * x.sum()``,
+        then ``f(x, w)`` taking ``torch.autograd.grad(h, x)``), the function without remat, whose
+        inputs are the caller's tensors, follows the path through that input too: its value, and
+        every gradient computed from it, would differ silently. (``torch.utils.checkpoint`` passes
+        the caller's tensors.) Asked only where the function differentiates inside itself.
+        """
+        wrt = _differentiated(func, args, kwargs)
+        outputs = _differentiated_outputs(func, args, kwargs)
+        stand_ins = {id(t): i for i, t in enumerate(local) if t is not callers[i] and t.requires_grad and t.grad_fn is None}
+        if wrt is None:  # (.backward() without inputs: into every leaf the outputs reach)
+            positions = set(stand_ins.values())
+        else:
+            positions = {stand_ins[id(t)] for t in wrt if isinstance(t, torch.Tensor) and id(t) in stand_ins}
+        positions = {i for i in positions if callers[i].requires_grad}
+        if not positions:
+            return
+        # The stand-ins the outputs depend on through the function's graph (their leaves' nodes).
+        # (Read off the graph, not by get_gradient_edge, which runs an operator: a policy's recorder would see it.)
+        reached = _leaves_reached(o.grad_fn for o in outputs if isinstance(o, torch.Tensor))
+        used = [j for j, t in enumerate(local) if id(t) in stand_ins and id(t) in reached]
+        for i in sorted(positions):
+            for j in used:
+                if j != i and callers[j].grad_fn is not None and _reaches(callers[j].grad_fn, callers[i]):
+                    raise CheckpointError(
+                        f"remat({self.name}): the function takes a gradient of its own ({_differentiation_name(func)}) "
+                        f"with respect to {self.describe_input(i, callers[i])}, and "
+                        f"{self.describe_input(j, callers[j])}, which it also uses there, was computed from that "
+                        "tensor outside the call. "
+                        "Inside a remat'd call each input is a leaf of its own, so that gradient would miss the path "
+                        "through the other input, which the function without remat follows: its value (and every "
+                        "gradient computed from it) would be silently wrong. Pass the tensor it is computed from into "
+                        "the function and compute the dependent tensor inside it (remat(lambda x, W: f(x, W * "
+                        "x.sum()))), or take that gradient outside the remat'd call."
+                    )
 
     def run_fn(self, *args: Any, **kwargs: Any) -> Any:
         """The region's function on its arguments (a loop's region drives its steps instead)."""
@@ -2324,6 +2374,10 @@ class UserRegion(Region):
                 run.substitute.nested = []  # (the nodes of the regions nested here: forgotten once fn returns)
             if self.callers_tensors is not None and self.caller_grad_enabled and run.substitute is not None:
                 run.substitute.given = self.callers_tensors  # (an input's grad_fn is the caller's: see CallersNodes)
+            if (grad_forward or at_own_level) and run.substitute is not None:
+                # (A gradient the function takes of its own: checked against the caller's graph.)
+                callers = given if self.at_the_call is None else self.at_the_call
+                run.substitute.differentiating = functools.partial(self.refuse_missed_paths, flat, callers)
             if grad_forward and run.trace is None and run.substitute is not None and not _traced():
                 run.substitute.trail = collections.deque(maxlen=_tail.TRAIL_LENGTH)
             if tainting and run.substitute is not None:
@@ -3072,3 +3126,75 @@ class _ForwardRegion(UserRegion):
     def run_fn(self, *args: Any, **kwargs: Any) -> Any:
         return self.forward(*args, **kwargs)
 
+
+
+def _differentiated(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any] | None:
+    """The tensors a gradient of the function's own is taken with respect to (``func``, one of
+    ``torch.autograd.grad``, ``torch.autograd.backward``, ``Tensor.backward``, with its arguments);
+    ``None`` for a backward pass that names none (every leaf its outputs reach)."""
+    # (positionally: grad(outputs, inputs, ...), backward(tensors, grad_tensors, retain_graph,
+    # create_graph, grad_variables, inputs), Tensor.backward(self, gradient, retain_graph, create_graph, inputs))
+    at = 1 if func is torch.autograd.grad else 5 if func is torch.autograd.backward else 4
+    inputs = args[at] if len(args) > at else kwargs.get("inputs")
+    if inputs is None:
+        return None
+    return [inputs] if isinstance(inputs, torch.Tensor) else list(inputs)
+
+
+def _differentiated_outputs(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
+    """The tensors whose gradient the function takes (see :func:`_differentiated`)."""
+    outputs = args[0] if args else kwargs.get("outputs" if func is torch.autograd.grad else "tensors")
+    return [outputs] if isinstance(outputs, torch.Tensor) else list(outputs or ())
+
+
+def _differentiation_name(func: Any) -> str:
+    return "torch.autograd.grad" if func is torch.autograd.grad else ".backward()"
+
+
+def _leaves_reached(roots: Iterable[Any]) -> set[int]:
+    """The ids of the leaves whose AccumulateGrad nodes are reachable from ``roots`` (``None`` skipped)."""
+    seen: set[Any] = set()
+    leaves: set[int] = set()
+    stack = [r for r in roots if r is not None]
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        if _is_accumulate(node):
+            leaves.add(id(node.variable))
+        stack.extend(n for n, _ in node.next_functions if n is not None and n not in seen)
+    return leaves
+
+
+def _reaches(root: Any, t: torch.Tensor) -> bool:
+    """Does the caller's graph from ``root`` reach ``t`` (its node and output number, or its
+    AccumulateGrad where it is a leaf)? Nodes made before ``t``'s are not followed (a path to it runs
+    through nodes made after it, each made after those it leads to), so the walk stays within the
+    graph between them, not the whole caller's graph before it. (An AccumulateGrad's number says
+    nothing of that: the largest there is, it is always followed, to no node further.)"""
+    grad_fn = t.grad_fn
+    goal = None if grad_fn is None else (grad_fn, t.output_nr)
+    floor = -1 if grad_fn is None else grad_fn._sequence_nr()
+    seen: set[Any] = set()
+    stack = [root]
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        for n, nr in node.next_functions:
+            if n is None or n in seen:
+                continue
+            if goal is None:
+                if _is_accumulate(n) and n.variable is t:
+                    return True
+            elif n is goal[0] and nr == goal[1]:
+                return True
+            if floor < 0 or n._sequence_nr() >= floor:
+                stack.append(n)
+    return False
+
+
+def _is_accumulate(node: Any) -> bool:
+    return type(node).__name__ == "AccumulateGrad"

@@ -2562,6 +2562,9 @@ _RETAIN_GRAD = torch.Tensor.retain_grad
 _CUSTOM_FUNCTION_CALL = custom_function_call
 _REGISTER_HOOK = torch.Tensor.register_hook
 _POST_ACCUMULATE_HOOK = torch.Tensor.register_post_accumulate_grad_hook
+#: A gradient the function takes of its own (``torch.autograd.grad``, ``.backward()``): a forward run
+#: asks its region first (see :attr:`Substitute.differentiating`).
+_DIFFERENTIATES = (torch.autograd.grad, torch.autograd.backward, torch.Tensor.backward)
 #: The torch functions the substitution mode notes (by kind: the set or function above, or
 #: ``LAYOUT_DRAWS`` for a dropout whose mask depends on the layout).
 _SPECIAL: dict[Any, Any] = {
@@ -2571,6 +2574,7 @@ _SPECIAL: dict[Any, Any] = {
     _REGISTER_HOOK: _REGISTER_HOOK,
     _POST_ACCUMULATE_HOOK: _POST_ACCUMULATE_HOOK,
     _CUSTOM_FUNCTION_CALL: _CUSTOM_FUNCTION_CALL,
+    **{f: _DIFFERENTIATES for f in _DIFFERENTIATES},
 }
 
 
@@ -2913,6 +2917,10 @@ class Substitute(OnThreadStack, TorchFunctionMode):
         self.own_leaf_hooks = False
         self.callers_nodes: CallersNodes | None = None
         self.callers_hooks_seen = 0
+        # A forward run's region, asked before the function takes a gradient of its own (a torch
+        # function in ``_DIFFERENTIATES``, with its arguments), where the run's inputs are stand-ins
+        # for the caller's tensors (see UserRegion.refuse_missed_paths); None elsewhere.
+        self.differentiating: Callable[[Any, tuple[Any, ...], dict[str, Any]], None] | None = None
 
     def watch_generators(self, known: Iterable[torch.Generator], found: Callable[[torch.Generator], None]) -> None:
         """Have this forward run tell ``found`` of each ``torch.Generator`` its function passes to a
@@ -3276,6 +3284,9 @@ class Substitute(OnThreadStack, TorchFunctionMode):
                 runs = _active.substitutes
                 among = None if all(id(args[0]) not in r.known for r in runs) else [r for r in runs if id(args[0]) not in r.known]
                 return _register_followed_hook(func, args if swapped is None else tuple(swapped), kwargs or {}, among)
+        elif special is _DIFFERENTIATES:
+            if self.differentiating is not None and not compiling and not _active.internal:
+                self.differentiating(func, args if swapped is None else tuple(swapped), kwargs or {})
         elif not compiling:  # a dropout (LAYOUT_DRAWS)
             redraw = self._layout_draw(func, args if swapped is None else tuple(swapped), kwargs or {})
         watch = self.watch

@@ -647,6 +647,100 @@ def test_jvp_of_a_function_taking_a_gradient_with_torch_autograd_inside_says_why
     assert "state that changed" not in str(info.value)
 
 
+def _penalty(x, w):
+    """A function that takes a gradient of its own with respect to its input ``x``, through ``w``."""
+    h = (x @ w).tanh()
+    (g,) = torch.autograd.grad(h.sum(), x, create_graph=True)
+    return h + g
+
+
+_PENALTY_RUNS = {
+    "backward": lambda g, x: _grads_by_backward(g, x),
+    "autograd.grad": lambda g, x: torch.autograd.grad(g(x.requires_grad_()).sin().sum(), x),
+    "grad": lambda g, x: tf.grad(lambda x: g(x).sin().sum())(x),
+    "jacrev": lambda g, x: tf.jacrev(g)(x),
+    "vmap of grad": lambda g, x: tf.vmap(tf.grad(lambda x: g(x).sin().sum()))(torch.stack([x, x.cos()])),
+    "hessian": lambda g, x: tf.hessian(lambda x: g(x).sin().sum())(x),
+}
+
+
+def _grads_by_backward(g, x):
+    x = x.clone().requires_grad_()
+    out = g(x)
+    out.sin().sum().backward()
+    return out, x.grad
+
+
+_PENALTY_W = torch.randn(3, 3, dtype=D, generator=torch.Generator().manual_seed(11))
+_PENALTY_X = torch.randn(3, dtype=D, generator=torch.Generator().manual_seed(12))
+
+
+@pytest.mark.parametrize("run", list(_PENALTY_RUNS))
+def test_a_gradient_inside_through_an_input_computed_from_the_differentiated_one_is_refused(run):
+    """The function takes ``torch.autograd.grad`` with respect to its input ``x`` through another
+    input that the caller computed from ``x``. Without remat that gradient follows the caller's
+    path from ``x`` through the other input; remat gives the function its inputs as leaves of
+    their own, so its value, and every gradient from it, was silently another. It is refused,
+    naming the inputs and what to do."""
+    g = lambda f: lambda x: f(x, _PENALTY_W * x.sum())  # noqa: E731
+    with pytest.raises(CheckpointError, match=r"remat\(_penalty\): the function takes a gradient of its own .*compute the dependent tensor inside"):
+        _PENALTY_RUNS[run](g(remat(_penalty)), _PENALTY_X.clone())
+    # Passing what it is computed from, and computing it inside, is what the function without remat computes.
+    inside = remat(lambda x, w: _penalty(x, w * x.sum()))
+    assert_close(_PENALTY_RUNS[run](lambda x: inside(x, _PENALTY_W), _PENALTY_X.clone()), _PENALTY_RUNS[run](g(_penalty), _PENALTY_X.clone()))
+
+
+@pytest.mark.parametrize("run", ["backward", "grad"])
+def test_a_gradient_inside_through_a_parameter_computed_from_the_differentiated_input_is_refused(run):
+    """The same through a module's parameter that ``functional_call`` replaces by a tensor computed
+    from the differentiated input: before, a silently wrong value and gradient."""
+    lin = torch.nn.Linear(3, 3).double()
+
+    def f(x):
+        h = lin(x).tanh()
+        (g,) = torch.autograd.grad(h.sum(), x, create_graph=True)
+        return h + g
+
+    def through(f):
+        held = _Holder(lin, f)
+        return lambda x: tf.functional_call(held, {"lin.weight": lin.weight * (1 + x.sum() * 0.1)}, (x,), strict=False)
+
+    _PENALTY_RUNS[run](through(f), _PENALTY_X.clone())  # (fine without remat)
+    with pytest.raises(CheckpointError, match=r"with respect to an argument of shape \(3,\), and Linear's 'weight'"):
+        _PENALTY_RUNS[run](through(remat(f)), _PENALTY_X.clone())
+
+
+class _Holder(torch.nn.Module):
+    """A module holding ``lin`` whose forward is ``f`` (which reaches ``lin`` through its closure)."""
+
+    def __init__(self, lin, f):
+        super().__init__()
+        self.lin, self.f = lin, f
+
+    def forward(self, x):
+        return self.f(x)
+
+
+@pytest.mark.parametrize("run", list(_PENALTY_RUNS))
+@pytest.mark.parametrize("case", ["independent inputs", "other input unused by the gradient", "differentiated input computed from the other"])
+def test_a_gradient_inside_with_inputs_that_do_not_reach_each_other_is_as_without_remat(run, case):
+    """Where no input the differentiated outputs depend on was computed from the differentiated one
+    (the common case), the function's own gradient is the one without remat, and nothing is refused."""
+
+    def unused(x, w):
+        h = x.sin()
+        (g,) = torch.autograd.grad(h.sum(), x, create_graph=True)
+        return (h + g) @ w
+
+    if case == "independent inputs":
+        f, g = _penalty, lambda f: lambda x: f(x, _PENALTY_W * 2)  # noqa: E731
+    elif case == "other input unused by the gradient":
+        f, g = unused, lambda f: lambda x: f(x, _PENALTY_W * x.sum())  # noqa: E731
+    else:
+        f, g = _penalty, lambda f: lambda x: f(x * _PENALTY_W.sum(0), _PENALTY_W * x.sum())  # noqa: E731
+    assert_close(_PENALTY_RUNS[run](g(remat(f)), _PENALTY_X.clone()), _PENALTY_RUNS[run](g(f), _PENALTY_X.clone()))
+
+
 def test_jvp_under_grad_of_a_function_of_a_parameter_recomputes_with_it_as_without_remat():
     """``grad(jvp(f))`` where ``f`` uses a module's parameter: at the jvp's level ``lin(x)`` says it
     requires no grad without remat (the parameter is a tensor of no transform's level, ``x`` the
