@@ -3040,10 +3040,41 @@ class UserRegion(Region):
                 elif self._compares_values():
                     check_same_values(self.name, self.out_digest, digest(tensors), traces, kept_from)
             except CheckpointError as e:
+                hint = self._requires_grad_hint(given)
+                if hint:
+                    raise CheckpointError(str(e) + hint) from None
                 if self.autocast is _autocast.OFF or not transforms_active():
                     raise
                 raise CheckpointError(str(e) + AUTOCAST_UNDER_TRANSFORMS_HINT) from None
         return tuple(tensors)
+
+    def _requires_grad_hint(self, given: tuple[torch.Tensor, ...]) -> str:
+        """What to add to the determinism check's error where the call has a saving policy and, under
+        torch.func transforms, a differentiable input of a level below the call's innermost one (a
+        module's parameter under ``torch.func.grad``): its forward run then records a local graph in
+        which a tensor computed from that input alone requires grad, where its recomputation, and the
+        function without remat, see one that does not (without a policy the forward run takes a grad
+        level of its own, which sees it as they do: see :meth:`_forward_run_at_a_grad_level`). A
+        function branching on ``requires_grad`` there computes another thing in each run."""
+        innermost = self.of_the_innermost_level
+        if self.saved is None or self.required_grad_at_call is None or innermost is None:
+            return ""
+        lower = [i for i, (d, own) in enumerate(zip(self.differentiable, innermost)) if d and not own]
+        if not lower:
+            return ""
+        i = lower[0]
+        t = given[i]
+        if i in self.captured_index:
+            t = self.captured.tensors[self.captured_index.index(i)]
+        return (
+            f"\nWith a saving policy, under torch.func transforms, this call's forward run sees a tensor computed "
+            f"from {self.describe_input(i, t)} alone (a tensor of a level below the transforms') as requiring "
+            "grad, where its recomputation and the function without remat see it as requiring none: a function "
+            "that branches on requires_grad or grad_fn (`if w.requires_grad:`, a hook registered only where it "
+            "holds) computes another thing in each run. If the function does, that is the cause: pass policy=None "
+            "(or policies.nothing_saveable), under which the forward run sees it as without remat, or branch "
+            "on something else (a flag you pass)."
+        )
 
     def _reproduced(self, tensors: list[torch.Tensor], slots: TreeSlots) -> bool:
         """The determinism check's common case, told at once (see :func:`reproduced`): one output,

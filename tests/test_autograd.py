@@ -1076,6 +1076,46 @@ def test_under_grad_a_tensor_computed_from_a_parameter_alone_requires_no_grad_as
     assert set(seen) == {False}
 
 
+@pytest.mark.parametrize("transform", ["grad", "vjp", "jacrev"])
+def test_with_a_saving_policy_a_branch_on_requires_grad_of_a_parameters_tensor_says_so(transform):
+    """With a policy that keeps values the forward run takes no grad level of its own (what it keeps
+    must be of the level its recomputation replays them at), so it sees a tensor computed from a
+    module's parameter alone as requiring grad, where the recomputation does not (a documented
+    limit). The determinism check's error said only that state may have changed; it now names the
+    policy, the parameter, and what to do."""
+    lin = torch.nn.Linear(3, 3).double()
+
+    def f(x):
+        w2 = lin.weight * 2
+        y = x @ w2.T
+        return (y * 2 if w2.requires_grad else y).tanh()
+
+    x = torch.randn(3, dtype=D, generator=torch.Generator().manual_seed(3))
+    runs = {
+        "grad": lambda g: tf.grad(lambda x: g(x).sin().sum())(x),
+        "vjp": lambda g: tf.vjp(g, x)[1](torch.ones(3, dtype=D)),
+        "jacrev": lambda g: tf.jacrev(g)(x),
+    }
+    with pytest.raises(CheckpointError, match=r"(?s)did not reproduce.*saving policy.*Linear's 'weight'.*policy=None"):
+        runs[transform](remat(f, policy=policies.dots_saveable))
+    assert_close(runs[transform](remat(f)), runs[transform](f))  # (what the error proposes)
+
+
+def test_a_saving_policys_nondeterminism_without_a_parameter_below_the_transforms_gets_no_such_hint():
+    """The hint is given only where the call reaches a differentiable tensor of a level below the
+    transforms' (where the runs can disagree on requires_grad): not for other changed state."""
+    calls = []
+
+    def f(x):
+        calls.append(None)
+        return (x * len(calls)).sin() @ x.new_ones(3, 3)
+
+    x = torch.randn(3, dtype=D, generator=torch.Generator().manual_seed(4))
+    with pytest.raises(CheckpointError, match="did not reproduce") as info:
+        tf.grad(lambda x: remat(f, policy=policies.dots_saveable)(x).sum())(x)
+    assert "saving policy" not in str(info.value)
+
+
 @pytest.mark.parametrize("how", ["gradient penalty", "output from the parameter alone"])
 def test_under_grad_a_base_level_backward_through_a_branch_on_a_tensor_computed_from_a_parameter_alone(how):
     """The function of the test above, differentiated at the base level after the transform: a
