@@ -1542,7 +1542,7 @@ class UserRegion(Region):
         return f"an argument of shape {tuple(t.shape)}"
 
     def refuse_missed_paths(
-        self, local: tuple[torch.Tensor, ...], callers: Sequence[torch.Tensor], func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+        self, local: Sequence[torch.Tensor], given: Sequence[torch.Tensor], func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> None:
         """Raise before the forward run's function takes a gradient of its own (``func``, one of
         ``torch.autograd.grad``, ``torch.autograd.backward``, ``Tensor.backward``, with its arguments)
@@ -1557,7 +1557,10 @@ class UserRegion(Region):
         inputs are the caller's tensors, follows the path through that input too: its value, and
         every gradient computed from it, would differ silently. (``torch.utils.checkpoint`` passes
         the caller's tensors.) Asked only where the function differentiates inside itself.
+        ``given``: the forward run's inputs as the Function got them (the caller's tensors under
+        plain autograd; under a transform, lowered ones, and the caller's are :attr:`at_the_call`).
         """
+        callers = given if self.at_the_call is None else self.at_the_call
         wrt = _differentiated(func, args, kwargs)
         outputs = _differentiated_outputs(func, args, kwargs)
         stand_ins = {id(t): i for i, t in enumerate(local) if t is not callers[i] and t.requires_grad and t.grad_fn is None}
@@ -2375,9 +2378,8 @@ class UserRegion(Region):
             if self.callers_tensors is not None and self.caller_grad_enabled and run.substitute is not None:
                 run.substitute.given = self.callers_tensors  # (an input's grad_fn is the caller's: see CallersNodes)
             if (grad_forward or at_own_level) and run.substitute is not None:
-                # (A gradient the function takes of its own: checked against the caller's graph.)
-                callers = given if self.at_the_call is None else self.at_the_call
-                run.substitute.differentiating = functools.partial(self.refuse_missed_paths, flat, callers)
+                # (A gradient the function takes of its own is checked against the caller's graph.)
+                run.substitute.differentiating = (self, given)
             if grad_forward and run.trace is None and run.substitute is not None and not _traced():
                 run.substitute.trail = collections.deque(maxlen=_tail.TRAIL_LENGTH)
             if tainting and run.substitute is not None:

@@ -2917,10 +2917,10 @@ class Substitute(OnThreadStack, TorchFunctionMode):
         self.own_leaf_hooks = False
         self.callers_nodes: CallersNodes | None = None
         self.callers_hooks_seen = 0
-        # A forward run's region, asked before the function takes a gradient of its own (a torch
-        # function in ``_DIFFERENTIATES``, with its arguments), where the run's inputs are stand-ins
-        # for the caller's tensors (see UserRegion.refuse_missed_paths); None elsewhere.
-        self.differentiating: Callable[[Any, tuple[Any, ...], dict[str, Any]], None] | None = None
+        # A forward run's region and the tensors its Function got, where the run's inputs are stand-ins
+        # for the caller's tensors: the region is asked before the function takes a gradient of its own
+        # (a torch function in ``_DIFFERENTIATES``: see UserRegion.refuse_missed_paths); None elsewhere.
+        self.differentiating: tuple[Any, Sequence[torch.Tensor]] | None = None
 
     def watch_generators(self, known: Iterable[torch.Generator], found: Callable[[torch.Generator], None]) -> None:
         """Have this forward run tell ``found`` of each ``torch.Generator`` its function passes to a
@@ -3286,7 +3286,8 @@ class Substitute(OnThreadStack, TorchFunctionMode):
                 return _register_followed_hook(func, args if swapped is None else tuple(swapped), kwargs or {}, among)
         elif special is _DIFFERENTIATES:
             if self.differentiating is not None and not compiling and not _active.internal:
-                self.differentiating(func, args if swapped is None else tuple(swapped), kwargs or {})
+                region, given = self.differentiating
+                region.refuse_missed_paths(self.inputs, given, func, args if swapped is None else tuple(swapped), kwargs or {})
         elif not compiling:  # a dropout (LAYOUT_DRAWS)
             redraw = self._layout_draw(func, args if swapped is None else tuple(swapped), kwargs or {})
         watch = self.watch

@@ -690,6 +690,25 @@ def test_a_gradient_inside_through_an_input_computed_from_the_differentiated_one
     assert_close(_PENALTY_RUNS[run](lambda x: inside(x, _PENALTY_W), _PENALTY_X.clone()), _PENALTY_RUNS[run](g(_penalty), _PENALTY_X.clone()))
 
 
+@pytest.mark.parametrize("how", ["Tensor.backward", "torch.autograd.backward", "Tensor.backward naming no inputs"])
+def test_a_backward_pass_inside_through_an_input_computed_from_the_differentiated_one_is_refused(how):
+    """The same for a backward pass the function runs inside itself, into its input's ``.grad``."""
+
+    def f(x, w):
+        h = (x @ w).tanh()
+        if how == "Tensor.backward":
+            h.sum().backward(inputs=[x], retain_graph=True)
+        elif how == "torch.autograd.backward":
+            torch.autograd.backward([h.sum()], inputs=[x], retain_graph=True)
+        else:
+            h.sum().backward(retain_graph=True)
+        return h
+
+    x = _PENALTY_X.clone().requires_grad_()
+    with pytest.raises(CheckpointError, match=r"remat\(f\): the function takes a gradient of its own \(\.backward\(\)\)"):
+        remat(f)(x, _PENALTY_W * x.sum())
+
+
 @pytest.mark.parametrize("run", ["backward", "grad"])
 def test_a_gradient_inside_through_a_parameter_computed_from_the_differentiated_input_is_refused(run):
     """The same through a module's parameter that ``functional_call`` replaces by a tensor computed
