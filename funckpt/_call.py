@@ -3043,11 +3043,11 @@ class UserRegion(Region):
                     check_same_values(self.name, self.out_digest, digest(tensors), traces, kept_from)
             except CheckpointError as e:
                 hint = self._requires_grad_hint(given)
-                if hint:
-                    raise CheckpointError(str(e) + hint) from None
-                if self.autocast is _autocast.OFF or not transforms_active():
+                if self.autocast is not _autocast.OFF and transforms_active():
+                    hint += AUTOCAST_UNDER_TRANSFORMS_HINT
+                if not hint:
                     raise
-                raise CheckpointError(str(e) + AUTOCAST_UNDER_TRANSFORMS_HINT) from None
+                raise CheckpointError(str(e) + hint) from None
         return tuple(tensors)
 
     def _requires_grad_hint(self, given: tuple[torch.Tensor, ...]) -> str:
