@@ -1332,6 +1332,35 @@ def test_a_nested_call_branching_on_a_tensor_computed_from_a_parameter_alone(nes
     assert_close(run(nested, remat), run(inner, lambda f: f))
 
 
+@pytest.mark.parametrize("transform", ["grad", "vjp", "jacrev", "grad of grad", "hessian", "jacfwd of jacrev", "vmap of grad"])
+def test_under_a_transform_a_hook_on_an_input_sees_its_whole_gradient(transform):
+    """A hook the function registers on its input acts, without remat, on the caller's tensor: on
+    the input's whole gradient, also the part from its uses outside the call. Under torch.func it
+    stayed with the recomputation's stand-in, and saw only the part through the function: silently
+    another gradient. It now goes to the caller's tensor at the call, as under plain autograd."""
+
+    def f(x):
+        if x.requires_grad:
+            x.register_hook(lambda g: g * 3)
+        return x.sin() * x
+
+    x = torch.randn(3, dtype=D, generator=torch.Generator().manual_seed(5))
+
+    def loss(g):
+        return lambda x: g(x).sum() + x.square().sum()
+
+    runs = {
+        "grad": lambda g: tf.grad(loss(g))(x),
+        "vjp": lambda g: tf.vjp(lambda x: g(x) + x.square(), x)[1](torch.ones(3, dtype=D)),
+        "jacrev": lambda g: tf.jacrev(lambda x: g(x) + x.square())(x),
+        "grad of grad": lambda g: tf.grad(lambda x: tf.grad(loss(g))(x).sin().sum())(x),
+        "hessian": lambda g: tf.hessian(loss(g))(x),
+        "jacfwd of jacrev": lambda g: tf.jacfwd(tf.jacrev(lambda x: g(x) + x.square()))(x),
+        "vmap of grad": lambda g: tf.vmap(tf.grad(loss(g)))(x.expand(2, 3).clone()),
+    }
+    assert_close(runs[transform](remat(f)), runs[transform](f))
+
+
 @pytest.mark.parametrize("transform", ["grad", "grad of grad", "gradient penalty"])
 def test_under_grad_a_hook_on_an_intermediate_acts_where_the_function_reads_a_parameter(transform):
     """``grad(f)``'s own backward of a call whose function reads a module's parameter recomputes and
