@@ -3286,8 +3286,8 @@ class Substitute(OnThreadStack, TorchFunctionMode):
                 return _register_followed_hook(func, args if swapped is None else tuple(swapped), kwargs or {}, among)
         elif special is _DIFFERENTIATES:
             if self.differentiating is not None and not compiling and not _active.internal:
-                region, given = self.differentiating
-                region.refuse_missed_paths(self.inputs, given, func, args if swapped is None else tuple(swapped), kwargs or {})
+                region, callers = self.differentiating
+                region.refuse_missed_paths(self.inputs, callers, func, args if swapped is None else tuple(swapped), kwargs or {})
         elif not compiling:  # a dropout (LAYOUT_DRAWS)
             redraw = self._layout_draw(func, args if swapped is None else tuple(swapped), kwargs or {})
         watch = self.watch
