@@ -40,6 +40,7 @@ from ._autograd import Phase, Region, apply, eager_under_compile, forget_nested_
 from ._capture import (
     attributes_as_at_the_call,
     _METADATA,
+    PUT_BACK,
     SPENT,
     Captured,
     Roots,
@@ -331,11 +332,16 @@ def run_prepared(region: UserRegion, routed: list[torch.Tensor]) -> Any:
         if region.escaped_views:
             region.point_kept_views()
         writes, returned = region.container_writes, region.returned_container
-        if writes and region.written_made:  # (the Function's outputs, of the caller's level)
+        held, region.held_escapes = region.held_escapes, []
+        if (writes or held) and region.written_made:  # (the Function's outputs, of the caller's level)
             # (k < 0: the caller's output -k - 1, rebuilt by the plan, is the one fn also returned)
             rebuilt = flatten(result)[0] if min(region.written_made.values()) < 0 else []
             back = {key: outs[k] if k >= 0 else rebuilt[-k - 1] for key, k in region.written_made.items()}
-            writes = [(mine, [map_back(v, back) for v in content]) for mine, content in writes]
+            if writes:
+                writes = [(mine, [map_back(v, back) for v in content]) for mine, content in writes]
+            for slot in held:
+                _put_back(slot, back[id(slot.alias)])
+            del held
     finally:
         region.caller_arguments = region.container_writes = region.returned_container = None
         region.written_made = region.at_the_call = None
@@ -353,6 +359,22 @@ def run_prepared(region: UserRegion, routed: list[torch.Tensor]) -> Any:
                 restore()
             raise
     return result
+
+
+def _put_back(slot: HeldEscape, output: torch.Tensor) -> None:
+    """Put ``output`` where the forward run left the tensor it stands for (see HeldEscape): at its
+    place, or where the alias moved to since (a list the run went on inserting into)."""
+    if is_functorch_wrapped(output):  # (a recomputation reading it is told as a kept tensor: Substitute._check)
+        setattr(output, PUT_BACK, True)
+    holder = slot.holder
+    if slot.key in (holder if isinstance(holder, dict) else range(len(holder))) and holder[slot.key] is slot.alias:
+        holder[slot.key] = output
+        return
+    keys = holder.keys() if isinstance(holder, dict) else range(len(holder))
+    for key in keys:
+        if holder[key] is slot.alias:
+            holder[key] = output
+            return
 
 
 def _reached_directly(fn: Any) -> set[int]:
@@ -377,6 +399,19 @@ def _reached_directly(fn: Any) -> set[int]:
 
 #: The global containers :meth:`UserRegion._refuse_stored_inputs` looks into.
 _STORES = frozenset({list, dict, set, collections.deque})
+
+
+class HeldEscape(NamedTuple):
+    """A place (a list's index, a dict's key) that held a tensor the forward run computed, under a
+    torch.func transform, and holds a detached alias of it until the call puts there the output of
+    the caller's level that stands for it (see UserRegion._swap_held_for_aliases)."""
+
+    holder: Any
+    key: Any
+    alias: torch.Tensor
+    position: int  # among the tensors the run's operators returned
+    returned: int | None  # among the outputs, where the function returned it too
+    tensor: weakref.ref[torch.Tensor]  # (to put back where the call raises)
 
 
 class _Item(NamedTuple):
@@ -1364,6 +1399,9 @@ class UserRegion(Region):
     # substitution rather than taken as inputs (set by prepare: see refused_around).
     refused: dict[int, weakref.ref[Substitute] | None] = {}  # (never written: replaced)
     tainted_escapes: Sequence[weakref.ref[torch.Tensor]] = ()
+    # Under a transform: the places in lists and dicts where the forward run's escaped tensors were,
+    # which get the Function's outputs standing for them (see _swap_held_for_aliases).
+    held_escapes: list[HeldEscape] = []
     # Does a grad or jvp level around the call give the caller its outputs as other tensors (their
     # wrappers), rather than the tensors the forward run returned? (Set by prepare.)
     rewrapped_for_caller = False
@@ -1457,6 +1495,9 @@ class UserRegion(Region):
         # the last ones, where the region's Function is applied by plain autograd: they are found
         # again in a recomputation at their position among what its operators return.
         self.escapes_allowed = self.escapes_become_outputs and not transforms_active()
+        # Under a transform, those a list or dict holds become outputs too (_swap_held_for_aliases):
+        # not under forward mode, whose rule runs the function again (appending again where it keeps).
+        self.escapes_to_holders = not self.escapes_allowed and self.escapes_become_outputs and not forward_mode_active()
         self.escaped_at: list[int] = []
         self.escape_doubts: list[str | None] = []  # per escaped output (see _doubt)
 
@@ -2001,7 +2042,11 @@ class UserRegion(Region):
         return len(self.escaped_at)
 
     def _escaped_tensors(
-        self, substitute: Substitute, inputs: tuple[torch.Tensor, ...], marks: list[tuple[Saved, int]]
+        self,
+        substitute: Substitute,
+        inputs: tuple[torch.Tensor, ...],
+        marks: list[tuple[Saved, int]],
+        returned: dict[int, int] | None = None,
     ) -> list[tuple[int, torch.Tensor]]:
         """The tensors the forward run computed that outlive its local graph other than as outputs.
 
@@ -2039,11 +2084,22 @@ class UserRegion(Region):
             return list(found.values())
 
         escaped = alive() if self.escapes_allowed else _alive_after_collecting(alive)
+        held = held_by_recording_regions() if escaped else set()
         if escaped:
-            held = held_by_recording_regions()
             escaped = [(k, t) for k, t in escaped if id(t) not in held]
         if not escaped:
             return []
+        if self.escapes_to_holders and not substitute.made_nested:
+            # Under a transform: those a list or dict holds become outputs, which it gets in their place.
+            positions = {id(t): k for k, t in escaped}
+            refs = [weakref.ref(t) for _, t in escaped]
+            del escaped
+            self.held_escapes = self._swap_held_for_aliases(refs, positions, held, given, returned or {})
+            escaped = _alive_after_collecting(alive)
+            escaped = [(k, t) for k, t in escaped if id(t) not in held]
+            if not escaped:
+                return []
+            self._undo_held_swaps()
         # The last one made: the others alive are most likely what its graph saved.
         shape = tuple(escaped[-1][1].shape)
         if not self.escapes_allowed:
@@ -2062,6 +2118,96 @@ class UserRegion(Region):
                 "for logging (use_cache=False for a key/value cache)."
             )
         return escaped
+
+    def _swap_held_for_aliases(
+        self,
+        refs: list[weakref.ref[torch.Tensor]],
+        positions: dict[int, int],
+        held: set[int],
+        given: set[int],
+        returned: dict[int, int],
+    ) -> list[HeldEscape]:
+        """Under a torch.func transform: put a detached alias in place of each escaped tensor that a
+        list or dict holds (transformers' output recorder's lists, which its forward hooks append
+        attention weights and router logits to; a module's ``__dict__``), and return those places,
+        each with its alias, the tensor's position among those the run's operators returned, and
+        among the outputs where the function also returns it.
+
+        Under plain autograd such a tensor becomes an output of the Function as it is (autograd
+        points it at the Function's node: :meth:`_escaped_tensors`). Under a transform the caller's
+        tensors are others (the Function's outputs, wrapped at the caller's level), so remat makes
+        it an output as well and puts that output in its place once the Function is applied
+        (:func:`run_prepared`), as it does for a list the function was passed
+        (:meth:`_outputs_for_written`). The holders are found by the garbage collector's referrers
+        (asked only here, where the call would raise otherwise); what else keeps a tensor (a tuple,
+        a frame, an object not a list or dict) leaves it alive, and the call refuses it as before.
+        """
+        found = [t for r in refs if (t := r()) is not None and id(t) not in held]
+        if not found or any(self._doubt(t, given) is not None for t in found):
+            return []  # (a leaf the function made: refused, as it is under plain autograd once held)
+        ids = {id(t) for t in found}
+        aliases: dict[int, torch.Tensor] = {}
+        slots: list[tuple[Any, Any, torch.Tensor]] = []
+        for holder in gc.get_referrers(*found):
+            if holder is found or not isinstance(holder, (list, dict)):
+                continue
+            keys = (
+                [k for k, v in holder.items() if id(v) in ids]
+                if isinstance(holder, dict)
+                else [i for i, v in enumerate(holder) if id(v) in ids]
+            )
+            for key in keys:
+                t = holder[key]
+                alias = aliases.get(id(t))
+                if alias is None:
+                    alias = aliases[id(t)] = t.detach()
+                holder[key] = alias
+                slots.append((holder, key, t))
+        del found
+        # (The tensors themselves are let go of: only their aliases, and the places, are kept.)
+        return [
+            HeldEscape(holder, key, aliases[id(t)], positions[id(t)], returned.get(id(t)), weakref.ref(t))
+            for holder, key, t in slots
+        ]
+
+    def _held_at_own_level(
+        self, made: list[weakref.ref[torch.Tensor]], tensors: list[torch.Tensor], flat: tuple[torch.Tensor, ...]
+    ) -> list[tuple[int, torch.Tensor, int | None]]:
+        """Under a grad level of the run's own (``vmap(grad(f))``: see _forward_run_at_a_grad_level),
+        before it ends: the tensors the run computed that a list or dict keeps, swapped for aliases
+        (:meth:`_swap_held_for_aliases`), as entries for :meth:`_outputs_for_written`. What else
+        keeps one is refused once the level ends (:meth:`_refuse_escapes_of_the_level`)."""
+        returned: dict[int, int] = {}
+        for j, t in enumerate(tensors):
+            returned.setdefault(id(t), j)
+        given = {id(t) for t in flat}
+
+        def alive() -> list[tuple[int, torch.Tensor]]:
+            found: dict[int, tuple[int, torch.Tensor]] = {}
+            for k, r in enumerate(made):
+                t = r()
+                if t is not None and t.requires_grad and id(t) not in given and id(t) not in returned:
+                    found.setdefault(id(t), (k, t))
+            return list(found.values())
+
+        escaped = _alive_after_collecting(alive)
+        if not escaped:
+            return []
+        held = held_by_recording_regions()
+        positions = {id(t): k for k, t in escaped}
+        refs = [weakref.ref(t) for _, t in escaped]
+        del escaped
+        self.held_escapes = self._swap_held_for_aliases(refs, positions, held, given, returned)
+        return [(h.position, h.alias, h.returned) for h in self.held_escapes]
+
+    def _undo_held_swaps(self) -> None:
+        """Put back the tensors :meth:`_swap_held_for_aliases` took, where something else keeps them
+        alive (the call raises: they stay as the function left them)."""
+        slots, self.held_escapes = self.held_escapes, []
+        for slot in slots:
+            t = slot.tensor()
+            if t is not None and slot.holder[slot.key] is slot.alias:
+                slot.holder[slot.key] = t
 
     def _kept_as_outputs(
         self,
@@ -2447,6 +2593,11 @@ class UserRegion(Region):
             elif run.substitute is not None and run.substitute.made_nested:
                 self.wrote_beside_nested = True  # (for the refusal of what it wrote, under a transform)
             self.written_copies, self.written_before = [], []
+        if at_own_level and self.escapes_to_holders and made and run.substitute is not None and not run.substitute.made_nested:
+            held = self._held_at_own_level(made, tensors, flat)
+            if held:  # (outputs, which their holders get: run_prepared)
+                written = [*(written or []), *held]
+            del held
         if self.saved is not None:
             self.saved.finish_forward(tuple(tensors))
         if tainting and run.substitute is not None:  # (once the policy holds detached copies of what it keeps)
@@ -2518,7 +2669,9 @@ class UserRegion(Region):
             returned_at, viewing = _returned_by_id(tensors)
             tensors = [t.detach() if t.requires_grad else t for t in tensors]
             del out
-            escaped = self._escaped_tensors(substitute, flat, marks)
+            escaped = self._escaped_tensors(substitute, flat, marks, returned_at)
+            if self.held_escapes:  # (under a transform: outputs, which their holders get: run_prepared)
+                written = [*(written or []), *((h.position, h.alias, h.returned) for h in self.held_escapes)]
             self._refuse_stored_inputs(flat, given)
             if escaped:
                 escaped = self._kept_as_outputs(escaped, tensors, returned_at)

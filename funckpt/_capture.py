@@ -353,6 +353,9 @@ _SAVED_NAMES: dict[type, tuple[tuple[str, str], ...]] = {}
 #: Set on the tensors a recomputation makes where the forward run made escaped ones: the function
 #: keeps them too (in its list, its attribute), with the recomputation's graph, spent by the backward.
 SPENT = "_funckpt_spent"
+#: Set on the output of the caller's level that a remat'd call put, under a torch.func transform,
+#: where its function had left a tensor it computed (a list, a dict: ``UserRegion._swap_held_for_aliases``).
+PUT_BACK = "_funckpt_put_back"
 
 
 class Roots(tuple):  # type: ignore[type-arg]
@@ -3094,7 +3097,7 @@ class Substitute(OnThreadStack, TorchFunctionMode):
                 "would raise 'Trying to backward through the graph a second time'. Detach it where it is kept "
                 "if it is state, or compute it again before reading it."
             )
-        if foreign and not wrapped and type(t.grad_fn).__name__ == "_RematFunctionBackward":
+        if foreign and (type(t.grad_fn).__name__ == "_RematFunctionBackward" if not wrapped else hasattr(t, PUT_BACK)):
             raise CheckpointError(
                 f"remat({self.name}): the function used a tensor of shape {tuple(t.shape)} that a remat'd "
                 "call computed earlier and that was kept outside that call (a transformer's key/value "

@@ -3812,12 +3812,58 @@ def test_a_kept_tensor_found_elsewhere_in_the_recomputation_is_named_in_the_erro
         (out.sum() + kept[0].sum()).backward()
 
 
-def test_a_tensor_kept_outside_the_call_under_torch_func_raises():
+_UNDER_TORCH_FUNC = {
+    "grad": lambda f, w, xs: tf.grad(lambda w: f(w, xs[0]))(w),
+    "vjp": lambda f, w, xs: tf.vjp(lambda w: f(w, xs[0]), w)[1](torch.ones((), dtype=D)),
+    "vmap(grad)": lambda f, w, xs: tf.vmap(tf.grad(f), in_dims=(None, 0))(w, xs),
+    "grad(grad)": lambda f, w, xs: tf.grad(lambda w: tf.grad(lambda v: f(v, xs[0]))(w).sin().sum())(w),
+    "jacrev": lambda f, w, xs: tf.jacrev(lambda w: f(w, xs[0]))(w),
+}
+
+
+@pytest.mark.parametrize("how", list(_UNDER_TORCH_FUNC))
+@pytest.mark.parametrize("kept_in", ["a list a forward hook appends to", "a dict", "a module attribute"])
+def test_a_tensor_a_hook_appends_to_a_list_outside_the_call_gets_its_gradient_under_torch_func(kept_in, how):
+    """A tensor the function computes and leaves in a list, dict or attribute held outside the call
+    (HF's output recorder: a forward hook appending attention weights, router logits), which the
+    caller's loss uses: under a torch.func transform that place gets the call's output standing for
+    it (under plain autograd the tensor itself is the output), and its gradient flows as without remat."""
+    lin = nn.Linear(4, 4).to(D)
+    log: list[torch.Tensor] = []
+    table: dict[str, torch.Tensor] = {}
+    holder = _Cache()
+    if kept_in == "a list a forward hook appends to":
+        lin.register_forward_hook(lambda m, i, o: log.append(o.sin() * 2))
+
+    def layer(w, x):
+        h = torch.tanh(tf.functional_call(lin, {"weight": w, "bias": lin.bias}, (x,)))
+        if kept_in == "a dict":
+            table["h"] = h.cos()
+        elif kept_in == "a module attribute":
+            holder.keys = h * h
+        return (h * h).sum(-1)
+
+    def loss(wrap):
+        def f(w, x):
+            log.clear(), table.clear()
+            y = wrap(layer)(w, x).sum()
+            kept = log[0] if log else table["h"] if table else holder.keys
+            return y + kept.square().sum()
+
+        return f
+
+    w, xs = randn(4, 4, seed=1), randn(3, 2, 4, seed=2)
+    assert_close(_UNDER_TORCH_FUNC[how](loss(remat), w, xs), _UNDER_TORCH_FUNC[how](loss(lambda f: f), w, xs))
+
+
+def test_a_tensor_kept_outside_the_call_in_a_tuple_under_torch_func_raises():
+    """A tuple cannot take the output that stands for the tensor (as a list or dict does: see
+    test_a_tensor_a_hook_appends_to_a_list_outside_the_call_gets_its_gradient_under_torch_func)."""
     kept = []
 
     def fn(x):
         h = x.sin()
-        kept.append(h)
+        kept.append((h, "h"))
         return h.exp().sum()
 
     with pytest.raises(CheckpointError, match="outlived the call other than as its return value under a torch.func"):
@@ -3855,9 +3901,15 @@ def _attends_over_its_cache(w, x, cache):
 @pytest.mark.parametrize("policy", [None, policies.dots_saveable, policies.everything_saveable], ids=str)
 @pytest.mark.parametrize("how", list(_BELOW_A_VMAP))
 def test_a_key_value_cache_kept_outside_the_call_raises_below_a_vmap(how, policy):
+    """Under ``vmap(grad)`` without a policy the cache gets the call's output (as a list does: see
+    test_a_tensor_a_hook_appends_to_a_list_outside_the_call_gets_its_gradient_under_torch_func); the
+    recomputation, reading it again, attends over other keys, as it does under plain autograd."""
     f = remat(_attends_over_its_cache, policy=policy)
     w, xs = randn(4, 4, seed=1), randn(3, 2, 4, seed=2)
-    with pytest.raises(CheckpointError, match="(?s)outlived the call other than as its return value.*use_cache=False"):
+    match = "(?s)outlived the call other than as its return value.*use_cache=False"
+    if how == "vmap(grad)" and policy is None:
+        match = "(?s)did not reproduce the forward pass.*a tensor the function kept outside the call"
+    with pytest.raises(CheckpointError, match=match):
         _BELOW_A_VMAP[how](lambda w, x: f(w, x, _Cache()), w, xs)
 
 
@@ -4112,8 +4164,22 @@ def _writes_its_cache_through_a_view(how):
 @pytest.mark.parametrize("write", ["copy_ into an index", "index_copy_ into a slice", "a view made before the write"])
 @pytest.mark.filterwarnings("ignore:There is a performance drop:UserWarning")  # (torch's: index_copy_ under vmap loops)
 def test_a_cache_written_through_a_view_and_kept_raises_below_a_vmap(write, how, policy):
-    f = remat(_writes_its_cache_through_a_view(write), policy=policy)
+    """Right under ``vmap(grad)`` without a policy, where the forward run has a grad level of its own:
+    the cache's attribute gets the call's output standing for the tensor kept there."""
+    fn = _writes_its_cache_through_a_view(write)
+    f = remat(fn, policy=policy)
     w, xs = randn(4, 4, seed=1), randn(3, 2, 4, seed=2)
+    if how == "vmap(grad)" and policy is None:
+
+        def kept(f):
+            def g(w, x):
+                cache = _Cache()
+                return f(w, x, cache).sum() + cache.keys.square().sum()
+
+            return g
+
+        assert_close(_BELOW_A_VMAP[how](kept(f), w, xs), _BELOW_A_VMAP[how](kept(fn), w, xs))
+        return
     with pytest.raises(CheckpointError, match="outlived the call other than as its return value"):
         _BELOW_A_VMAP[how](lambda w, x: f(w, x, _Cache()), w, xs)
 
@@ -4216,7 +4282,9 @@ def test_a_tensor_both_returned_and_kept_below_a_vmap(returns, how, policy):
     w, xs = randn(4, 4, seed=1), randn(3, 2, 4, seed=2)
     loss = _keeps_what_it_returns(returns)
     ours = loss(lambda f: remat(f, policy=policy))
-    if how == "vmap, then backward" and returns == "it":
+    if (how == "vmap, then backward" and returns == "it") or (how == "vmap(grad)" and policy is None and returns != "it"):
+        # (Under vmap(grad) without a policy the attribute that kept the view's base gets the call's
+        # output standing for it.)
         assert_close(_BELOW_A_VMAP[how](ours, w, xs), _BELOW_A_VMAP[how](loss(lambda f: f), w, xs))
         return
     with pytest.raises(CheckpointError, match="outlived the call other than as its return value"):

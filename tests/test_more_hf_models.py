@@ -350,6 +350,86 @@ def test_hf_checkpointing_differentiates_outputs_recorded_inside_the_layers(name
     assert_close(results[1], results[0])
 
 
+def _moe(name):
+    """Mixtures of experts whose routers HF's ``output_router_logits`` records (their eager experts)."""
+    kw = dict(common_dec, num_key_value_heads=1, attention_dropout=0.0)
+    if name == "qwen2_moe":
+        config = C.Qwen2MoeConfig(**kw, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8,
+                                  shared_expert_intermediate_size=8, decoder_sparse_step=1)
+        cls = C.Qwen2MoeForCausalLM
+    elif name == "olmoe":
+        config, cls = C.OlmoeConfig(**kw, num_experts=4, num_experts_per_tok=2), C.OlmoeForCausalLM
+    else:
+        config, cls = C.GraniteMoeConfig(**kw, num_local_experts=4, num_experts_per_tok=2), C.GraniteMoeForCausalLM
+    config._experts_implementation = "eager"
+    return cls(config).to(D)
+
+
+def _under(transform, loss, params, x):
+    if transform == "grad":
+        return tf.grad(lambda p: loss(p, x))(params)
+    if transform == "vjp":
+        value, pull = tf.vjp(lambda p: loss(p, x), params)
+        return value, pull(torch.ones_like(value))
+    return tf.vmap(tf.grad(lambda p, xi: loss(p, xi[None])), in_dims=(None, 0))(params, x)  # vmap(grad)
+
+
+@pytest.mark.parametrize("how", ["remat", "hf"])
+@pytest.mark.parametrize("transform", ["grad", "vjp", "vmap(grad)"])
+def test_attentions_recorded_inside_remat_layers_are_differentiated_under_torch_func(transform, how):
+    """``output_attentions`` with eager attention: HF's recorder (a forward hook on each layer's
+    attention) keeps the attention weights computed inside the remat'd layer in its list. Under a
+    torch.func transform the list gets the call's output standing for each (plain autograd points
+    the very tensor at the call's node): values and gradients as without remat."""
+    torch.manual_seed(0)
+    reference = build("qwen2", 0.0).train()
+    reference.set_attn_implementation("eager")
+    model = copy.deepcopy(reference)
+    if how == "remat":
+        _remat_layers(SPECS["qwen2"], model)
+    else:
+        calls = _hf_checkpointing(model, False)
+        model.disable_input_require_grads()  # (HF's requires_grad_ on the embeddings: refused by torch.func)
+    params = {n: p.detach() for n, p in reference.named_parameters()}
+    x = ids(B, S)
+
+    def loss(m):
+        def f(p, xs):
+            out = tf.functional_call(m, p, (), dict(input_ids=xs, output_attentions=True))
+            assert out.attentions[0] is not None
+            return sum(a.square().sum() for a in out.attentions) + out.logits.sum()
+
+        return f
+
+    assert_close(_under(transform, loss(model), params, x), _under(transform, loss(reference), params, x))
+    assert how == "remat" or calls
+
+
+@pytest.mark.parametrize("transform", ["grad", "vjp"])
+@pytest.mark.parametrize("name", ["qwen2_moe", "olmoe", "granitemoe"])
+def test_the_load_balancing_loss_of_remat_layers_is_trained_under_torch_func(name, transform):
+    """``output_router_logits``: the auxiliary load-balancing loss is computed from router logits
+    that HF's recorder kept, in a list outside the remat'd layer, from inside it; its gradient
+    reaches the routers under torch.func as without remat. (Not vmap: HF's eager experts branch
+    on the routing, without remat too.)"""
+    if not hasattr(C, {"qwen2_moe": "Qwen2MoeForCausalLM", "olmoe": "OlmoeForCausalLM"}.get(name, "GraniteMoeForCausalLM")):
+        pytest.skip(f"transformers {transformers.__version__} has no {name}")
+    torch.manual_seed(0)
+    reference = _moe(name).train()
+    model = _remat_layers(SPECS["qwen2"], copy.deepcopy(reference))
+    params = {n: p.detach() for n, p in reference.named_parameters()}
+
+    def loss(m):
+        def f(p, xs):
+            out = tf.functional_call(m, p, (), dict(input_ids=xs, labels=xs, output_router_logits=True))
+            return out.loss + out.aux_loss
+
+        return f
+
+    x = ids(B, S)
+    assert_close(_under(transform, loss(model), params, x), _under(transform, loss(reference), params, x))
+
+
 @pytest.mark.parametrize("randomness", ["error", "different"])
 @pytest.mark.parametrize("how", ["hf", "remat"])
 @pytest.mark.parametrize("name", ["opt", "bart", "whisper"])
