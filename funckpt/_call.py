@@ -22,6 +22,7 @@ import dataclasses
 import functools
 import gc
 import operator
+import sys
 import types
 import warnings
 import weakref
@@ -375,6 +376,23 @@ def _put_back(slot: HeldEscape, output: torch.Tensor) -> None:
         if holder[key] is slot.alias:
             holder[key] = output
             return
+
+
+def _recorded_by_transformers(t: torch.Tensor) -> str | None:
+    """The key (``attentions``, ``router_logits``, ...) under which transformers' output recorder,
+    active now, holds ``t``, if it does (read from its ContextVar only where transformers is loaded)."""
+    module = sys.modules.get("transformers.utils.output_capturing")
+    collector = getattr(module, "_active_collector", None)
+    try:
+        collected = collector.get() if collector is not None else None
+    except Exception:  # (another version's recorder: nothing to tell)
+        return None
+    if not isinstance(collected, dict):
+        return None
+    for key, values in collected.items():
+        if isinstance(values, list) and any(v is t for v in values):
+            return str(key)
+    return None
 
 
 def _reached_directly(fn: Any) -> set[int]:
@@ -2140,7 +2158,8 @@ class UserRegion(Region):
         (:func:`run_prepared`), as it does for a list the function was passed
         (:meth:`_outputs_for_written`). The holders are found by the garbage collector's referrers
         (asked only here, where the call would raise otherwise); what else keeps a tensor (a tuple,
-        a frame, an object not a list or dict) leaves it alive, and the call refuses it as before.
+        a frame, a subclass of list or dict, any other object) leaves it alive, and the call refuses
+        it as before.
         """
         found = [t for r in refs if (t := r()) is not None and id(t) not in held]
         if not found or any(self._doubt(t, given) is not None for t in found):
@@ -2149,7 +2168,7 @@ class UserRegion(Region):
         aliases: dict[int, torch.Tensor] = {}
         slots: list[tuple[Any, Any, torch.Tensor]] = []
         for holder in gc.get_referrers(*found):
-            if holder is found or not isinstance(holder, (list, dict)):
+            if holder is found or type(holder) not in (list, dict):  # (a subclass's __setitem__ may do more)
                 continue
             keys = (
                 [k for k, v in holder.items() if id(v) in ids]
@@ -2176,7 +2195,10 @@ class UserRegion(Region):
         """Under a grad level of the run's own (``vmap(grad(f))``: see _forward_run_at_a_grad_level),
         before it ends: the tensors the run computed that a list or dict keeps, swapped for aliases
         (:meth:`_swap_held_for_aliases`), as entries for :meth:`_outputs_for_written`. What else
-        keeps one is refused once the level ends (:meth:`_refuse_escapes_of_the_level`)."""
+        keeps one is refused once the level ends (:meth:`_refuse_escapes_of_the_level`), and so is
+        one where every such tensor is also one the level's graph saved (HF's attention weights,
+        which the matmul with the values saves): while the level lasts, those cannot be told from
+        what the graph alone keeps alive without the referrers of every tensor it saved."""
         returned: dict[int, int] = {}
         for j, t in enumerate(tensors):
             returned.setdefault(id(t), j)
@@ -2191,7 +2213,10 @@ class UserRegion(Region):
             return list(found.values())
 
         escaped = _alive_after_collecting(alive)
-        if not escaped:
+        # Inside the level its graph holds what its operators saved (alive too): the referrers are
+        # asked only where one is held by nothing else (no tensor of the graph holds it), the cost
+        # of a walk over every object being for a call that raises otherwise.
+        if not any(cast(Any, t)._use_count() == 1 for _, t in escaped):
             return []
         held = held_by_recording_regions()
         positions = {id(t): k for k, t in escaped}
@@ -2934,6 +2959,20 @@ class UserRegion(Region):
         unflattened = _unflattened_container_holding(t)
         if unflattened is not None:
             return _stored_in_unflattened(self.name, t, unflattened)
+        recorded = _recorded_by_transformers(t)
+        if recorded is not None:
+            return CheckpointError(
+                f"remat({self.name}): a tensor of shape {tuple(t.shape)} that the function computed was kept "
+                f"outside the call by transformers' output recorder (the forward hooks that the installed "
+                f"transformers package puts inside the layers for output_{recorded}=True: attention weights, "
+                "router logits) under a torch.func transform where remat cannot put the call's output in "
+                "its place: forward mode (jvp, jacfwd), vmap(grad) where the recorded tensor is also one the "
+                "layer's graph saves (eager attention's weights), or a saving policy below a vmap. A gradient "
+                "through it would be silently missing. Under torch.func.grad, vjp and jacrev, and under "
+                f".backward(), remat gives it its gradient. Here, call the model without output_{recorded} "
+                "(HF computes the load-balancing loss of output_router_logits from those logits), or take "
+                "per-example gradients with a loop of torch.func.grad, or use .backward()."
+            )
         if self.wrote_beside_nested:
             return CheckpointError(
                 f"remat({self.name}): a tensor of shape {tuple(t.shape)} that the function computed outlived "
