@@ -3856,6 +3856,26 @@ def test_a_tensor_a_hook_appends_to_a_list_outside_the_call_gets_its_gradient_un
     assert_close(_UNDER_TORCH_FUNC[how](loss(remat), w, xs), _UNDER_TORCH_FUNC[how](loss(lambda f: f), w, xs))
 
 
+@pytest.mark.parametrize("how", ["jvp", "jacfwd", "vmap(jvp)"])
+def test_a_tensor_a_hook_appends_to_a_list_outside_the_call_raises_under_forward_mode(how):
+    """Forward mode's rule runs the function again (its hook would append again), so there the list
+    does not get the call's output: refused, never a tangent silently missing."""
+    log: list[torch.Tensor] = []
+
+    def layer(w, x):
+        h = torch.tanh(x @ w)
+        log.append(h.sin() * 2)
+        return (h * h).sum(-1)
+
+    def f(w, x):
+        log.clear()
+        return remat(layer)(w, x).sum() + log[0].square().sum()
+
+    w, xs = randn(4, 4, seed=1), randn(3, 2, 4, seed=2)
+    with pytest.raises(CheckpointError, match="outlived the call other than as its return value"):
+        _BELOW_A_VMAP[how](lambda w, x: f(w, x)[None], w, xs) if how != "jvp" else tf.jvp(lambda w: f(w, xs[0]), (w,), (torch.ones_like(w),))
+
+
 def test_a_tensor_kept_outside_the_call_in_a_tuple_under_torch_func_raises():
     """A tuple cannot take the output that stands for the tensor (as a list or dict does: see
     test_a_tensor_a_hook_appends_to_a_list_outside_the_call_gets_its_gradient_under_torch_func)."""
