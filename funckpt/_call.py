@@ -333,7 +333,9 @@ def run_prepared(region: UserRegion, routed: list[torch.Tensor]) -> Any:
         if region.escaped_views:
             region.point_kept_views()
         writes, returned = region.container_writes, region.returned_container
-        held, region.held_escapes = region.held_escapes, []
+        held = region.held_escapes
+        if held:  # (the class's empty list otherwise: nothing to reset on the common path)
+            region.held_escapes = []
         if (writes or held) and region.written_made:  # (the Function's outputs, of the caller's level)
             # (k < 0: the caller's output -k - 1, rebuilt by the plan, is the one fn also returned)
             rebuilt = flatten(result)[0] if min(region.written_made.values()) < 0 else []
