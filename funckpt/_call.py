@@ -1621,6 +1621,15 @@ class UserRegion(Region):
         ``given``: the forward run's inputs as the Function got them (the caller's tensors under
         plain autograd; under a transform, lowered ones, and the caller's are :attr:`at_the_call`).
         """
+        backward = func is not torch.autograd.grad
+        if backward and self.under_transforms:
+            raise CheckpointError(
+                f"remat({self.name}): the function runs a backward pass inside itself (.backward()) under a "
+                "torch.func transform. Without remat torch raises there (\"backward() called inside a functorch "
+                "transform\"); remat's run of the function is below the transform, where it would run. Take "
+                "the gradient inside with torch.autograd.grad (or torch.func.grad/vjp) and return it, or call "
+                "backward() outside the transform."
+            )
         callers = given if self.at_the_call is None else self.at_the_call
         wrt = _differentiated(func, args, kwargs)
         outputs = _differentiated_outputs(func, args, kwargs)
@@ -1650,6 +1659,29 @@ class UserRegion(Region):
                         "the function and compute the dependent tensor inside it (remat(lambda x, W: f(x, W * "
                         "x.sum()))), or take that gradient outside the remat'd call."
                     )
+        if backward:
+            self._refuse_accumulation_into_stand_ins(local, callers, [i for i in sorted(positions) if i in used])
+
+    def _refuse_accumulation_into_stand_ins(self, local: Sequence[torch.Tensor], callers: Sequence[torch.Tensor], into: list[int]) -> None:
+        """Raise before a backward pass the function runs inside itself accumulates into the ``.grad``
+        of the stand-ins at ``into`` (those its outputs reach, of inputs or captured tensors that
+        require grad at the caller). Without remat that gradient lands in the caller's tensor's
+        ``.grad`` (an argument's, a captured parameter's), where the function and its caller read
+        it; remat's stand-ins are leaves of its own, whose ``.grad`` nobody reads: the caller's
+        stayed silently None. (Carrying it over exactly would also need the caller's ``.grad`` as
+        the stand-in's before the pass, its hooks, and no second accumulation by the
+        recomputation.) A backward pass into leaves the function made itself is as without remat."""
+        if not into:
+            return
+        i = into[0]
+        raise CheckpointError(
+            f"remat({self.name}): the function runs a backward pass inside itself (.backward()) that "
+            f"accumulates into the .grad of {self.describe_input(i, callers[i])}. Inside a remat'd call "
+            "each input (and each tensor it reaches through its closure or module) is a leaf of remat's "
+            "own, so that gradient would never reach the caller's tensor's .grad, which the function "
+            "without remat fills: it would be silently missing. Take the gradient inside with "
+            "torch.autograd.grad and return it (or use it), or run the backward pass outside the remat'd call."
+        )
 
     def run_fn(self, *args: Any, **kwargs: Any) -> Any:
         """The region's function on its arguments (a loop's region drives its steps instead)."""

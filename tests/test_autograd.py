@@ -709,6 +709,104 @@ def test_a_backward_pass_inside_through_an_input_computed_from_the_differentiate
         remat(f)(x, _PENALTY_W * x.sum())
 
 
+def _backward_inside(how):
+    """A function that runs a backward pass inside itself (``how``), into the leaves ``h`` reaches."""
+
+    def f(x, w):
+        h = (x @ w).tanh()
+        if how == "Tensor.backward":
+            h.sum().backward(retain_graph=True)
+        elif how == "create_graph":
+            h.sum().backward(create_graph=True)
+        else:
+            torch.autograd.backward([h.sum()], retain_graph=True)
+        return h * 2
+
+    return f
+
+
+_BACKWARD_X = torch.randn(3, 4, dtype=D, generator=torch.Generator().manual_seed(13))
+_BACKWARD_W = torch.randn(4, 5, dtype=D, generator=torch.Generator().manual_seed(14))
+
+
+@pytest.mark.parametrize("caller", ["leaves", "computed by the caller"])
+@pytest.mark.parametrize("how", ["Tensor.backward", "create_graph", "torch.autograd.backward"])
+def test_a_backward_pass_inside_into_an_input_is_refused(how, caller):
+    """A backward pass the function runs inside itself accumulates, without remat, into its inputs'
+    ``.grad`` (or the leaves the caller computed them from). Remat's inputs are leaves of its own:
+    the caller's ``.grad`` stayed silently None. It is refused, naming the call and what to do."""
+    f = _backward_inside(how)
+    x, w = _BACKWARD_X.clone().requires_grad_(), _BACKWARD_W.clone().requires_grad_()
+    args = (x, w) if caller == "leaves" else (x * 2, w.sin())
+    f(*args)
+    assert x.grad is not None and w.grad is not None  # (without remat: filled)
+    x.grad = w.grad = None
+    with pytest.raises(CheckpointError, match=r"remat\(f\): the function runs a backward pass inside itself .*an argument of shape \(3, 4\).*torch\.autograd\.grad"):
+        remat(f)(*args)
+    assert x.grad is None and w.grad is None
+
+
+def test_a_backward_pass_inside_into_a_captured_parameter_is_refused():
+    """The same for a module's parameter the function reaches through its closure."""
+    lin = torch.nn.Linear(4, 4).double()
+    x = _BACKWARD_X.clone()
+
+    def f(x):
+        h = lin(x).tanh()
+        h.sum().backward(retain_graph=True)
+        return h
+
+    f(x)
+    assert lin.weight.grad is not None  # (without remat: filled)
+    lin.zero_grad(set_to_none=True)
+    with pytest.raises(CheckpointError, match=r"remat\(f\): the function runs a backward pass inside itself .*Linear's '(weight|bias)'"):
+        remat(f)(x)
+
+
+@pytest.mark.parametrize("inputs", ["every leaf", "inputs naming it"])
+def test_a_backward_pass_inside_into_a_leaf_the_function_made_is_as_without_remat(inputs):
+    """A backward pass inside into a leaf the function made itself (an inner optimisation's
+    variable) reaches no tensor of the caller's: nothing is refused, and values and gradients are
+    the function's without remat."""
+
+    def f(x, w):
+        z = torch.zeros(5, dtype=D, requires_grad=True)
+        h = (x @ w).tanh()
+        if inputs == "every leaf":
+            ((z - 1).square().sum() + z.sum()).backward()
+        else:
+            (h.sum(0) * z).sum().backward(inputs=[z], retain_graph=True)
+        return h * z.grad
+
+    def run(f):
+        x, w = _BACKWARD_X.clone().requires_grad_(), _BACKWARD_W.clone().requires_grad_()
+        out = f(x, w)
+        out.sin().sum().backward()
+        return out, x.grad, w.grad
+
+    assert_close(run(remat(f)), run(f))
+
+
+@pytest.mark.parametrize("transform", ["grad", "jvp", "vmap"])
+def test_a_backward_pass_inside_under_a_torch_func_transform_raises_as_without_remat(transform):
+    """torch refuses ``.backward()`` under a torch.func transform; remat's run of the function,
+    below the transform, would have run it (under grad: silently, into remat's own leaves)."""
+    f = _backward_inside("Tensor.backward")
+    x, w = _BACKWARD_X.clone(), _BACKWARD_W.clone()
+
+    def run(f):
+        if transform == "grad":
+            return tf.grad(lambda x, w: f(x, w).sum(), argnums=(0, 1))(x, w)
+        if transform == "jvp":
+            return tf.jvp(f, (x, w), (x, w))
+        return tf.vmap(f, in_dims=(0, None))(x, w.requires_grad_())
+
+    with pytest.raises(RuntimeError, match=r"backward\(\) called inside a functorch transform"):
+        run(f)
+    with pytest.raises(RuntimeError, match=r"backward\(\) called inside a functorch transform"):
+        run(remat(f))
+
+
 @pytest.mark.parametrize("run", ["backward", "grad"])
 def test_a_gradient_inside_through_a_parameter_computed_from_the_differentiated_input_is_refused(run):
     """The same through a module's parameter that ``functional_call`` replaces by a tensor computed
