@@ -704,7 +704,9 @@ def test_levit_eval_mode_attention_bias_cache_raises():
     in a module attribute on the first call. Computed inside a checkpointed region, that tensor
     outlives the region; the region's recomputation then reads the cache where the forward run
     computed the bias, and the bias's gradient cannot flow: remat refuses it (README, "Side
-    effects") instead of silently dropping it, under .backward() and torch.func."""
+    effects") instead of silently dropping it, under .backward() and torch.func. (Under torch.func
+    the cached bias, in a dict, becomes an output of the call too, as under .backward(), and the
+    recomputation's read of it is refused with the same message.)"""
     torch.manual_seed(0)
     model = remat_blocks(timm.create_model("levit_128s", num_classes=3, img_size=64).to(D).eval())
     x = torch.randn(2, 3, 64, 64, dtype=D)
@@ -713,5 +715,5 @@ def test_levit_eval_mode_attention_bias_cache_raises():
     for m in model.modules():  # a fresh cache, as after model.train()/eval()
         if hasattr(m, "attention_bias_cache"):
             m.attention_bias_cache = {}
-    with pytest.raises(funckpt.CheckpointError, match="outlived the call"):
+    with pytest.raises(funckpt.CheckpointError, match="a remat'd call computed earlier and that was kept outside"):
         func_grad_results(model, x)
