@@ -96,6 +96,7 @@ from ._errors import (
     the_recomputation,
 )
 from ._internals import (
+    AccumulateGrad,
     CreationMeta,
     DisableFuncTorch,
     GlobalHooks,
@@ -3420,7 +3421,7 @@ def _leaves_reached(roots: Iterable[Any]) -> set[int]:
         if node in seen:
             continue
         seen.add(node)
-        if _is_accumulate(node):
+        if type(node) is AccumulateGrad:
             leaves.add(id(node.variable))
         stack.extend(n for n, _ in node.next_functions if n is not None and n not in seen)
     return leaves
@@ -3446,14 +3447,10 @@ def _reaches(root: Any, t: torch.Tensor) -> bool:
             if n is None or n in seen:
                 continue
             if goal is None:
-                if _is_accumulate(n) and n.variable is t:
+                if type(n) is AccumulateGrad and n.variable is t:
                     return True
             elif n is goal[0] and nr == goal[1]:
                 return True
             if floor < 0 or n._sequence_nr() >= floor:
                 stack.append(n)
     return False
-
-
-def _is_accumulate(node: Any) -> bool:
-    return type(node).__name__ == "AccumulateGrad"
