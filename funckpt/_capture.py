@@ -71,6 +71,7 @@ from ._naming import OnThreadStack
 from ._saving import WriteWatch, may_write
 from ._tail import TAIL
 from ._internals import (
+    global_forward_hooks,
     AccumulateGrad,
     StorageWeakRef,
     TransformType,
@@ -1091,13 +1092,10 @@ def global_module_hooks() -> list[Any]:
     """The global forward hooks and pre-hooks (``torch.nn.modules.module.register_module_forward_hook``)
     that reach a differentiable tensor: every module a remat'd function calls runs them, inside the
     call (see :func:`_code_run_on_the_call`). Told by two reads where none is registered."""
-    pre, post = _GLOBAL_HOOKS.__dict__["_global_forward_pre_hooks"], _GLOBAL_HOOKS.__dict__["_global_forward_hooks"]
+    pre, post = global_forward_hooks()
     if not (pre or post):
         return []
     return [hook for hook in (*pre.values(), *post.values()) if _reaches_a_differentiable_tensor(hook)]
-
-
-_GLOBAL_HOOKS = sys.modules[torch.nn.Module.__module__]
 
 
 def _reaches_a_differentiable_tensor(code: Any, owner: torch.nn.Module | None = None) -> bool:

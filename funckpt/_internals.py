@@ -30,6 +30,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__ = [
     "AccumulateGrad",
+    "global_forward_hooks",
     "CreationMeta",
     "get_creation_meta",
     "bind_forward_once",
@@ -755,6 +756,13 @@ def call_with_own_hooks(
 
 #: The registries of the global module hooks that ``nn.Module._call_impl`` reads at each module call
 #: (``register_module_forward_hook``, ``register_module_full_backward_hook``, ...), and theirs of flags.
+def global_forward_hooks() -> tuple[dict[int, Any], dict[int, Any]]:
+    """torch's global forward pre-hooks and forward hooks (``register_module_forward_pre_hook``,
+    ``register_module_forward_hook``), the registries as they are now (a recomputation may run
+    with copies of them in their places: see global_module_hooks_as_at_the_call)."""
+    return _module_module._global_forward_pre_hooks, _module_module._global_forward_hooks
+
+
 _GLOBAL_HOOKS = ("_global_forward_pre_hooks", "_global_forward_hooks", "_global_backward_pre_hooks", "_global_backward_hooks")
 _GLOBAL_HOOK_FLAGS = ("_global_forward_hooks_with_kwargs", "_global_forward_hooks_always_called")
 
@@ -850,7 +858,7 @@ def module_trackers_off() -> Callable[..., None] | None:
     remat'd call; the last call to end unwraps it, unless its handle removed it meanwhile (the
     tracker exited): a hook taken out and put back would outlive its tracker.
     """
-    dicts = (_module_module._global_forward_pre_hooks, _module_module._global_forward_hooks)
+    dicts = global_forward_hooks()
     if not (dicts[0] or dicts[1]):
         return None
     with _TRACKER_HOOKS_LOCK:
