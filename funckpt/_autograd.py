@@ -82,6 +82,7 @@ from ._internals import (
     graph_task_keeps_graph,
     has_torch_function,
     is_batchedtensor,
+    is_legacy_batchedtensor,
     is_dead_tensor_wrapper,
     jvp_levels_active,
     legacy_vmap_decrement,
@@ -1291,11 +1292,13 @@ def _jvp_here(region: Region, primals: Tensors, tangents: Tensors, with_tangent:
 def _primal_part(t: torch.Tensor) -> torch.Tensor:
     """``unpack_dual(t).primal``; ``t`` itself under autograd's legacy vmap (a forward-mode jacobian
     with ``vectorize=True``), where ``_unpack_dual`` has no batching rule and a batched tangent
-    is no dual."""
+    is no dual. (Also where a recomputation runs outside that vmap, a nested remat'd call's in
+    ``hessian(..., vectorize=True, outer_jacobian_strategy="forward-mode")``: its tangents are
+    still legacy-batched there.)"""
     try:
         return unpack_dual(t).primal
     except RuntimeError:
-        if not _in_legacy_vmap():
+        if not (_in_legacy_vmap() or is_legacy_batchedtensor(t)):
             raise
         return t
 

@@ -80,6 +80,7 @@ __all__ = [
     "graph_task_keeps_graph",
     "interpreter_stack",
     "is_batchedtensor",
+    "is_legacy_batchedtensor",
     "dispatch_modes_active",
     "outside_functorch",
     "is_dead_tensor_wrapper",
@@ -137,6 +138,8 @@ is_functorch_wrapped: Callable[[torch.Tensor], bool] = _C.is_functorch_wrapped_t
 unwrap_one_level: Callable[[torch.Tensor], torch.Tensor] = _C.get_unwrapped
 #: Is ``t`` a BatchedTensor (vmap)? Its vmap level, if any.
 is_batchedtensor: Callable[[torch.Tensor], bool] = _C.is_batchedtensor
+#: Is ``t`` batched by autograd's own (legacy) vmap (``vectorize=True``, ``is_grads_batched=True``)?
+is_legacy_batchedtensor: Callable[[torch.Tensor], bool] = _C.is_legacy_batchedtensor
 maybe_get_level: Callable[[torch.Tensor], int] = _C.maybe_get_level
 #: A wrapper whose transform has returned (a ``vjp_fn`` called later), and its inner tensor.
 is_dead_tensor_wrapper: Callable[[torch.Tensor], bool] = _C.is_dead_tensor_wrapper

@@ -5085,3 +5085,24 @@ def test_forward_mode_vectorized_jacobian_of_inputs_requiring_grad():
     expected = torch.autograd.functional.jacobian(f, x, vectorize=True, strategy="forward-mode")
     got = torch.autograd.functional.jacobian(remat(f), x, vectorize=True, strategy="forward-mode")
     assert_close(got, expected)
+
+
+def test_forward_over_reverse_vectorized_hessian_through_nested_remat():
+    """torch.autograd.functional.hessian(vectorize=True, outer_jacobian_strategy="forward-mode"):
+    the outer remat'd call's recomputation runs outside autograd's legacy vmap, where the inner
+    call's tangents are still legacy-batched (was a raw "Batching rule not implemented for
+    aten::_unpack_dual" wrapped in a CheckpointError)."""
+    lin = torch.nn.Linear(4, 4).double()
+    x = torch.randn(4, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+
+    def f(x):
+        return torch.tanh(lin(x)) * x
+
+    def nested(x):
+        return remat(lambda y: remat(lambda z: f(z) * 1.5)(y) / 1.5)(x)
+
+    def hessian(g):
+        return torch.autograd.functional.hessian(lambda x: g(x).pow(2).sum(), x, vectorize=True, outer_jacobian_strategy="forward-mode")
+
+    assert_close(hessian(nested), hessian(f))
+    assert_close(hessian(remat(f)), hessian(f))
