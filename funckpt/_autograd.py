@@ -66,6 +66,7 @@ from ._internals import (
     JvpInterpreter,
     SingleLevelFunction,
     TransformType,
+    level_kinds,
     VmapInterpreter,
     add_batch_dim,
     apply_function,
@@ -326,6 +327,8 @@ def apply(region: Region, flat: Sequence[torch.Tensor]) -> Tensors:
 
 def _apply(region: Region, flat: Sequence[torch.Tensor]) -> Tensors:
     if transforms_active():
+        if TransformType.Functionalize in level_kinds():
+            raise _under_functionalize(region)
         top = peek_interpreter_stack()
         if (
             top is not None
@@ -344,6 +347,20 @@ def _apply(region: Region, flat: Sequence[torch.Tensor]) -> Tensors:
         return cast(Tensors, custom_function_call(_RematFunction, region, *flat))
     flat = tuple(unwrap_if_dead(t) for t in flat)  # as Function.apply does
     return cast(Tensors, apply_function(_RematFunction, region, *flat))
+
+
+def _under_functionalize(region: Region) -> CheckpointError:
+    """torch has no ``functionalize`` rule for an ``autograd.Function`` with ``setup_context`` (its
+    own "NYI: Functionalize rule for custom_function_call"), which remat's call is: said so, with what
+    to do, at the call rather than from torch's dispatcher inside it."""
+    return CheckpointError(
+        f"remat({region.name}): the call is made under torch.func.functionalize, which has no rule for "
+        "the autograd.Function a remat'd call is (torch raises 'NYI: Functionalize rule for "
+        "custom_function_call'). Call the remat'd function outside functionalize (functionalize "
+        "the code around it, or the function inside remat: remat(torch.func.functionalize(fn))), or "
+        "use torch.compile, which functionalizes the program itself and turns remat into its own "
+        "checkpoint."
+    )
 
 
 def _unbatched_under_drawing_vmap(top: Any, flat: Sequence[torch.Tensor]) -> Any:
@@ -605,9 +622,6 @@ class VjpRegion(Region):
 
 
 #: The constant output JvpRegion appends for torch.func.jvp, which refuses a function returning none.
-_NO_OUTPUT = torch.zeros(())
-
-
 class JvpRegion(Region):
     """``(primals, tangents) -> output tangents``: forward-mode through ``base``.
 
@@ -678,8 +692,9 @@ class JvpRegion(Region):
                 out_tangents = tuple(torch.zeros_like(o) for o in outs)
             else:
                 # (one constant output more: torch.func.jvp refuses a function returning none, as a
-                # region does whose outputs are all inputs returned as they are, remat(lambda: y))
-                both = cast("tuple[Tensors, Tensors]", torch.func.jvp(lambda *xs: (*f(*xs), _NO_OUTPUT), diff_p, diff_t))
+                # region does whose outputs are all inputs returned as they are, remat(lambda: y);
+                # made here, under the modes on: a FakeTensor where make_fx traces with fake tensors)
+                both = cast("tuple[Tensors, Tensors]", torch.func.jvp(lambda *xs: (*f(*xs), torch.zeros(())), diff_p, diff_t))
                 outs, out_tangents = tuple(both[0][:-1]), tuple(both[1][:-1])
         return tuple(t if has_gradient_dtype(o) else torch.zeros_like(o) for o, t in zip(outs, out_tangents))
 

@@ -86,6 +86,7 @@ from ._errors import (
     CheckpointError,
     Digest,
     OpTrace,
+    TracedDraws,
     check_same_outputs,
     check_same_values,
     debug_enabled,
@@ -96,6 +97,7 @@ from ._errors import (
     the_recomputation,
 )
 from ._internals import (
+    graph_traced,
     AccumulateGrad,
     CreationMeta,
     DisableFuncTorch,
@@ -929,6 +931,15 @@ def _move_retain_grad(
             t.retain_grad()
 
 
+def _memory_moved(t: torch.Tensor, g: torch.Tensor) -> bool:
+    """Does ``t`` hold other memory than ``g``? False where they have none to tell by (FakeTensors,
+    which ``make_fx(tracing_mode="fake")`` and ``"symbolic"`` trace with)."""
+    try:
+        return t.data_ptr() != g.data_ptr()
+    except RuntimeError:
+        return False
+
+
 def _stand_in(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """Zeros of that shape, of one element's memory (an escaped output nobody held)."""
     return torch.zeros((), dtype=dtype, device=device).expand(shape)
@@ -1333,6 +1344,8 @@ class _Running:
             self.exits.append(leave_run)
             if substitute is None and region.draws_by_layout and differs_here(functorch):
                 self._enter(Redraw())
+            if not forward and graph_traced():
+                self._enter(TracedDraws(region.name))  # (under the run's own modes: see TracedDraws)
             if self.under is not None:
                 self._enter(self.under)
             if substitute is not None:
@@ -2787,7 +2800,7 @@ class UserRegion(Region):
             i
             for i, (t, g) in enumerate(zip(flat, given))
             # (an inference input's leaf is a copy; a sparse one has no data pointer, nor a .data to set)
-            if t is not g and t.layout == torch.strided and t.data_ptr() != g.data_ptr() and not g.is_inference()
+            if t is not g and t.layout == torch.strided and _memory_moved(t, g) and not g.is_inference()
         ]
         for i in moved:
             t, g = flat[i], given[i]

@@ -51,6 +51,7 @@ from ._internals import (
     bottom,
     dispatch_modes_active,
     forward_ad_level,
+    graph_traced,
     set_fwd_grad_enabled,
     set_grad_enabled,
     torch_function_mode_enabled,
@@ -137,6 +138,45 @@ class OpTrace(DispatchMode):
         ]
         self.lines.append(f"{func} -> {', '.join(shapes) or '()'}")
         return out
+
+
+class TracedDraws(DispatchMode):
+    """Refuses a recomputation that draws random numbers while ``make_fx`` records it into a graph
+    (``torch.func.linearize``, ``torch.export``, a ``make_fx`` of a training step).
+
+    remat replays the generator states the forward run started from, with ``Generator.set_state``,
+    which no graph records: where the recorded program runs, the recomputation's random operators
+    draw other numbers than its forward pass's did (another dropout mask), and the gradient is
+    silently wrong. Entered around a recomputation only under such a tracer (see
+    :func:`graph_traced`); a random operator a saving policy's replayer answers from the forward
+    run's value never reaches it.
+    """
+
+    def __init__(self, name: str) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.name = name
+        self.drew: Any = None
+
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
+        if self.drew is None and torch.Tag.nondeterministic_seeded in func.tags:
+            self.drew = func
+        return func(*args, **(kwargs or {}))
+
+    def __exit__(self, *exc: Any) -> None:
+        super().__exit__(*exc)  # type: ignore[no-untyped-call]
+        if exc[0] is None and self.drew is not None:
+            raise CheckpointError(
+                f"remat({self.name}): the function draws random numbers ({self.drew}) and its recomputation "
+                "is being recorded into a graph by make_fx (torch.func.linearize, torch.export, or a "
+                "make_fx of the training step). remat replays the random numbers by restoring the "
+                "generators' states, which the graph does not record: where the graph runs, the "
+                "recomputation would draw other numbers than the forward pass (another dropout mask) "
+                "and the gradient would silently be wrong. Trace the function without remat, draw the "
+                "random values outside the remat'd function and pass them in, or use torch.compile, "
+                "where remat becomes the compiler's own checkpoint."
+            )
 
 
 def format_traces(forward: Sequence[str], recompute: Sequence[str], context: int = 5) -> str:

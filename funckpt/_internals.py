@@ -26,6 +26,7 @@ import torch
 import torch.autograd.forward_ad as _fwAD
 from torch._C._dynamo.eval_frame import get_eval_frame_callback as eval_frame_callback  # Dynamo's frame callback now
 from torch.multiprocessing.reductions import StorageWeakRef
+from torch.fx.experimental.proxy_tensor import get_proxy_mode as _get_proxy_mode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__ = [
@@ -82,6 +83,7 @@ __all__ = [
     "is_batchedtensor",
     "is_legacy_batchedtensor",
     "dispatch_modes_active",
+    "graph_traced",
     "outside_functorch",
     "is_dead_tensor_wrapper",
     "is_functorch_wrapped",
@@ -587,6 +589,13 @@ def backward_names_no_inputs() -> bool:
 def dispatch_modes_active() -> bool:
     """Is any torch-dispatch mode active (``make_fx`` tracing, ``linearize``, FakeTensorMode, a user's)?"""
     return bool(torch._C._len_torch_dispatch_stack())
+
+
+def graph_traced() -> bool:
+    """Is ``make_fx``'s tracer recording the operators into a graph (``torch.func.linearize``,
+    ``torch.export``, a user's ``make_fx``), pre-dispatch or not? (Not FakeTensorMode alone,
+    a FlopCounterMode or a user's logging mode, under which the operators run as called.)"""
+    return bool(torch._C._len_torch_dispatch_stack()) and _get_proxy_mode() is not None
 
 
 #: Is any torch-function mode active (``with torch.device(...)`` is one)? (torch's C function itself.)

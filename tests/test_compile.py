@@ -688,3 +688,35 @@ class _Checkpointed(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return checkpoint(self.block, x, use_reentrant=self.use_reentrant)
+
+
+@pytest.mark.parametrize("tracing_mode", ["real", "fake", "symbolic"])
+@pytest.mark.parametrize("route", ["grad", "backward", "jvp", "vmap_grad"])
+def test_make_fx_traces_remat_as_the_function_in_every_tracing_mode(tracing_mode, route):
+    """make_fx (what torch.export and AOT tracing build on) with fake and symbolic tensors: the call
+    read a FakeTensor's data pointer (raw "Cannot access data pointer of Tensor"), and the jvp
+    mixed a real constant into the fake computation (a raw INTERNAL ASSERT). The traced graph
+    computes what the un-remat'd function's does."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def f(x, w):
+        y = x.clone()
+        y.mul_(2).sin_()
+        return (y @ w).tanh() * x
+
+    def loss(h):
+        return lambda x, w: h(x, w).pow(2).sum()
+
+    routes = {
+        "grad": lambda h: torch.func.grad(loss(h), argnums=(0, 1)),
+        "backward": lambda h: lambda x, w: torch.autograd.grad(loss(h)(x, w), (x, w)),
+        "jvp": lambda h: lambda x, w: torch.func.jvp(lambda x: loss(h)(x, w), (x,), (torch.ones_like(x),)),
+        "vmap_grad": lambda h: torch.func.vmap(torch.func.grad(lambda x, w: loss(h)(x[None], w)), in_dims=(0, None)),
+    }
+    x = torch.randn(3, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    w = torch.randn(4, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    if route == "backward":
+        x, w = x.requires_grad_(), w.requires_grad_()
+    expected = make_fx(routes[route](f), tracing_mode=tracing_mode)(x, w)(x, w)
+    got = make_fx(routes[route](remat(f)), tracing_mode=tracing_mode)(x, w)(x, w)
+    assert_close(got, expected)

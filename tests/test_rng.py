@@ -674,3 +674,83 @@ def test_a_generator_only_a_custom_functions_forward_draws_from_is_replayed(how,
     got, state_after = run(remat_d)
     assert_close(got, expected)
     assert torch.equal(state_after, state)
+
+
+# ---------------------------------------------------------------- make_fx records no generator state
+
+
+def _dropout_block() -> tuple[torch.Tensor, object]:
+    w = torch.randn(4, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.dropout(x @ w, 0.5, training=True).sin()
+
+    return w, f
+
+
+@pytest.mark.parametrize("tracing_mode", ["real", "fake", "symbolic"])
+def test_a_recomputation_make_fx_records_with_a_random_draw_is_refused(tracing_mode):
+    """make_fx records no Generator.set_state: in its graph the recomputation's dropout would draw
+    another mask than the forward pass's (the graph had two independent bernoulli draws, and its
+    gradient was silently wrong). Refused when the recomputation is recorded."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def f(x, w):  # (w an argument: a fake or symbolic trace takes no real tensor from a closure)
+        return torch.nn.functional.dropout(x @ w, 0.5, training=True).sin()
+
+    x = torch.randn(3, 4, dtype=torch.float64)
+    w = torch.randn(4, 4, dtype=torch.float64)
+    with pytest.raises(CheckpointError, match="recorded into a graph by make_fx"):
+        make_fx(tf.grad(lambda x, w: remat(f)(x, w).pow(2).sum()), tracing_mode=tracing_mode)(x, w)
+    with pytest.raises(CheckpointError, match="recorded into a graph by make_fx"):
+        make_fx(lambda x, w: torch.autograd.grad(remat(f)(x, w).pow(2).sum(), x)[0], tracing_mode=tracing_mode)(x.requires_grad_(), w)
+
+
+def test_linearize_of_a_function_drawing_random_numbers_is_refused():
+    """torch.func.linearize traces the jvp with make_fx: remat's jvp recomputes the function, and its
+    dropout would draw another mask there than the one linearize's output was computed with."""
+    _, f = _dropout_block()
+    x = torch.randn(3, 4, dtype=torch.float64)
+    with pytest.raises(CheckpointError, match="recorded into a graph by make_fx"):
+        tf.linearize(remat(f), x)
+
+
+def test_make_fx_graphs_without_random_draws_or_recomputation_compute_as_without_remat():
+    """What make_fx can record right is not refused: a recomputation that draws nothing, and the
+    forward pass alone of a function that draws (no recomputation to record)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    w, f = _dropout_block()
+    x = torch.randn(3, 4, dtype=torch.float64)
+
+    def g(x):
+        return (x @ w).tanh() * x
+
+    def grad_of(h):
+        return make_fx(tf.grad(lambda x: h(x).pow(2).sum()))(x)(x)
+
+    assert_close(grad_of(remat(g)), grad_of(g))
+    torch.manual_seed(1)
+    expected = make_fx(f)(x)
+    torch.manual_seed(1)
+    got = make_fx(remat(f))(x)
+    torch.manual_seed(2)
+    want = expected(x)
+    torch.manual_seed(2)
+    assert_close(got(x), want)
+
+
+def test_dispatch_modes_that_record_no_graph_replay_random_draws_as_usual():
+    """Only a graph tracer is refused: under a FlopCounterMode (and FakeTensorMode-free logging
+    modes alike) the operators run as called, and the replay gives the forward pass's mask."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    _, f = _dropout_block()
+    x = torch.randn(3, 4, dtype=torch.float64)
+
+    def grad_with(h):
+        torch.manual_seed(0)
+        with FlopCounterMode(display=False):
+            return tf.grad(lambda x: h(x).pow(2).sum())(x)
+
+    assert_close(grad_with(remat(f)), grad_with(f))

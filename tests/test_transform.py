@@ -275,3 +275,26 @@ def test_a_dead_weak_proxy_inside_a_returned_object_is_skipped():
     x = torch.randn(3, dtype=torch.double, requires_grad=True)
     y, _ = remat(f)(x)
     torch.testing.assert_close(torch.autograd.grad(y.sum(), x), (x.cos(),))
+
+
+def test_under_functionalize_a_remat_call_raises_what_to_do_and_functionalize_inside_remat_works():
+    """torch has no functionalize rule for an autograd.Function with setup_context ("NYI:
+    Functionalize rule for custom_function_call", raw, before): said at the call, with what to do.
+    Functionalizing the function inside remat composes, under grad too."""
+    w = torch.randn(4, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+
+    def f(x):
+        y = x.clone()
+        y.mul_(2).sin_()
+        return y @ w
+
+    x = torch.randn(3, 4, dtype=torch.float64)
+    with pytest.raises(funckpt.CheckpointError, match="functionalize"):
+        tf.functionalize(remat(f))(x)
+    with pytest.raises(funckpt.CheckpointError, match="functionalize"):
+        tf.functionalize(tf.grad(lambda x: remat(f)(x).sum()))(x)
+    assert_close(remat(tf.functionalize(f))(x), f(x))
+    assert_close(
+        tf.grad(lambda x: remat(tf.functionalize(f))(x).pow(2).sum())(x),
+        tf.grad(lambda x: f(x).pow(2).sum())(x),
+    )
