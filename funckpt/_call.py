@@ -97,6 +97,7 @@ from ._errors import (
     the_recomputation,
 )
 from ._internals import (
+    is_fake,
     graph_traced,
     AccumulateGrad,
     CreationMeta,
@@ -932,12 +933,19 @@ def _move_retain_grad(
 
 
 def _memory_moved(t: torch.Tensor, g: torch.Tensor) -> bool:
-    """Does ``t`` hold other memory than ``g``? False where they have none to tell by (FakeTensors,
-    which ``make_fx(tracing_mode="fake")`` and ``"symbolic"`` trace with)."""
+    """Does ``t`` hold other memory than ``g``? False where they have none to tell by: FakeTensors
+    (under a ``FakeTensorMode``, which warns at a read of their data pointer, and
+    ``make_fx(tracing_mode="fake")`` or ``"symbolic"``, where it raises) and other subclasses
+    without memory of their own."""
+    if type(t) not in _PLAIN_TENSORS and (is_fake(t) or is_fake(g)):
+        return False
     try:
         return t.data_ptr() != g.data_ptr()
     except RuntimeError:
         return False
+
+
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 
 
 def _stand_in(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -26,6 +26,7 @@ import torch
 import torch.autograd.forward_ad as _fwAD
 from torch._C._dynamo.eval_frame import get_eval_frame_callback as eval_frame_callback  # Dynamo's frame callback now
 from torch.multiprocessing.reductions import StorageWeakRef
+from torch._subclasses.fake_tensor import FakeTensor as _FakeTensor
 from torch.fx.experimental.proxy_tensor import get_proxy_mode as _get_proxy_mode
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -84,6 +85,7 @@ __all__ = [
     "is_legacy_batchedtensor",
     "dispatch_modes_active",
     "graph_traced",
+    "is_fake",
     "outside_functorch",
     "is_dead_tensor_wrapper",
     "is_functorch_wrapped",
@@ -589,6 +591,11 @@ def backward_names_no_inputs() -> bool:
 def dispatch_modes_active() -> bool:
     """Is any torch-dispatch mode active (``make_fx`` tracing, ``linearize``, FakeTensorMode, a user's)?"""
     return bool(torch._C._len_torch_dispatch_stack())
+
+
+def is_fake(t: torch.Tensor) -> bool:
+    """Is ``t`` a FakeTensor (``FakeTensorMode``, ``make_fx(tracing_mode="fake")``): no memory, no values?"""
+    return isinstance(t, _FakeTensor)
 
 
 def graph_traced() -> bool:

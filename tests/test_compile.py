@@ -720,3 +720,28 @@ def test_make_fx_traces_remat_as_the_function_in_every_tracing_mode(tracing_mode
     expected = make_fx(routes[route](f), tracing_mode=tracing_mode)(x, w)(x, w)
     got = make_fx(routes[route](remat(f)), tracing_mode=tracing_mode)(x, w)(x, w)
     assert_close(got, expected)
+
+
+def test_under_fake_tensor_mode_a_step_runs_without_warnings_and_gives_the_gradients_shapes():
+    """Memory estimators run a training step under FakeTensorMode (tensors without memory): remat
+    read their data pointers, which warns there ("Accessing the data pointer of FakeTensor is
+    deprecated"). The step runs clean and gives the gradients the un-remat'd step gives."""
+    import warnings
+
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    def step(checkpointed):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            with FakeTensorMode():
+                torch.manual_seed(0)
+                model = nn.Sequential(nn.LayerNorm(4), nn.Linear(4, 4), nn.Tanh(), nn.Dropout(0.1))
+                layer = remat(model) if checkpointed else model
+                x = torch.randn(5, 4)
+                layer(x).sum().backward()
+                grads = [(p.grad.shape, p.grad.dtype) for p in model.parameters()]
+                params = {k: v.detach() for k, v in model.named_parameters()}
+                func = torch.func.grad(lambda p: torch.func.functional_call(layer, p, (x,)).sum())(params)
+        return grads, {k: (v.shape, v.dtype) for k, v in func.items()}
+
+    assert step(True) == step(False)
