@@ -2157,6 +2157,10 @@ class UserRegion(Region):
                     found.setdefault(id(t), (k, t))
             return list(found.values())
 
+        if not self.escapes_allowed and _traced():
+            # A tracer (make_fx: torch.func.linearize, torch.export) may keep what the run made alive
+            # (torch 2.14's does, under torch.func): what outlived the run cannot be told there.
+            return []
         escaped = alive() if self.escapes_allowed else _alive_after_collecting(alive)
         held = held_by_recording_regions() if escaped else set()
         if escaped:
