@@ -106,6 +106,8 @@ from ._internals import (
     global_module_hooks_as_at_the_call,
     global_module_hooks_now,
     global_module_hooks_registered,
+    grad_node_of,
+    multi_grad_hook_nodes,
     add_batch_dim,
     class_forward,
     is_batchedtensor,
@@ -883,6 +885,7 @@ def _move_input_hooks(
     its own, under ``grad(f)`` of a function reading a module's parameter.)
     """
     moved = set()
+    multi = _multi_grad_hooks_moved(leaves, given, name, of_a_level)
     for i, (leaf, t) in enumerate(zip(leaves, given)):
         if of_a_level is not None and of_a_level[i]:
             continue
@@ -902,18 +905,61 @@ def _move_input_hooks(
             moved.add(i)
         hooks = getattr(leaf, "_backward_hooks", None)
         if hooks and leaf is not t and t.requires_grad:
-            if any("register_multi_grad_hook" in getattr(hook, "__qualname__", "") for hook in hooks.values()):
-                # Its hooks count the tensors it was registered on, whose nodes (the local leaves'),
-                # not the caller's, it asks the engine about: moved, it would never call back.
-                raise CheckpointError(
-                    f"remat({name}): the function registered torch.autograd.graph.register_multi_grad_hook on its "
-                    "inputs; remat runs it on copies of them, so the hook would never see their gradients. "
-                    "Register the hook on the tensors outside the remat'd call."
-                )
             for key, hook in list(hooks.items()):
                 register_tensor_hook(t, FollowingItsHandle(hook, ((hooks, key),)))
                 hooks[key] = no_hook
             moved.add(i)
+    for nodes, callers in multi:
+        nodes[:] = callers
+    return moved
+
+
+def _multi_grad_hooks_moved(
+    leaves: tuple[torch.Tensor, ...], given: tuple[torch.Tensor, ...], name: str, of_a_level: Sequence[bool] | None
+) -> list[tuple[list[Any], list[Any]]]:
+    """For each ``torch.autograd.graph.register_multi_grad_hook`` (``mode="all"``) the function
+    registered on its inputs, the list of nodes its hooks count and the caller's nodes to put there.
+
+    Its hooks move to the caller's tensors with the others (:func:`_move_input_hooks`), but they count
+    the gradients they wait for by asking the engine whether it will run the nodes of the tensors the
+    hook was registered on: the local leaves', which a backward pass through the caller's graph never
+    runs (the hook would never call back). With the caller's nodes in their place, it waits for the
+    caller's tensors' whole gradients and calls back once, as without remat. Refused where the hook
+    also counts a tensor the function computed: that gradient is computed in the recomputation's
+    backward pass, another one than the caller's, and no single call could have both."""
+    nodes_of: dict[int, tuple[Any, Any]] = {}
+    found: dict[int, list[Any]] = {}
+    for i, (leaf, t) in enumerate(zip(leaves, given)):
+        if (of_a_level is not None and of_a_level[i]) or leaf is t or not t.requires_grad:
+            continue
+        for hook in (getattr(leaf, "_backward_hooks", None) or {}).values():
+            while isinstance(hook, FollowingItsHandle):  # (moved there by a remat'd call nested in this one)
+                hook = hook.hook
+            nodes = multi_grad_hook_nodes(hook)
+            if nodes is not None:
+                found[id(nodes)] = nodes
+    if not found:
+        return []
+    for leaf, t in zip(leaves, given):
+        if t.requires_grad:
+            # (The forward run answers a read of an input's ``grad_fn`` with the caller's tensor's,
+            # as torch would give it: the hook may have counted that node already.)
+            node = grad_node_of(t)
+            nodes_of[id(node)] = (node, node)
+            if leaf is not t and leaf.requires_grad:
+                own = grad_node_of(leaf)
+                nodes_of[id(own)] = (own, node)  # (the key's node held: its id is not reused meanwhile)
+    moved = []
+    for nodes in found.values():
+        if not all(id(node) in nodes_of for node in nodes):
+            raise CheckpointError(
+                f"remat({name}): the function (or a remat'd call inside it) registered torch.autograd.graph.register_multi_grad_hook on "
+                "its inputs together with tensors it computed. remat computes the gradients of those in the "
+                "backward pass of its recomputation, apart from its inputs' gradients, so the hook could not "
+                "be called once with all of them. Register one hook on the inputs and another on the "
+                "tensors the function computed, or register it outside the remat'd call."
+            )
+        moved.append((nodes, [nodes_of[id(node)][1] for node in nodes]))
     return moved
 
 

@@ -1133,3 +1133,32 @@ def storage_of(t: torch.Tensor) -> int | None:
         return int(t.untyped_storage()._cdata)
     except (RuntimeError, NotImplementedError, TypeError, AttributeError):
         return None
+
+
+#: The name of the list of nodes in the closure of the hooks ``register_multi_grad_hook(mode="all")``
+#: registers (torch >= 2.1): one node per tensor it was registered on, each tensor's ``grad_fn`` or
+#: gradient accumulator, which the engine is asked about to count the gradients the hook waits for.
+_MULTI_GRAD_HOOK_NODES = "grad_fns"
+
+
+def multi_grad_hook_nodes(hook: Any) -> list[Any] | None:
+    """The list of autograd nodes a hook that ``torch.autograd.graph.register_multi_grad_hook``
+    registered (``mode="all"``) counts, shared by the hooks of that one registration; ``None`` for
+    any other hook (one of ``mode="any"`` counts no nodes).
+
+    The hook (``inner_hook``) keeps them in a closure cell: replacing an entry makes the hook wait
+    for another node's gradient (see ``funckpt._call._move_input_hooks``)."""
+    code = getattr(hook, "__code__", None)
+    if code is None or "register_multi_grad_hook" not in getattr(hook, "__qualname__", ""):
+        return None
+    try:
+        nodes = hook.__closure__[code.co_freevars.index(_MULTI_GRAD_HOOK_NODES)].cell_contents
+    except (ValueError, TypeError, IndexError):
+        return None
+    return nodes if isinstance(nodes, list) else None
+
+
+def grad_node_of(t: torch.Tensor) -> Any:
+    """``t``'s ``grad_fn``, or its gradient accumulator where it is a leaf that requires grad (what
+    ``register_multi_grad_hook`` asks the engine about), as torch's own helper gives it."""
+    return torch.autograd.graph._get_grad_fn_or_grad_acc(t)

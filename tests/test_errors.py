@@ -1277,16 +1277,51 @@ def test_a_recomputation_for_forward_mode_is_not_said_to_run_in_a_backward_pass(
         tf.jvp(remat(f), (torch.randn(3, dtype=torch.float64),), (torch.randn(3, dtype=torch.float64),))
 
 
-def test_a_multi_grad_hook_registered_on_the_inputs_inside_is_refused():
-    """``register_multi_grad_hook`` on the function's inputs: remat's forward run has copies of
-    them, and the hook counts the tensors it was registered on, so moved to the caller's
-    tensors (as single hooks are) it would never call back, or call back with None."""
+def _multi_grad_hook_run(wrap, *, leaves: bool = False, nest: bool = False, second: bool = False):
+    """Gradients and the hook's calls of ``f``, which registers ``register_multi_grad_hook`` on its
+    inputs, under ``.backward()`` (``second``: two of them, the graph retained by the first)."""
+    calls = []
 
     def f(w, x):
-        torch.autograd.graph.register_multi_grad_hook((w, x), lambda grads: None)
+        torch.autograd.graph.register_multi_grad_hook((w, x), lambda grads: calls.append([g.clone() for g in grads]))
         return torch.tanh(x @ w)
 
-    with pytest.raises(CheckpointError, match="register_multi_grad_hook"):
+    def g(w, x):
+        return remat(f)(w, x).cos()
+
+    w = torch.randn(4, 4, dtype=D, generator=torch.Generator().manual_seed(0)).requires_grad_()
+    x = X.clone().requires_grad_()
+    y = wrap(g if nest else f)(*((w, x) if leaves else (w * 1, x * 1)))
+    y.sum().backward(retain_graph=second)
+    if second:
+        (2 * y).sum().backward()
+    return w.grad, x.grad, calls
+
+
+@pytest.mark.parametrize("case", ["non-leaves", "leaves", "nested", "two backward passes"])
+def test_a_multi_grad_hook_registered_on_the_inputs_inside_is_called_once_with_their_gradients(case):
+    """``register_multi_grad_hook`` on the function's inputs (what module trackers, FSDP and
+    profilers register): remat's forward run has copies of them, whose nodes the hook counts; it is
+    moved to the caller's tensors with their nodes in its count, and is called once per backward
+    pass with the caller's tensors' whole gradients, as without remat."""
+    options = dict(leaves=case == "leaves", nest=case == "nested", second=case == "two backward passes")
+    expected = _multi_grad_hook_run(lambda f: f, **options)
+    got = _multi_grad_hook_run(remat, **options)
+    assert len(got[2]) == len(expected[2]) >= 1
+    assert_close(got, expected)
+
+
+def test_a_multi_grad_hook_on_an_input_and_a_tensor_computed_inside_is_refused():
+    """A ``register_multi_grad_hook`` over an input and a tensor the function computed: the
+    latter's gradient is computed in the recomputation's backward pass, the input's in the caller's,
+    so no single call could have both. Refused, saying how to register it instead."""
+
+    def f(w, x):
+        h = x @ w
+        torch.autograd.graph.register_multi_grad_hook((x, h), lambda grads: None)
+        return torch.tanh(h)
+
+    with pytest.raises(CheckpointError, match=r"remat\(f\).*register_multi_grad_hook.*(?s:Register one hook on the inputs)"):
         remat(f)(torch.randn(4, 4, dtype=D, requires_grad=True) * 1, X.clone().requires_grad_() * 1)
 
 
