@@ -21,6 +21,7 @@ import contextlib
 import dataclasses
 import functools
 import gc
+import inspect
 import operator
 import sys
 import types
@@ -963,6 +964,61 @@ def _multi_grad_hooks_moved(
     return moved
 
 
+_GRAD_SIGNATURE = inspect.signature(torch.autograd.grad)
+
+
+def _grad_checking_missed_paths(
+    args: tuple[Any, ...], kwargs: dict[str, Any], others: list[torch.Tensor]
+) -> Callable[..., Any] | None:
+    """A stand-in for the function's call ``torch.autograd.grad(*args, **kwargs)`` that also takes the
+    gradient with respect to ``others`` (inputs computed outside the call from a differentiated one:
+    see ``UserRegion.refuse_missed_paths``) in the same backward pass, and raises the error its first
+    argument makes unless each is None or zero: the path the remat'd call misses then adds nothing
+    to what the function without remat computes. (That pass runs the nodes the function without
+    remat runs too: its gradient with respect to the caller's tensor goes through the other input.)
+
+    ``None`` where that cannot be told from the values: a gradient with ``create_graph=True`` (a
+    part zero here may have a derivative that is not), or arguments torch would refuse itself."""
+    try:
+        bound = _GRAD_SIGNATURE.bind(*args, **kwargs)
+    except TypeError:
+        return None
+    options = bound.arguments
+    if options.get("create_graph") or options.get("is_grads_batched"):
+        return None
+    inputs = options["inputs"]
+    single = isinstance(inputs, torch.Tensor)
+    wanted = [inputs] if single else list(inputs)
+    if not all(isinstance(t, torch.Tensor) for t in wanted):
+        return None
+
+    def grad(error: Callable[[], CheckpointError], *_args: Any, **_kwargs: Any) -> Any:
+        grads = torch.autograd.grad(
+            options["outputs"],
+            [*wanted, *others],
+            options.get("grad_outputs"),
+            retain_graph=options.get("retain_graph"),
+            allow_unused=True,
+            materialize_grads=bool(options.get("materialize_grads")),
+        )
+        mine, theirs = grads[: len(wanted)], grads[len(wanted) :]
+        # (A gradient None here is one the function without remat gets through the other input:
+        # zeros, or the refusal of an unused input, which cannot be told apart without that path.)
+        if any(g is None for g in mine) or any(g is not None and _not_all_zero(g) for g in theirs):
+            raise error()
+        return tuple(mine)
+
+    return grad
+
+
+def _not_all_zero(t: torch.Tensor) -> bool:
+    """Has ``t`` an element that is not zero (NaN included), whichever functorch wrappers it is in?
+    (Read off the plain tensor under them, with the transforms off: under vmap a batched tensor's
+    value cannot be read.)"""
+    with DisableFuncTorch():
+        return bool((bottom(t) != 0).any())
+
+
 def _move_retain_grad(
     leaves: tuple[torch.Tensor, ...], given: tuple[torch.Tensor, ...], substitute: Substitute | None
 ) -> None:
@@ -1672,7 +1728,7 @@ class UserRegion(Region):
 
     def refuse_missed_paths(
         self, local: Sequence[torch.Tensor], given: Sequence[torch.Tensor], func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> None:
+    ) -> Callable[..., Any] | None:
         """Raise before the forward run's function takes a gradient of its own (``func``, one of
         ``torch.autograd.grad``, ``torch.autograd.backward``, ``Tensor.backward``, with its arguments)
         that remat would compute otherwise than the function without remat.
@@ -1688,6 +1744,12 @@ class UserRegion(Region):
         the caller's tensors.) Asked only where the function differentiates inside itself.
         ``given``: the forward run's inputs as the Function got them (the caller's tensors under
         plain autograd; under a transform, lowered ones, and the caller's are :attr:`at_the_call`).
+
+        Where the missed path's part is zero (the outputs depend on the other input through a dead
+        ReLU, ``sign``, a zero ``grad_outputs``), both gradients are the same. For a
+        ``torch.autograd.grad`` without ``create_graph`` (its result a constant), what is returned is
+        a function to call instead of it, that takes the gradient with respect to the other inputs
+        too and raises only where one is not zero (see :func:`_grad_checking_missed_paths`).
         """
         backward = func is not torch.autograd.grad
         if backward and self.under_transforms:
@@ -1708,27 +1770,43 @@ class UserRegion(Region):
             positions = {stand_ins[id(t)] for t in wrt if isinstance(t, torch.Tensor) and id(t) in stand_ins}
         positions = {i for i in positions if callers[i].requires_grad}
         if not positions:
-            return
+            return None
         # The stand-ins the outputs depend on through the function's graph (their leaves' nodes).
         # (Read off the graph, not by get_gradient_edge, which runs an operator: a policy's recorder would see it.)
         reached = _leaves_reached(o.grad_fn for o in outputs if isinstance(o, torch.Tensor))
         used = [j for j, t in enumerate(local) if id(t) in stand_ins and id(t) in reached]
-        for i in sorted(positions):
-            for j in used:
-                if j != i and callers[j].grad_fn is not None and _reaches(callers[j].grad_fn, callers[i]):
-                    raise CheckpointError(
-                        f"remat({self.name}): the function takes a gradient of its own ({_differentiation_name(func)}) "
-                        f"with respect to {self.describe_input(i, callers[i])}, and "
-                        f"{self.describe_input(j, callers[j])}, which it also uses there, was computed from that "
-                        "tensor outside the call. "
-                        "Inside a remat'd call each input is a leaf of its own, so that gradient would miss the path "
-                        "through the other input, which the function without remat follows: its value (and every "
-                        "gradient computed from it) would be silently wrong. Pass the tensor it is computed from into "
-                        "the function and compute the dependent tensor inside it (remat(lambda x, W: f(x, W * "
-                        "x.sum()))), or take that gradient outside the remat'd call."
-                    )
+        missed = [
+            (i, j)
+            for i in sorted(positions)
+            for j in used
+            if j != i and callers[j].grad_fn is not None and _reaches(callers[j].grad_fn, callers[i])
+        ]
+        if missed:
+            if func is torch.autograd.grad:
+                narrowed = _grad_checking_missed_paths(args, kwargs, [local[j] for j in dict.fromkeys(j for _, j in missed)])
+                if narrowed is not None:
+                    i, j = missed[0]
+                    return functools.partial(narrowed, lambda: self._missed_path_error(func, i, callers[i], j, callers[j]))
+            i, j = missed[0]
+            raise self._missed_path_error(func, i, callers[i], j, callers[j])
         if backward:
             self._refuse_accumulation_into_stand_ins(local, callers, [i for i in sorted(positions) if i in used])
+        return None
+
+    def _missed_path_error(self, func: Any, i: int, wrt: torch.Tensor, j: int, other: torch.Tensor) -> CheckpointError:
+        """The error of :meth:`refuse_missed_paths`: the gradient with respect to input ``i`` misses the
+        path through input ``j``, which the caller computed from it."""
+        return CheckpointError(
+            f"remat({self.name}): the function takes a gradient of its own ({_differentiation_name(func)}) "
+            f"with respect to {self.describe_input(i, wrt)}, and "
+            f"{self.describe_input(j, other)}, which it also uses there, was computed from that "
+            "tensor outside the call. "
+            "Inside a remat'd call each input is a leaf of its own, so that gradient would miss the path "
+            "through the other input, which the function without remat follows: its value (and every "
+            "gradient computed from it) would be silently wrong. Pass the tensor it is computed from into "
+            "the function and compute the dependent tensor inside it (remat(lambda x, W: f(x, W * "
+            "x.sum()))), or take that gradient outside the remat'd call."
+        )
 
     def _refuse_accumulation_into_stand_ins(self, local: Sequence[torch.Tensor], callers: Sequence[torch.Tensor], into: list[int]) -> None:
         """Raise before a backward pass the function runs inside itself accumulates into the ``.grad``

@@ -3288,7 +3288,9 @@ class Substitute(OnThreadStack, TorchFunctionMode):
         elif special is _DIFFERENTIATES:
             if self.differentiating is not None and not compiling and not _active.internal:
                 region, callers = self.differentiating
-                region.refuse_missed_paths(self.inputs, callers, func, args if swapped is None else tuple(swapped), kwargs or {})
+                narrowed = region.refuse_missed_paths(self.inputs, callers, func, args if swapped is None else tuple(swapped), kwargs or {})
+                if narrowed is not None:  # (a gradient whose missed paths are checked to add nothing)
+                    func = narrowed
         elif not compiling:  # a dropout (LAYOUT_DRAWS)
             redraw = self._layout_draw(func, args if swapped is None else tuple(swapped), kwargs or {})
         watch = self.watch

@@ -858,6 +858,52 @@ def test_a_gradient_inside_with_inputs_that_do_not_reach_each_other_is_as_withou
     assert_close(_PENALTY_RUNS[run](g(remat(f)), _PENALTY_X.clone()), _PENALTY_RUNS[run](g(f), _PENALTY_X.clone()))
 
 
+def _dead_path(x, w):
+    """A gradient of its own with respect to ``x`` (no ``create_graph``) whose part through ``w`` is
+    zero: ``w`` enters only through a ReLU that is off everywhere."""
+    h = (x @ torch.relu(w - 100.0)).sum() + x.pow(3).sum()
+    (g,) = torch.autograd.grad(h, x)
+    return g * x.sin()
+
+
+def _sign_path(x, w):
+    """The same where ``w`` enters through ``sign`` (a gradient of zeros)."""
+    (g,) = torch.autograd.grad((x.square() @ w.sign()).sum(), x)
+    return g * x.sin()
+
+
+def _masked_path(x, w):
+    """The same where ``grad_outputs`` is zero on the output that depends on ``w``."""
+    out = torch.stack([x.pow(3).sum(), (x @ w).sum()])
+    (g,) = torch.autograd.grad(out, x, grad_outputs=torch.tensor([1.0, 0.0], dtype=D))
+    return g * x.sin()
+
+
+@pytest.mark.parametrize("run", list(_PENALTY_RUNS))
+@pytest.mark.parametrize("f", [_dead_path, _sign_path, _masked_path], ids=lambda f: f.__name__)
+def test_a_gradient_inside_whose_path_through_an_input_computed_from_the_differentiated_one_is_zero_is_as_without_remat(run, f):
+    """The other input was computed from the differentiated one outside the call, but the gradient's
+    part through it is zero: the path remat misses adds nothing, and the function's own gradient
+    (taken without ``create_graph``, a constant) is the one without remat. Not refused (it was, from
+    the graph's shape alone)."""
+    g = lambda f: lambda x: f(x, _PENALTY_W * x.sum())  # noqa: E731
+    assert_close(_PENALTY_RUNS[run](g(remat(f)), _PENALTY_X.clone()), _PENALTY_RUNS[run](g(f), _PENALTY_X.clone()))
+
+
+@pytest.mark.parametrize("run", ["backward", "grad", "vmap of grad"])
+def test_a_gradient_inside_with_create_graph_through_a_zero_path_is_still_refused(run):
+    """With ``create_graph=True`` the missed part's value may be zero where its derivative is not
+    (``w * (x - x0)`` at ``x0``): not told from the values, refused as before."""
+
+    def f(x, w):
+        h = (x @ torch.relu(w - 100.0)).sum() + x.pow(3).sum()
+        (g,) = torch.autograd.grad(h, x, create_graph=True)
+        return g * x.sin()
+
+    with pytest.raises(CheckpointError, match=r"remat\(f\): the function takes a gradient of its own"):
+        _PENALTY_RUNS[run](lambda x: remat(f)(x, _PENALTY_W * x.sum()), _PENALTY_X.clone())
+
+
 def test_jvp_under_grad_of_a_function_of_a_parameter_recomputes_with_it_as_without_remat():
     """``grad(jvp(f))`` where ``f`` uses a module's parameter: at the jvp's level ``lin(x)`` says it
     requires no grad without remat (the parameter is a tensor of no transform's level, ``x`` the
