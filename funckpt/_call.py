@@ -115,6 +115,7 @@ from ._internals import (
     maybe_get_level,
     unwrap_batched,
     unwrap_one_level,
+    unwrap_if_dead,
     at_a_grad_level_of_its_own,
     autograd_excluded,
     call_with_own_hooks,
@@ -377,14 +378,76 @@ def _put_back(slot: HeldEscape, output: torch.Tensor) -> None:
     if is_functorch_wrapped(output):  # (a recomputation reading it is told as a kept tensor: Substitute._check)
         setattr(output, PUT_BACK, True)
     holder = slot.holder
-    if slot.key in (holder if isinstance(holder, dict) else range(len(holder))) and holder[slot.key] is slot.alias:
-        holder[slot.key] = output
+    if _place_holds(holder, slot.key, slot.alias):
+        _set_place(holder, slot.key, output)
         return
-    keys = holder.keys() if isinstance(holder, dict) else range(len(holder))
-    for key in keys:
-        if holder[key] is slot.alias:
-            holder[key] = output
+    for key in _keys_of(holder):
+        if _get_place(holder, key) is slot.alias:
+            _set_place(holder, key, output)
             return
+
+
+class _InTuple(NamedTuple):
+    """The place of an item of a tuple (or a namedtuple) that ``holder`` holds at ``key``: a tuple
+    cannot be written, so a write there puts a new tuple in its place, its items the same but that
+    one (see UserRegion._swap_held_for_aliases). ``holder`` is a list, a dict, a closure cell or
+    another such place (a tuple in a tuple)."""
+
+    holder: Any
+    key: Any
+
+
+#: The key of a closure cell's one place (``nonlocal h; h = ...``, a function's own cell).
+_CELL = object()
+
+
+def _setitem_of(holder: Any) -> Callable[[Any, Any, Any], None]:
+    """The ``__setitem__`` of ``holder``'s list or dict class, the builtin one or ``collections``'
+    it derives from (a subclass's own, which may do more, is passed over: what is written is a tensor
+    of the same value in the same place, standing for the one written there)."""
+    base = next(b for b in type(holder).__mro__ if b.__module__ in ("builtins", "collections"))
+    return cast(Callable[[Any, Any, Any], None], getattr(base, "__setitem__"))
+
+
+def _get_place(holder: Any, key: Any) -> Any:
+    if isinstance(holder, _InTuple):
+        return _get_place(holder.holder, holder.key)[key]
+    if key is _CELL:
+        return holder.cell_contents
+    return (dict.__getitem__ if isinstance(holder, dict) else list.__getitem__)(holder, key)
+
+
+def _set_place(holder: Any, key: Any, value: Any) -> None:
+    if isinstance(holder, _InTuple):
+        items = list(_get_place(holder.holder, holder.key))
+        old = _get_place(holder.holder, holder.key)
+        items[key] = value
+        _set_place(holder.holder, holder.key, type(old)._make(items) if hasattr(type(old), "_make") else tuple(items))
+    elif key is _CELL:
+        holder.cell_contents = value
+    else:
+        _setitem_of(holder)(holder, key, value)
+
+
+def _keys_of(holder: Any) -> Iterable[Any]:
+    """The keys of ``holder``'s places (an empty tuple's where a tuple's holder no longer holds one)."""
+    if isinstance(holder, _InTuple):
+        try:
+            items = _get_place(holder.holder, holder.key)
+        except (KeyError, IndexError, ValueError):
+            return ()
+        return range(len(items)) if isinstance(items, tuple) else ()
+    if isinstance(holder, types.CellType):
+        return (_CELL,)
+    return list(dict.keys(holder)) if isinstance(holder, dict) else range(len(holder))
+
+
+def _place_holds(holder: Any, key: Any, value: Any) -> bool:
+    """Does ``holder`` hold ``value`` at ``key`` (still there, not moved since)?"""
+    try:
+        return _get_place(holder, key) is value
+    except (KeyError, IndexError, ValueError, TypeError):
+        return False
 
 
 def _recorded_by_transformers(t: torch.Tensor) -> str | None:
@@ -426,6 +489,73 @@ def _reached_directly(fn: Any) -> set[int]:
 
 #: The global containers :meth:`UserRegion._refuse_stored_inputs` looks into.
 _STORES = frozenset({list, dict, set, collections.deque})
+
+
+def _places_holding(found: list[torch.Tensor], ids: set[int]) -> list[tuple[Any, Any]]:
+    """The places (holder, key) that hold a tensor of ``found`` (whose ids are ``ids``) directly, as
+    found by the garbage collector's referrers: a list's index, a dict's key, a closure cell's content,
+    or an item of a tuple that one of those holds (through tuples, a few deep). (A deque, a set, an
+    object's slots, a frame's local are not places: what they hold stays alive, and is refused.)"""
+    places: list[tuple[Any, Any]] = []
+    referrers = gc.get_referrers(*found)
+    for holder in referrers:
+        if holder is found:
+            continue
+        if isinstance(holder, tuple) and _rebuildable(holder):
+            indices = [i for i, v in enumerate(holder) if id(v) in ids]
+            outers = _places_of_tuple(holder, 0, [referrers])
+            places.extend((_InTuple(*outer), i) for outer in outers for i in indices)
+        elif _is_place(holder):
+            places.extend((holder, key) for key in _keys_of(holder) if id(_get_place(holder, key)) in ids)
+    return places
+
+
+def _rebuildable(t: tuple[Any, ...]) -> bool:
+    """Can a tuple like ``t`` be made with other items (a tuple, a namedtuple), and is it the user's
+    (funckpt's own records, namedtuples, are not places)?"""
+    kind = type(t)
+    return kind is tuple or (hasattr(kind, "_make") and not kind.__module__.startswith("funckpt"))
+
+
+def _is_place(holder: Any) -> bool:
+    """Is ``holder`` a list, a dict, or a closure cell of a function not funckpt's own?"""
+    if isinstance(holder, types.CellType):
+        return _users_cell(holder)
+    return isinstance(holder, (list, dict))
+
+
+def _users_cell(cell: types.CellType) -> bool:
+    """Is ``cell`` in the closure of a function that is not funckpt's (the user's ``nonlocal`` state,
+    not a cell of funckpt's own frames that held the tensor a moment)?"""
+    for closure in gc.get_referrers(cell):
+        if isinstance(closure, tuple):
+            for fn in gc.get_referrers(closure):
+                if isinstance(fn, types.FunctionType) and fn.__closure__ is closure:
+                    if not (fn.__module__ or "").startswith("funckpt"):
+                        return True
+    return False
+
+
+#: How deep in tuples :func:`_places_holding` looks for a tensor (a pair in a tuple of layers' pairs).
+_TUPLE_DEPTH = 4
+
+
+def _places_of_tuple(tup: tuple[Any, ...], depth: int, walking: list[list[Any]]) -> list[tuple[Any, Any]]:
+    """The places that hold the tuple ``tup``: a list's, a dict's, a cell's, or a tuple's that one
+    holds. (``walking``: the lists of referrers the walk is going through, which hold it too.)"""
+    found: list[tuple[Any, Any]] = []
+    referrers = gc.get_referrers(tup)
+    for holder in referrers:
+        if any(holder is w for w in walking):
+            continue
+        if isinstance(holder, tuple) and holder is not tup:
+            if depth < _TUPLE_DEPTH and _rebuildable(holder):
+                indices = [i for i, v in enumerate(holder) if v is tup]
+                outers = _places_of_tuple(holder, depth + 1, [*walking, referrers])
+                found.extend((_InTuple(*outer), i) for outer in outers for i in indices)
+        elif _is_place(holder):
+            found.extend((holder, key) for key in _keys_of(holder) if _get_place(holder, key) is tup)
+    return found
 
 
 class HeldEscape(NamedTuple):
@@ -2351,21 +2481,13 @@ class UserRegion(Region):
         ids = {id(t) for t in found}
         aliases: dict[int, torch.Tensor] = {}
         slots: list[tuple[Any, Any, torch.Tensor]] = []
-        for holder in gc.get_referrers(*found):
-            if holder is found or type(holder) not in (list, dict):  # (a subclass's __setitem__ may do more)
-                continue
-            keys = (
-                [k for k, v in holder.items() if id(v) in ids]
-                if isinstance(holder, dict)
-                else [i for i, v in enumerate(holder) if id(v) in ids]
-            )
-            for key in keys:
-                t = holder[key]
-                alias = aliases.get(id(t))
-                if alias is None:
-                    alias = aliases[id(t)] = t.detach()
-                holder[key] = alias
-                slots.append((holder, key, t))
+        for holder, key in _places_holding(found, ids):
+            t = _get_place(holder, key)
+            alias = aliases.get(id(t))
+            if alias is None:
+                alias = aliases[id(t)] = t.detach()
+            _set_place(holder, key, alias)
+            slots.append((holder, key, t))
         del found
         # (The tensors themselves are let go of: only their aliases, and the places, are kept.)
         return [
@@ -2415,8 +2537,8 @@ class UserRegion(Region):
         slots, self.held_escapes = self.held_escapes, []
         for slot in slots:
             t = slot.tensor()
-            if t is not None and slot.holder[slot.key] is slot.alias:
-                slot.holder[slot.key] = t
+            if t is not None and _place_holds(slot.holder, slot.key, slot.alias):
+                _set_place(slot.holder, slot.key, t)
 
     def _kept_as_outputs(
         self,
@@ -3084,7 +3206,8 @@ class UserRegion(Region):
 
         escaped = _alive_after_collecting(alive)
         if escaped:
-            self._refuse_escape_under_transform(escaped[-1])
+            also_returned = any(unwrap_if_dead(escaped[-1]) is o for o in outs)
+            self._refuse_escape_under_transform(escaped[-1], also_returned)
 
     def _refuse_tainted_escapes(
         self, taint: Taint, made: list[weakref.ref[torch.Tensor]], outputs: Sequence[torch.Tensor], flat: tuple[torch.Tensor, ...]
@@ -3122,10 +3245,22 @@ class UserRegion(Region):
         if alive:
             self._refuse_escape_under_transform(alive[-1])
 
-    def _refuse_escape_under_transform(self, t: torch.Tensor) -> None:
+    def _refuse_escape_under_transform(self, t: torch.Tensor, also_returned: bool = False) -> None:
+        """Raise for ``t``, computed by the function and kept outside the call under a transform
+        (``also_returned``: one the function returned too, under a grad level of the run's own)."""
         explained = self._escape_explained(t)
         if explained is not None:
             raise explained
+        if also_returned:
+            raise CheckpointError(
+                f"remat({self.name}): a tensor of shape {tuple(t.shape)} that the function computed outlived the "
+                "call other than as its return value under a torch.func transform: the function returns it and "
+                "also keeps it (in a list or dict it appends to, a module attribute). Below a vmap (vmap(grad)) "
+                "remat's forward run is at a grad level of its own, where the kept tensor is not the call's "
+                "output, and a gradient through it would be silently missing. Keep the remat'd call's output "
+                "instead (out = remat(f)(x); kept.append(out)), or detach the kept tensor if it is only kept "
+                "for logging."
+            )
         raise CheckpointError(
             f"remat({self.name}): a tensor of shape {tuple(t.shape)} that the function computed "
             "outlived the call other than as its return value under a torch.func transform (kept by a "

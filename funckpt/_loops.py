@@ -688,7 +688,7 @@ class LoopRegion(UserRegion):
                 return leaf
         return None
 
-    def _refuse_escape_under_transform(self, t: torch.Tensor) -> None:
+    def _refuse_escape_under_transform(self, t: torch.Tensor, also_returned: bool = False) -> None:
         api = self.loop.api
         holder = self._unflattened_leaf_holding(t)
         if holder is not None:
