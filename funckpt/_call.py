@@ -1016,7 +1016,7 @@ def _move_input_hooks(
     its own, under ``grad(f)`` of a function reading a module's parameter.)
     """
     moved = set()
-    multi = _multi_grad_hooks_moved(leaves, given, name, of_a_level)
+    multi: list[tuple[list[Any], list[Any]]] | None = None  # (found once some input has hooks to move)
     for i, (leaf, t) in enumerate(zip(leaves, given)):
         if of_a_level is not None and of_a_level[i]:
             continue
@@ -1036,11 +1036,13 @@ def _move_input_hooks(
             moved.add(i)
         hooks = getattr(leaf, "_backward_hooks", None)
         if hooks and leaf is not t and t.requires_grad:
+            if multi is None:
+                multi = _multi_grad_hooks_moved(leaves, given, name, of_a_level)
             for key, hook in list(hooks.items()):
                 register_tensor_hook(t, FollowingItsHandle(hook, ((hooks, key),)))
                 hooks[key] = no_hook
             moved.add(i)
-    for nodes, callers in multi:
+    for nodes, callers in multi or ():
         nodes[:] = callers
     return moved
 
