@@ -2290,12 +2290,14 @@ class CallersNodes:
     ``dicts`` tells a registration on the caller's node from one on a node of the run's own graph.
     """
 
-    __slots__ = ("dicts", "hooked", "hooks", "nodes", "requires_grad")
+    __slots__ = ("dicts", "hooked", "hooks", "is_leaf", "nodes", "requires_grad")
 
     def __init__(self) -> None:
         self.nodes: dict[int, Any] = {}  # input index -> the caller's node
         # input index -> the caller's tensor's requires_grad, where its stand-in's differs (see Substitute._callers_read)
         self.requires_grad: dict[int, bool] = {}
+        # input index -> the caller's tensor's is_leaf, where its stand-in's differs (a non-leaf's stand-in is a leaf)
+        self.is_leaf: dict[int, bool] = {}
         self.hooked: set[int] = set()  # inputs whose tensor hooks went to the caller's tensor (see Substitute._callers_hook)
         self.dicts: dict[int, dict[int, Any]] = {}  # id -> a dict of hooks of one of those nodes
         self.hooks: list[tuple[dict[int, Any], int]] = []  # the forward run's registrations there, in order
@@ -2678,6 +2680,7 @@ def _metadata_reads() -> frozenset[Any]:
 _METADATA = _metadata_reads()
 _GRAD_FN = cast(Any, torch.Tensor.grad_fn).__get__
 _REQUIRES_GRAD = cast(Any, torch.Tensor.requires_grad).__get__
+_IS_LEAF = cast(Any, torch.Tensor.is_leaf).__get__
 #: Operators whose result passes no gradient back to their input: a foreign tensor may go in.
 #: Besides ``detach``, the reads of a tensor's values as Python numbers or text (``loss.item()``,
 #: ``float(t)``, ``f"{t:.3f}"``, a log line of the previous step's auxiliary loss).
@@ -3155,9 +3158,9 @@ class Substitute(OnThreadStack, TorchFunctionMode):
                 if (
                     (self.given is not None or self.callers_nodes is not None)
                     and args
-                    and (func == _GRAD_FN or func == _REQUIRES_GRAD)
+                    and (func == _GRAD_FN or func == _REQUIRES_GRAD or func == _IS_LEAF)
                 ):
-                    # (An input's x.grad_fn, x.requires_grad: the caller's tensor's, as without remat.)
+                    # (An input's x.grad_fn, x.requires_grad, x.is_leaf: the caller's tensor's, as without remat.)
                     read = self._callers_read(func, args[0])
                     if read is not _NOT_READ:
                         return read
@@ -3342,7 +3345,7 @@ class Substitute(OnThreadStack, TorchFunctionMode):
         return out
 
     def _callers_read(self, func: Any, t: Any, delegated: bool = False) -> Any:
-        """What ``func`` (``grad_fn``'s or ``requires_grad``'s getter) reads of the caller's tensor that
+        """What ``func`` (``grad_fn``'s, ``requires_grad``'s or ``is_leaf``'s getter) reads of the caller's tensor that
         ``t``, an input's stand-in, stands in for, where it differs from what it reads of ``t``:
         the forward run's (``given``), noted for the recomputation (see :class:`CallersNodes`);
         :data:`_NOT_READ` where it does not differ (or ``t`` is no input's stand-in).
@@ -3354,7 +3357,7 @@ class Substitute(OnThreadStack, TorchFunctionMode):
         i = next((k for k, s in enumerate(self.inputs) if s is t), None)
         if i is None or (not delegated and _funckpts_own_read(sys._getframe(2))):
             return _NOT_READ
-        grad_fn = func == _GRAD_FN
+        grad_fn, is_leaf = func == _GRAD_FN, func == _IS_LEAF
         if self.given is not None:  # (a forward run)
             caller = self.given[i]
             if caller is t:
@@ -3362,18 +3365,21 @@ class Substitute(OnThreadStack, TorchFunctionMode):
             # (The stand-in of a run this one is nested in: what that run gives for it.)
             value = self._enclosing_read(func, caller)
             if value is _NOT_READ:
-                value = caller.grad_fn if grad_fn else caller.requires_grad
-            if value is None or (not grad_fn and value == t.requires_grad):
+                value = caller.grad_fn if grad_fn else caller.is_leaf if is_leaf else caller.requires_grad
+            # (``is_leaf`` is noted even where the stand-in says the same: a recomputation's input need
+            # not be a leaf, one whose graph a create_graph backward pass differentiates.)
+            if value is None or (not grad_fn and not is_leaf and value == t.requires_grad):
                 return _NOT_READ
             if self.callers_nodes is None:
                 self.callers_nodes = CallersNodes()
             if grad_fn:
                 self.callers_nodes.hand_out(i, value)
             else:
-                self.callers_nodes.requires_grad[i] = bool(value)
+                (self.callers_nodes.is_leaf if is_leaf else self.callers_nodes.requires_grad)[i] = bool(value)
             return value
         assert self.callers_nodes is not None
-        value = (self.callers_nodes.nodes if grad_fn else self.callers_nodes.requires_grad).get(i)
+        noted = self.callers_nodes.nodes if grad_fn else self.callers_nodes.is_leaf if is_leaf else self.callers_nodes.requires_grad
+        value = noted.get(i)
         return _NOT_READ if value is None else value
 
     def _callers_hook(self, func: Any, t: Any, rest: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:

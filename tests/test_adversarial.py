@@ -1890,6 +1890,23 @@ def test_an_inputs_autograd_node_is_the_callers(on, kind, removal, how, nested):
         assert_close(run(lambda f: lambda x, c: funckpt.checkpoint(f, x, c, use_reentrant=False)), expected)
 
 
+@pytest.mark.parametrize("how", ALL)
+@pytest.mark.parametrize("computed", [False, True], ids=["a leaf argument", "an argument the caller computed"])
+def test_an_inputs_is_leaf_is_the_callers(how, computed):
+    """Code that branches on an input's ``is_leaf`` takes the branch it takes without remat: the
+    forward run's and the recomputation's inputs are leaves of their own, and an input the caller
+    computed said ``is_leaf`` True there (a silently other value), as ``grad_fn`` said None before."""
+
+    def fn(x):
+        return x.sin() * (2.0 if x.is_leaf else 3.0)
+
+    def caller(f):
+        return (lambda x: f(x * 1)) if computed else f
+
+    x = randn(3, 4, seed=1)
+    assert_close(derivative(how, caller(remat(fn)), x), derivative(how, caller(fn), x))
+
+
 @pytest.mark.parametrize("on", ["intermediate", "parameter_only", "input", "input_post_accumulate", "node", "module"])
 @pytest.mark.parametrize("how", ["jvp", "jacfwd", "vmap_jvp", "jvp_vmap"])
 @pytest.mark.parametrize("input_requires_grad", [False, True])
