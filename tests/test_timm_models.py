@@ -717,3 +717,118 @@ def test_levit_eval_mode_attention_bias_cache_raises():
             m.attention_bias_cache = {}
     with pytest.raises(funckpt.CheckpointError, match="a remat'd call computed earlier and that was kept outside"):
         func_grad_results(model, x)
+
+
+# ---------------------------------------------------------------------------
+# 6. timm's checkpoint_seq replaced by funckpt.checkpoint_sequential; PEFT adapters
+# ---------------------------------------------------------------------------
+
+
+def _checkpoint_sequential_as_checkpoint_seq(functions, x, every=1, flatten=False, skip_last=False, use_reentrant=None):
+    """timm's ``checkpoint_seq`` written with ``funckpt.checkpoint_sequential``: chunks of ``every``
+    functions, the last one run without checkpointing (checkpoint_sequential's semantics)."""
+    import itertools
+    import math
+
+    if isinstance(functions, nn.Sequential):
+        functions = list(functions.children())
+    if flatten:
+        functions = list(itertools.chain.from_iterable(functions))
+    functions = list(functions)
+    return funckpt.checkpoint_sequential(functions, max(1, math.ceil(len(functions) / every)), x, use_reentrant=False)
+
+
+@pytest.mark.parametrize("name", ["resnet", "vit", "swin", "efficientnet", "nfnet"])
+def test_checkpoint_seq_replaced_by_funckpt_checkpoint_sequential(name, monkeypatch, routed):
+    """A training script that swaps timm's ``checkpoint_seq`` (every module that imported it) for
+    ``funckpt.checkpoint_sequential`` (and its ``checkpoint`` for ``funckpt.checkpoint``: ViT and
+    Swin checkpoint block by block): the same gradients and buffers as without checkpointing
+    under ``.backward()`` and ``torch.func.grad``, BatchNorm stepped once."""
+    import sys
+
+    from timm.models import _manipulate
+
+    sequences = []
+
+    def checkpoint_seq(*args, **kwargs):
+        sequences.append(args[0])
+        return _checkpoint_sequential_as_checkpoint_seq(*args, **kwargs)
+
+    for module_name, module in list(sys.modules.items()):
+        if module_name.startswith("timm.models.") and getattr(module, "checkpoint_seq", None) is _manipulate.checkpoint_seq:
+            monkeypatch.setattr(module, "checkpoint_seq", checkpoint_seq)
+    reference, x = build(name)
+    model = with_grad_checkpointing(reference)
+    got = backward_results(model, x)
+    assert_close(got, backward_results(reference, x))
+    if name in BATCHNORM:
+        _check_batchnorm_stepped_once(got["buffers"])
+    reference, x = build(name)
+    assert_close(func_grad_results(with_grad_checkpointing(reference), x), func_grad_results(reference, x))
+    assert sequences or routed
+
+
+def _peft_on_timm(name: str, kind: str) -> tuple[nn.Module, torch.Tensor]:
+    peft = pytest.importorskip("peft")
+    model, x = build(name)
+    targets = {"vit": ["qkv", "fc1"], "resnet": r".*layer\d\.\d\.conv\d", "convnext": r".*mlp\.fc\d"}[name]
+    torch.manual_seed(1)
+    if kind == "lora":
+        config = peft.LoraConfig(r=2, lora_alpha=4, lora_dropout=0.1, target_modules=targets, init_lora_weights=False)
+    elif kind == "dora":
+        config = peft.LoraConfig(
+            r=2, lora_alpha=4, lora_dropout=0.1, target_modules=targets, init_lora_weights=False, use_dora=True
+        )
+    else:
+        config = peft.IA3Config(target_modules=targets, feedforward_modules=[], init_ia3_weights=False)
+    return peft.get_peft_model(model, config).to(D), x
+
+
+PEFT_ON_TIMM = [("vit", "lora"), ("vit", "dora"), ("vit", "ia3"), ("resnet", "lora"), ("convnext", "lora")]
+
+
+@pytest.mark.parametrize("name,kind", PEFT_ON_TIMM)
+def test_peft_adapters_on_timm_models(name, kind, routed):
+    """PEFT adapters (LoRA with adapter dropout, DoRA, IA3; on linear layers and on ResNet's
+    convolutions) over a frozen timm model with ``set_grad_checkpointing``, and with remat'd
+    blocks: the adapters' gradients under ``.backward()`` and ``torch.func.grad`` of the
+    trainable parameters only, and per-example ``vmap(grad)`` (training mode, both randomness
+    modes, where no BatchNorm; eval mode otherwise)."""
+    reference, x = _peft_on_timm(name, kind)
+
+    def remat_inner_blocks(model):
+        model = copy.deepcopy(model)
+        for seq, i in blocks_of(model.base_model.model):
+            seq[int(i)] = funckpt.remat(seq[int(i)])
+        return model
+
+    def set_grad_checkpointing(model):
+        model = copy.deepcopy(model)
+        model.base_model.model.set_grad_checkpointing(True)
+        return model
+
+    def per_example(model, randomness):
+        params = {k: v.detach() for k, v in model.named_parameters() if v.requires_grad}
+
+        def loss(p, xi, yi):
+            return F.cross_entropy(tf.functional_call(model, p, (xi[None],)), yi[None])
+
+        torch.manual_seed(5)
+        return tf.vmap(tf.grad(loss), in_dims=(None, 0, 0), randomness=randomness)(params, x, LABELS)
+
+    for checkpointed in (set_grad_checkpointing, remat_inner_blocks):
+        reference.zero_grad(set_to_none=True)
+        model = checkpointed(reference)
+        expected = backward_results(copy.deepcopy(reference), x)
+        assert expected["grads"] and all(g is not None for g in expected["grads"].values())
+        assert_close(backward_results(model, x), expected)
+        model = checkpointed(reference)  # (its BatchNorm statistics as the reference's)
+        assert_close(
+            func_grad_results(model, x, trainable_only=True), func_grad_results(reference, x, trainable_only=True)
+        )
+        if name in BATCHNORM:
+            assert_close(per_example(model.eval(), "error"), per_example(copy.deepcopy(reference).eval(), "error"))
+        else:
+            for randomness in ("same", "different"):
+                assert_close(per_example(model, randomness), per_example(reference, randomness))
+    assert routed
