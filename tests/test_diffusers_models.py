@@ -597,3 +597,69 @@ def test_enable_freeu_after_remat_blocks():
         for m in (reference, model):
             m.disable_freeu()
         assert_close(forward(model, "unet_cond", x, kw), plain)
+
+
+# ---------------------------------------------------------------------------
+# 4. LoRA adapters added through diffusers' PEFT integration (add_adapter)
+# ---------------------------------------------------------------------------
+
+
+def _with_lora(name: str) -> nn.Module:
+    """The model frozen, with a LoRA adapter on its attention projections (adapter dropout on),
+    both LoRA matrices nonzero (PEFT's default zero B would make the adapter's output vanish)."""
+    peft = pytest.importorskip("peft")
+    model = build(name).requires_grad_(False)
+    torch.manual_seed(1)
+    model.add_adapter(
+        peft.LoraConfig(
+            r=2, lora_alpha=4, lora_dropout=0.1, init_lora_weights=False,
+            target_modules=["to_q", "to_k", "to_v", "to_out.0"],
+        )
+    )
+    return model.to(D)
+
+
+@pytest.mark.parametrize("name", ["unet_cond", "sd3", "flux"])
+def test_lora_adapters_trained_through_add_adapter(name, routed):
+    """LoRA fine-tuning as diffusers' training scripts do it: only the adapters train, under
+    ``.backward()`` and ``torch.func.grad`` (against the eager gradients: remat replays eager
+    mode's dropout masks), checkpointed both ways."""
+    reference = _with_lora(name)
+    expected = backward_results(copy.deepcopy(reference), name)
+    assert expected["grads"] and all("lora" in k for k in expected["grads"])
+    _nonzero(expected["grads"])
+    for checkpointed in (with_grad_checkpointing, remat_blocks):
+        assert_close(backward_results(checkpointed(reference), name), expected)
+        assert_close(func_grad_results(checkpointed(reference), name), expected)
+    assert routed
+
+
+def test_lora_scale_for_one_forward_pass_raises_and_set_adapters_weights_trains(routed):
+    """``cross_attention_kwargs={"scale": s}`` scales the LoRA layers for the model's forward pass
+    only (``scale_lora_layers`` before, ``unscale_lora_layers`` after): the recomputation in the
+    backward pass computes with the other scale. remat refuses it (``torch.utils.checkpoint``
+    silently differentiates activations of the other scale), saying to set the scale for the
+    whole step: ``set_adapters(..., weights=[s])`` then gives the gradients of the per-call scale
+    without checkpointing. (**Not caught**: an adapter whose output is zero, PEFT's default
+    initialisation, computes the same values with either scale; its B matrix then gets the
+    gradient of the other scale.)"""
+    name = "unet_cond"
+    reference = _with_lora(name)
+    x, kw = inputs(name)
+
+    def step(model, per_call_scale):
+        torch.manual_seed(5)
+        xx = x.clone().requires_grad_()
+        extra = {"cross_attention_kwargs": {"scale": 0.5}} if per_call_scale else {}
+        out = model(xx, **kw, **extra).sample
+        _loss(out).backward()
+        return {"out": out.detach(), "x.grad": xx.grad, "grads": _grads(model)}
+
+    expected = step(copy.deepcopy(reference), per_call_scale=True)
+    for checkpointed in (with_grad_checkpointing, remat_blocks):
+        with pytest.raises(funckpt.CheckpointError, match=r"set_adapters\(\.\.\., weights=\[s\]\)"):
+            step(checkpointed(reference), per_call_scale=True)
+        model = checkpointed(reference)
+        model.set_adapters(["default"], weights=[0.5])
+        assert_close(step(model, per_call_scale=False), expected)
+    assert routed

@@ -1455,3 +1455,44 @@ def test_a_signaling_nan_in_a_small_float32_output_makes_numpy_report_nothing(se
     finally:
         np.seterr(**before)
     assert_close(x.grad, torch.full((3,), 2.0))
+
+
+class _ScaledAdapter(torch.nn.Module):
+    """``base(x) + scaling * b(x)``, as PEFT's LoRA layer computes, ``scaling`` a Python number
+    that diffusers multiplies for the duration of the model's forward only
+    (``cross_attention_kwargs={"scale": s}``: ``scale_layer`` before, ``unscale_layer`` after)."""
+
+    def __init__(self):
+        super().__init__()
+        self.base = torch.nn.Linear(4, 4).double()
+        self.b = torch.nn.Linear(4, 4, bias=False).double()
+        self.scaling = 2.0
+
+    def forward(self, x):
+        return self.base(x) + self.scaling * self.b(x)
+
+
+def test_a_module_attribute_set_for_the_forward_pass_only_raises_saying_to_set_it_for_the_step():
+    """The caller scales the layer for its forward pass and puts the scale back before the
+    backward pass: the recomputation computes with the other scale. remat refuses it, and says to
+    set the scale for the whole step (``torch.utils.checkpoint`` recomputes the saved activations
+    of the other scale, silently). Set for the whole step, the gradients are the function's."""
+    torch.manual_seed(0)
+    layer = _ScaledAdapter()
+    x = torch.randn(3, 4, dtype=torch.float64)
+
+    def step(layer, call, scale_for_forward_only):
+        layer.zero_grad()
+        if scale_for_forward_only:
+            layer.scaling *= 0.5
+        y = call(x)
+        if scale_for_forward_only:
+            layer.scaling /= 0.5
+        (y.tanh() * torch.arange(12.0, dtype=torch.float64).reshape(3, 4)).sum().backward()
+        return {n: p.grad.clone() for n, p in layer.named_parameters()}
+
+    expected = step(layer, layer, scale_for_forward_only=True)
+    with pytest.raises(CheckpointError, match=r"did not reproduce.*set_adapters\(\.\.\., weights=\[s\]\)"):
+        step(layer, remat(layer), scale_for_forward_only=True)
+    layer.scaling = 1.0  # (set for the whole step: forward and backward)
+    assert_close(step(layer, remat(layer), scale_for_forward_only=False), expected)
