@@ -223,6 +223,11 @@ class Region:
         for k, caller, hooked in self.retained_grads:
             _add_retained_part(caller(), outs[k], cotangents[k] if hooked else None)
 
+    def registers_hooks_when_recomputed(self) -> bool:
+        """Known after the forward run: does a recomputation register hooks on tensors (or autograd
+        nodes) it makes, as the function did on its own in the forward run (see :func:`_vjp_here`)?"""
+        return False
+
     def escaped_outputs(self) -> int:
         """Known after the forward run: how many of its outputs, the last ones, are tensors that
         escaped it (kept by a hook, a list, an attribute) rather than returned (see
@@ -1176,7 +1181,12 @@ def _vjp_here(
     legacy_vmap = _in_legacy_vmap()
     under_jvp = top is not None and _only_forward_levels_active()
     direct = under_jvp or legacy_vmap or plain_forward_mode
-    if needs_graph and not direct:
+    # Also where the recomputation registers hooks (``h.register_hook`` on a tensor the function
+    # makes, a nested call's on its input): remat'd, this backward would be recomputed for the next
+    # one, and each hook would run there again (a logging hook counting one call more). Its graph
+    # is kept instead, as without remat, for the pass that differentiates it.
+    hooked = needs_graph and not direct and region.registers_hooks_when_recomputed()
+    if needs_graph and not direct and not hooked:
         vjp_region = VjpRegion(region, len(primals), needs, of_a_grad_level)
         grads = iter(apply(vjp_region, (*primals, *cotangents)))
         needed = [next(grads) if need else None for need in needs]
@@ -1188,7 +1198,7 @@ def _vjp_here(
     # backward formulas then take their differentiable form (SiLU's and Mish's backward call
     # infinitely_differentiable_*_backward, not the fused silu_backward/mish_backward kernels,
     # which have no forward-mode derivative), so the jvp levels can differentiate them.
-    create_graph = (needs_graph and (plain_forward_mode or legacy_vmap)) or under_jvp
+    create_graph = (needs_graph and (plain_forward_mode or legacy_vmap or hooked)) or under_jvp
     return vjp(region, primals, cotangents, needs, create_graph=create_graph, of_a_grad_level=of_a_grad_level)
 
 

@@ -1738,6 +1738,9 @@ class UserRegion(Region):
         self.moved_hooks: set[int] = set()  # inputs whose hooks fn registered went to the caller's tensors
         # The forward run's hooks on tensors fn made, whose handles a recomputation's follow (see Substitute.hooks).
         self.followed_hooks: list[tuple[dict[int, Any] | None, int, Handles]] = []
+        # Was a hook registered in the forward run (by fn or a call nested in it)? Its recomputations
+        # register it again (see registers_hooks_when_recomputed).
+        self.hooks_in_forward_run = False
         # The caller's nodes fn read as its inputs' grad_fn, and its hooks there (see CallersNodes).
         self.callers_nodes: CallersNodes | None = None
         # The caller's tensors, at the caller's level, by position, until the forward run ends (see prepare).
@@ -2371,6 +2374,9 @@ class UserRegion(Region):
     def escaped_outputs(self) -> int:
         return len(self.escaped_at)
 
+    def registers_hooks_when_recomputed(self) -> bool:
+        return self.hooks_in_forward_run
+
     def _escaped_tensors(
         self,
         substitute: Substitute,
@@ -2886,6 +2892,7 @@ class UserRegion(Region):
             self.followed_hooks = run.substitute.forget_hooks()
             self.callers_nodes, run.substitute.given = run.substitute.callers_nodes, None
             self.own_leaf_hooks = run.substitute.own_leaf_hooks
+            self.hooks_in_forward_run = run.substitute.any_hooks
         self.callers_tensors = None
         if run.substitute is not None and run.substitute.nested is not None:
             # Where the run records no graph its caller keeps, the nodes of the regions nested in it

@@ -2217,6 +2217,13 @@ def _following(
     return handle
 
 
+def _note_hooks() -> None:
+    """A hook is registered: note it in this thread's forward runs (see ``Substitute.any_hooks``)."""
+    for run in _active.substitutes:
+        if run.forward:
+            run.any_hooks = True
+
+
 def _register_node_hook(hooks: Any, hook: Callable[..., Any]) -> tuple[Any, Any]:
     """``h.grad_fn.register_hook(hook)``, ``register_prehook``: every hook registered on an autograd
     node goes through here (see :func:`funckpt._internals.route_node_hooks`).
@@ -2232,6 +2239,7 @@ def _register_node_hook(hooks: Any, hook: Callable[..., Any]) -> tuple[Any, Any]
     """
     if not _active.substitutes or _active.internal or _active.registering:
         return register_node_hook(hooks, hook)
+    _note_hooks()
     # The runs that gave this node as one of their inputs' ``x.grad_fn`` (see CallersNodes), outermost first.
     owners = [] if hooks is None else [s for s in _active.substitutes if s.callers_nodes is not None and id(hooks) in s.callers_nodes.dicts]
     if owners:
@@ -2919,6 +2927,9 @@ class Substitute(OnThreadStack, TorchFunctionMode):
         # Did the run register a hook (a tensor hook, a post-accumulate-grad hook) on a leaf it made
         # itself that requires grad (``z = torch.zeros(3, requires_grad=True)``)? See funckpt._autograd.vjp.
         self.own_leaf_hooks = False
+        # Did a hook get registered (a tensor's, an autograd node's) while this forward run was on,
+        # by its function or a call nested in it? See UserRegion.registers_hooks_when_recomputed.
+        self.any_hooks = False
         self.callers_nodes: CallersNodes | None = None
         self.callers_hooks_seen = 0
         # A forward run's region and the tensors its Function got, where the run's inputs are stand-ins
@@ -3266,6 +3277,7 @@ class Substitute(OnThreadStack, TorchFunctionMode):
             if args and id(args[0]) in known:
                 self.retained.add(id(args[0]))
         elif special is _REGISTER_HOOK or special is _POST_ACCUMULATE_HOOK:
+            _note_hooks()
             if args and id(args[0]) in inside and id(args[0]) not in known and args[0].is_leaf and args[0].requires_grad:
                 self.own_leaf_hooks = True  # (a leaf the function made: see own_leaf_hooks)
             if (self.given is not None or self.callers_nodes is not None) and args and not compiling:

@@ -104,7 +104,8 @@ def raises_or_matches(how, make_fn, x, *rest):
     assert_close(got, derivative(how, make_fn(), x, *rest))
 
 
-# =============================================================================================
+# ======================================================================================
+
 # A. Programs torch runs: remat must run them too, with the same values and gradients.
 # =============================================================================================
 
@@ -5184,3 +5185,82 @@ def test_forward_over_reverse_vectorized_hessian_through_nested_remat():
 
     assert_close(hessian(nested), hessian(f))
     assert_close(hessian(remat(f)), hessian(f))
+=======
+# ---------------------------------------------------------------------------------------------
+# Hooks inside a remat'd call whose backward is differentiated again: they run as often, and see
+# the same gradients, as without remat.
+# ---------------------------------------------------------------------------------------------
+
+
+def _unwrapped(g):
+    """``g``'s value under its torch.func wrappers (a hook may see them at another level than
+    without remat, a grad level of remat's own, with the same value)."""
+    while torch._C._functorch.is_functorch_wrapped_tensor(g):
+        g = torch._C._functorch.get_unwrapped(g)
+    return g.detach().clone()
+
+
+@pytest.mark.parametrize("on", ["intermediate", "node", "nested_input"])
+@pytest.mark.parametrize("how", ["create_graph_then_backward", "grad_of_grad", "jacrev_of_grad", "vjp_of_grad"])
+@pytest.mark.parametrize("nested", [False, True])
+@pytest.mark.parametrize("reads_a_parameter", [False, True])
+def test_a_hook_in_a_backward_that_is_differentiated_again_runs_once(on, how, nested, reads_a_parameter):
+    """A hook the function registers on a tensor of its recomputed graph (an intermediate, its node,
+    or the input of a remat'd call nested in it) runs in the first backward pass, and, where that
+    pass records a graph (``create_graph=True``, ``grad(grad(f))``), is not run again when that graph
+    is differentiated: remat kept the recomputed backward as a remat'd call of its own and recomputed
+    it for the second pass, and every hook in it ran once more (a logging hook counted two calls
+    where the function without remat makes one). Now a backward that records a graph through hooks
+    keeps its recomputation, as without remat."""
+    seen = []
+    lin = nn.Linear(3, 3).double()
+
+    def hook(g):
+        seen.append(_unwrapped(g))
+        return g * 3
+
+    def node_hook(grad_outputs):
+        seen.append(_unwrapped(grad_outputs[0]))
+        return (grad_outputs[0] * 3,)
+
+    def inner(y):
+        if y.requires_grad:
+            y.register_hook(hook)
+        return (lin(y) if reads_a_parameter else y * 1.5).sin() * y
+
+    def fn(x, inner_call):
+        if on == "nested_input":
+            return inner_call(x.cos() * 2).cos()
+        h = (lin(x) if reads_a_parameter else x * 2).sin()
+        if h.requires_grad:
+            if on == "intermediate":
+                h.register_hook(hook)
+            else:
+                h.grad_fn.register_prehook(node_hook)
+        return (h * x).cos()
+
+    def run(f):
+        seen.clear()
+        x = randn(3, seed=1)
+        if how == "create_graph_then_backward":
+            x.requires_grad_()
+            (g,) = torch.autograd.grad(f(x).sum(), x, create_graph=True)
+            (gg,) = torch.autograd.grad(g.square().sum(), x)
+            out = (g.detach(), gg)
+        elif how == "grad_of_grad":
+            out = tf.grad(lambda x: tf.grad(lambda x: f(x).sum())(x).sin().sum())(x)
+        elif how == "jacrev_of_grad":
+            out = tf.jacrev(tf.grad(lambda x: f(x).sum()))(x)
+        else:
+            out, vjp_fn = tf.vjp(tf.grad(lambda x: f(x).sum()), x)
+            out = (out, vjp_fn(tangent_like(out))[0])
+        return out, len(seen), seen
+
+    remat_inner = remat(inner) if on == "nested_input" else inner
+    remat_fn = remat(lambda x: fn(x, remat_inner))
+    if nested:
+        remat_fn = remat(lambda x, f=remat_fn: f(x * 1.0) + x)
+        plain = lambda x: fn(x * 1.0, inner) + x  # noqa: E731
+    else:
+        plain = lambda x: fn(x, inner)  # noqa: E731
+    assert_close(run(remat_fn), run(plain))
