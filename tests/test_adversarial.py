@@ -5273,13 +5273,21 @@ def test_a_hook_in_a_backward_that_is_differentiated_again_runs_once(on, how, ne
     "(through cos(y), the first loss's cotangent); remat has a graph for each, and the hook runs in each on "
     "a part of the gradient that it sees whole, once, without remat (right for a hook linear in it only)",
 )
-@pytest.mark.parametrize("on", ["intermediate", "nested_input"])
+@pytest.mark.parametrize("on", ["intermediate", "nested_input", "module_full_backward_hook"])
 def test_a_hook_sees_the_second_order_gradient_whole_where_the_first_loss_is_not_linear(on):
+    """(A module's full backward hook inside the call, linear as it is here, runs in the second pass
+    only where the gradient through the call's outputs goes: the part through the recorded backward
+    reaches the module's input without it, once multiplied where it should be.)"""
     seen = []
 
     def hook(g):
         seen.append(g.detach().clone())
         return g / g.norm()  # (not linear in g: the sum of its calls on parts is not its call on the sum)
+
+    if on == "module_full_backward_hook":
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Linear(3, 3), nn.Tanh(), nn.Linear(3, 3)).double()
+        net[1].register_full_backward_hook(lambda m, gi, go: (seen.append(go[0].detach().clone()), (gi[0] * 3,))[1])
 
     def inner(y):
         y.register_hook(hook)
@@ -5288,6 +5296,8 @@ def test_a_hook_sees_the_second_order_gradient_whole_where_the_first_loss_is_not
     def fn(x, inner_call):
         if on == "nested_input":
             return inner_call(x.cos() * 2).cos()
+        if on == "module_full_backward_hook":
+            return net(x)
         h = (x * 2).tanh()
         h.register_hook(hook)
         return h.sin() * x
