@@ -1638,6 +1638,9 @@ class UserRegion(Region):
     wrote_beside_nested = False
     retained_outputs: tuple[int, ...] = ()  # positions of the outputs fn called retain_grad() on
     retains_kept = False  # does a tensor kept outside the call retain its grad?
+    # Was a hook registered in the forward run (by fn or a call nested in it)? Its recomputations
+    # register it again (see registers_hooks_when_recomputed).
+    hooks_in_forward_run = False
     plan: _aliasing.Plan | None = None
     planned = False  # did the forward run plan its outputs (_aliasing.plan)?
     # The torch-function modes the caller runs under (a device context, a mode of the user's), which
@@ -1738,9 +1741,6 @@ class UserRegion(Region):
         self.moved_hooks: set[int] = set()  # inputs whose hooks fn registered went to the caller's tensors
         # The forward run's hooks on tensors fn made, whose handles a recomputation's follow (see Substitute.hooks).
         self.followed_hooks: list[tuple[dict[int, Any] | None, int, Handles]] = []
-        # Was a hook registered in the forward run (by fn or a call nested in it)? Its recomputations
-        # register it again (see registers_hooks_when_recomputed).
-        self.hooks_in_forward_run = False
         # The caller's nodes fn read as its inputs' grad_fn, and its hooks there (see CallersNodes).
         self.callers_nodes: CallersNodes | None = None
         # The caller's tensors, at the caller's level, by position, until the forward run ends (see prepare).
@@ -2892,7 +2892,8 @@ class UserRegion(Region):
             self.followed_hooks = run.substitute.forget_hooks()
             self.callers_nodes, run.substitute.given = run.substitute.callers_nodes, None
             self.own_leaf_hooks = run.substitute.own_leaf_hooks
-            self.hooks_in_forward_run = run.substitute.any_hooks
+            if run.substitute.any_hooks:
+                self.hooks_in_forward_run = True
         self.callers_tensors = None
         if run.substitute is not None and run.substitute.nested is not None:
             # Where the run records no graph its caller keeps, the nodes of the regions nested in it

@@ -2844,6 +2844,10 @@ class Substitute(OnThreadStack, TorchFunctionMode):
     from a recomputation.
     """
 
+    #: Did a hook get registered (a tensor's, an autograd node's) while this forward run was on, by
+    #: its function or a call nested in it? See UserRegion.registers_hooks_when_recomputed.
+    any_hooks = False
+
     def __init__(
         self,
         mapping: dict[int, torch.Tensor],
@@ -2927,9 +2931,6 @@ class Substitute(OnThreadStack, TorchFunctionMode):
         # Did the run register a hook (a tensor hook, a post-accumulate-grad hook) on a leaf it made
         # itself that requires grad (``z = torch.zeros(3, requires_grad=True)``)? See funckpt._autograd.vjp.
         self.own_leaf_hooks = False
-        # Did a hook get registered (a tensor's, an autograd node's) while this forward run was on,
-        # by its function or a call nested in it? See UserRegion.registers_hooks_when_recomputed.
-        self.any_hooks = False
         self.callers_nodes: CallersNodes | None = None
         self.callers_hooks_seen = 0
         # A forward run's region and the tensors its Function got, where the run's inputs are stand-ins
