@@ -48,14 +48,18 @@ from ._internals import (
     current_graph_task_id,
     queue_engine_callback,
     DisableFuncTorch,
-    bottom,
     dispatch_modes_active,
     forward_ad_level,
     graph_traced,
+    is_batchedtensor,
+    is_functorch_wrapped,
+    maybe_get_bdim,
+    maybe_get_level,
     set_fwd_grad_enabled,
     set_grad_enabled,
     torch_function_mode_enabled,
     transforms_active,
+    unwrap_one_level,
 )
 
 __all__ = ["CheckpointError", "set_checkpoint_debug_enabled"]
@@ -291,6 +295,12 @@ _RTOL = {
     torch.bfloat16: 1e-2,
 }
 _RTOL_OTHER_FLOAT = 1e-1  # 8-bit floating-point types
+#: An integer or boolean output's (accumulated in float64): its values are exact, but their sum of
+#: squares (and beyond 2**53 their sum) is rounded, differently where the two runs lay the values out
+#: differently (a batched output under vmap, a transposed one) and reduce them in another order. A
+#: change of one value by 1 still moves the sum beyond it while the values times their number stay
+#: below 1e12 (token ids, indices, masks).
+_RTOL_EXACT = 1e-12
 _CPU_RTOL = {torch.float32: _RTOL[torch.float32], torch.float64: _RTOL[torch.float64]}
 
 
@@ -309,7 +319,7 @@ class Digest:
     does not read, converted piece by piece), they are read as they are.
     """
 
-    __slots__ = ("moments", "numel", "rtol", "sampled", "stats", "values", "weighted", "weighted_sum")
+    __slots__ = ("batch_dims", "moments", "numel", "rtol", "sampled", "stats", "values", "weighted", "weighted_sum")
 
     def __init__(
         self,
@@ -321,6 +331,7 @@ class Digest:
         moments: bool = False,
         weighted: tuple[float | torch.Tensor | None, int] = (None, 0),
         weighted_sum: bool = False,
+        batch_dims: int = 0,
     ) -> None:
         self.stats, self.numel, self.rtol, self.values, self.moments = stats, numel, rtol, values, moments
         # The first of ``values`` is the position-weighted sum of all the values, not their sum (a
@@ -328,6 +339,9 @@ class Digest:
         self.weighted_sum = weighted_sum
         # The position-weighted sum (see _weighted), a number or a tensor not read yet, and of how many values.
         self.weighted, self.sampled = weighted
+        # How many vmap batch dimensions lead the values it read (see _batch_first): two runs' weighted
+        # sums are of the same positions where they read as many values with as many of them.
+        self.batch_dims = batch_dims
 
     def from_stats(self, first: float, second: float) -> tuple[float, float]:
         """Sum and L2 norm of the values, from ``stats`` as read: ``(std, mean)`` where they are moments."""
@@ -424,12 +438,13 @@ def _on_cpu(t: torch.Tensor) -> Digest:
     if quick is not None:
         return quick
     n = t.numel()
-    small = n <= _WEIGHTED_AT_MOST and t.is_contiguous() and not torch._C._get_tracing_state()
+    small = n <= _WEIGHTED_AT_MOST and not torch._C._get_tracing_state()
     if small:
         # (Where NumPy cannot read it, z.conj().imag of one element, or its sum of squares left the
         # range its dtype holds to full precision: torch's norm scales the values, a plain sum of
-        # squares under- or overflows.)
-        total = torch.dot(t.view(-1), _weights_for(n, t.dtype, _CPU_DEVICE)).item()  # (on the CPU: no device object to make)
+        # squares under- or overflows; or not contiguous, a transposed output: its values in their
+        # logical order, a copy of at most _WEIGHTED_AT_MOST of them, as a contiguous one reads them.)
+        total = torch.dot(t.reshape(-1), _weights_for(n, t.dtype, _CPU_DEVICE)).item()  # (on the CPU: no device object to make)
         norm = torch.linalg.vector_norm(t).item()
     else:
         total = torch.sum(t).item()
@@ -447,20 +462,30 @@ _WEIGHTED_AT_MOST = 4096
 
 
 def _weighted(v: torch.Tensor, acc: torch.dtype) -> tuple[torch.Tensor | None, int]:
-    """``sum(w_i * v_i)`` over ``v``'s values in order (a strided sample of at most
-    :data:`_WEIGHTED_AT_MOST` of them), in dtype ``acc``, and how many values it read.
+    """``sum(w_i * v_i)`` over ``v``'s values in their logical (row-major) order, whatever its layout
+    (a strided sample of at most :data:`_WEIGHTED_AT_MOST` of them), in dtype ``acc``, and how many
+    values it read.
 
     The weights (:func:`_weights`) are fixed and vary with the position. The sum and the norm do
     not change when values move (a roll or a permutation by a counter) or when they change while
     keeping both (a LayerNorm's output, whose rows keep sum 0 and norm sqrt(n) whatever its
-    input); this does. ``None`` for a tensor not contiguous (sampled in order, it would be copied
-    whole) and under a dispatch mode (the weights would be made under it).
+    input); this does. Of the logical order, not the memory's: a transposed or strided output, and
+    one a run lays out otherwise than the other, read alike (a tensor not contiguous is sampled by
+    ``torch.take``, never copied whole). ``None`` under a dispatch mode (the weights would be made
+    under it).
     """
-    if not v.is_contiguous() or dispatch_modes_active() or torch._C._get_tracing_state():
+    if dispatch_modes_active() or torch._C._get_tracing_state():
         return None, 0  # (torch.jit.trace: the weights, made once, would be a traced value of one trace)
-    flat = v.view(-1)
-    if flat.numel() > _WEIGHTED_AT_MOST:
-        flat = flat[:: -(-flat.numel() // _WEIGHTED_AT_MOST)]
+    n = v.numel()
+    step = -(-n // _WEIGHTED_AT_MOST)
+    if v.is_contiguous():
+        flat = v.view(-1)
+        if step > 1:
+            flat = flat[::step]
+    elif step == 1:
+        flat = v.reshape(-1)  # (a copy of at most _WEIGHTED_AT_MOST values)
+    else:
+        flat = torch.take(v, _sample_index(n, step, v.device))
     if flat.dtype is not acc:
         flat = flat.to(acc)
     return torch.dot(flat, _weights_for(flat.numel(), acc, flat.device)), flat.numel()
@@ -489,6 +514,20 @@ def _weights(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
 
 
 _weights_of_length: dict[tuple[int, torch.dtype, torch.device], torch.Tensor] = {}
+_sample_indices: dict[tuple[int, int, torch.device], torch.Tensor] = {}
+
+
+def _sample_index(n: int, step: int, device: torch.device) -> torch.Tensor:
+    """The logical positions ``0, step, 2 step, ...`` below ``n`` that :func:`_weighted` samples of a
+    large tensor that is not contiguous (kept, bounded as the weights are)."""
+    key = (n, step, device)
+    index = _sample_indices.get(key)
+    if index is None:
+        if len(_sample_indices) >= 64:
+            _sample_indices.pop(next(iter(_sample_indices)))
+        with torch.inference_mode(False), torch.no_grad():
+            index = _sample_indices[key] = torch.arange(0, n, step, device=device)
+    return index
 
 
 def _numpy_weights() -> tuple[dict[torch.dtype, Any], Any]:
@@ -534,13 +573,13 @@ _MOMENTS_READ = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _PIECE_BYTES = 1 << 20
 
 
-def _one(b: torch.Tensor, positions: bool = True) -> Digest:
+def _one(b: torch.Tensor, batch_dims: int = 0) -> Digest:
     """The digest of one plain tensor, accumulated in at least float32 (integers exactly, in float64).
 
-    ``positions=False``: without the position-weighted sum (the plain tensor under a vmap's
-    wrapper, whose batch dimension two runs may lay out in different places)."""
+    ``batch_dims``: how many vmap batch dimensions lead ``b`` (the plain tensor under a vmap's
+    wrappers, see :func:`_batch_first`)."""
     exact = not has_gradient_dtype(b)
-    rtol = 0.0 if exact else _RTOL.get(b.dtype, _RTOL_OTHER_FLOAT)
+    rtol = _RTOL_EXACT if exact else _RTOL.get(b.dtype, _RTOL_OTHER_FLOAT)
     numel = b.numel()
     v = b
     if v.is_complex():
@@ -548,15 +587,15 @@ def _one(b: torch.Tensor, positions: bool = True) -> Digest:
         numel *= 2
     acc = torch.float64 if exact or v.dtype is torch.float64 else torch.float32
     if not b.is_cpu:
-        pending = _weighted(v, acc) if positions else (None, 0)
+        pending = _weighted(v, acc)
         if v.dtype in _MOMENTS_READ:
-            return Digest(torch.std_mean(v, correction=0), numel, rtol, moments=True, weighted=pending)
-        return Digest(_sum_and_norm(v, acc), numel, rtol, weighted=pending)  # integers, booleans, 8-bit floats
+            return Digest(torch.std_mean(v, correction=0), numel, rtol, moments=True, weighted=pending, batch_dims=batch_dims)
+        return Digest(_sum_and_norm(v, acc), numel, rtol, weighted=pending, batch_dims=batch_dims)  # integers, booleans, 8-bit floats
     # Read now, unless a dispatch mode traces this run (linearize's make_fx): reading
     # a traced value would be a data-dependent operation. Such a digest is taken in
     # float64: it cannot be looked at to see whether float32 overflowed (below).
     if DEFER_ON_CPU or dispatch_modes_active():
-        return Digest(_sum_and_norm(v, torch.float64), numel, rtol, weighted=_weighted(v, torch.float64) if positions else (None, 0))
+        return Digest(_sum_and_norm(v, torch.float64), numel, rtol, weighted=_weighted(v, torch.float64), batch_dims=batch_dims)
     total, norm = (n.item() for n in _sum_and_norm(v, acc))
     if acc is not torch.float64 and not (math.isfinite(total) and math.isfinite(norm)):
         # The sum of squares overflows float32 for finite values beyond about 1e19 (1e16
@@ -564,8 +603,10 @@ def _one(b: torch.Tensor, positions: bool = True) -> Digest:
         # comparison would see nothing. std_mean never overflowed there; float64 does not.
         total, norm = (n.item() for n in _sum_and_norm(v, torch.float64))
         acc = torch.float64
-    weighted, sampled = _weighted(v, acc) if positions else (None, 0)
-    return Digest(None, numel, rtol, (total, norm), weighted=(None if weighted is None else weighted.item(), sampled))
+    weighted, sampled = _weighted(v, acc)
+    return Digest(
+        None, numel, rtol, (total, norm), weighted=(None if weighted is None else weighted.item(), sampled), batch_dims=batch_dims
+    )
 
 
 def _sum_and_norm(v: torch.Tensor, acc: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -616,12 +657,31 @@ def digest(tensors: Sequence[torch.Tensor]) -> list[Digest | None]:
                 stack.enter_context(DisableFuncTorch())
             if forward_ad_level() >= 0:
                 stack.enter_context(set_fwd_grad_enabled(False))
-            bottoms = [bottom(t) for t in tensors]
-            return [
-                _one(b, positions=b.shape == t.shape) if _digestible(b) else None for b, t in zip(bottoms, tensors)
-            ]
+            bottoms = [_batch_first(t) for t in tensors]
+            return [_one(b, batch_dims) if _digestible(b) else None for b, batch_dims in bottoms]
     finally:
         set_grad_enabled(grad_was)
+
+
+def _batch_first(t: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """The plain tensor under ``t``'s functorch wrappers (as :func:`~funckpt._internals.bottom`), with
+    the batch dimension of each vmap wrapping it moved to the front (the outermost vmap's first), and
+    how many there are.
+
+    Each vmap puts its batch dimension where its batching rules left it, and two runs of one function
+    (its forward run and the recomputation) may leave it in different places; in front, the values of
+    the two read in the same logical order, so the position-weighted sum compares them too."""
+    batch: list[tuple[int, int]] = []  # (vmap level, its dimension in the tensor unwrapped so far)
+    while is_functorch_wrapped(t):
+        if is_batchedtensor(t):
+            level, dim = maybe_get_level(t), maybe_get_bdim(t)
+            batch = [(lv, d + (d >= dim)) for lv, d in batch]
+            batch.append((level, dim))
+        t = unwrap_one_level(t)
+    if not batch:
+        return t, 0
+    front = [d for _, d in sorted(batch)]
+    return t.permute(*front, *(d for d in range(t.dim()) if d not in front)), len(front)
 
 
 def _read_now() -> bool:
@@ -726,8 +786,21 @@ def _agree(
     checks = [(norm_f, norm_r, scale * a.rtol)]
     if b is None or a.weighted_sum == b.weighted_sum:  # (sums of one kind)
         checks.append((sum_f, sum_r, scale * a.rtol * a.numel**0.5 * (1.5 if a.weighted_sum else 1.0)))
-    if weighted_f is not None and weighted_r is not None and b is not None and a.sampled == b.sampled:
-        checks.append((weighted_f, weighted_r, 1.5 * scale * a.rtol * a.sampled**0.5))
+    elif a.batch_dims == b.batch_dims:
+        # One digest's sum is a position-weighted sum of all the values (a small output read at once,
+        # see _on_cpu), the other's is not (the same output, taken under a transform: the recomputation
+        # of a jacrev, under its vmap): it is compared with the other's weighted sum of them all.
+        weighted_f, weighted_r = (sum_f, weighted_r) if a.weighted_sum else (weighted_f, sum_r)
+        if (b.sampled if a.weighted_sum else a.sampled) != a.numel:
+            weighted_f = None
+    if (
+        weighted_f is not None
+        and weighted_r is not None
+        and b is not None
+        and (a.sampled == b.sampled or a.weighted_sum != b.weighted_sum)
+        and a.batch_dims == b.batch_dims
+    ):
+        checks.append((weighted_f, weighted_r, 1.5 * scale * a.rtol * max(a.sampled, b.sampled, 1) ** 0.5))
     for f, r, tol in checks:
         if not (abs(f - r) <= tol or not (math.isfinite(f) or math.isfinite(r))):
             return False
@@ -890,18 +963,20 @@ def _compare(
     assert a is not None and b is not None
     (s_f, n_f), (s_r, n_r) = a.read(), b.read()
     w_f, w_r = a.read_weighted(), b.read_weighted()
-    weighted = (
-        f", position-weighted sum {w_f:.6g} in the forward pass and {w_r:.6g} in the recomputation"
-        if w_f is not None and w_r is not None
-        else ""
-    )
-    total = "position-weighted sum" if a.weighted_sum else "sum"
+    if w_f is not None and w_r is not None:
+        weighted = f", position-weighted sum {w_f:.6g} in the forward pass and {w_r:.6g} in the recomputation"
+    elif a.weighted_sum != b.weighted_sum and (w_f if b.weighted_sum else w_r) is not None:
+        # (one run's sum is its weighted sum, see _agree: the other's said beside it)
+        weighted = f", position-weighted sum {w_f if b.weighted_sum else w_r:.6g} in the {'forward pass' if b.weighted_sum else 'recomputation'}"
+    else:
+        weighted = ""
+    total_f, total_r = ("position-weighted sum" if d.weighted_sum else "sum" for d in (a, b))
     # A loop's step (its determinism_check and debug are remat's options: a loop takes neither).
     head = f"remat({name}): {the_recomputation()}" if step is None else f"{name}: step {step}, run again in the backward pass,"
     message = (
         f"{head} did not reproduce the forward pass: "
-        f"{'an intermediate tensor its last operations read' if frontier else _output_words(i, kept_from)} has other values ({total} {s_f:.6g}, norm {n_f:.6g} in the forward pass; "
-        f"{total} {s_r:.6g}, norm {n_r:.6g} in the recomputation{weighted})"
+        f"{'an intermediate tensor its last operations read' if frontier else _output_words(i, kept_from)} has other values ({total_f} {s_f:.6g}, norm {n_f:.6g} in the forward pass; "
+        f"{total_r} {s_r:.6g}, norm {n_r:.6g} in the recomputation{weighted})"
         + (f", and {len(differing) - 1} more {'tensor' if frontier else 'output'}(s) differ" if len(differing) > 1 else "")
         + ". The gradient would be that of another computation. The function must compute the same "
         "thing when called again with the same inputs: it may depend on state that changed between the "

@@ -100,6 +100,7 @@ __all__ = [
     "level_lift",
     "level_kinds",
     "make_dual",
+    "maybe_get_bdim",
     "maybe_get_level",
     "peek_interpreter_stack",
     "parametrization_cache",
@@ -145,6 +146,8 @@ is_batchedtensor: Callable[[torch.Tensor], bool] = _C.is_batchedtensor
 #: Is ``t`` batched by autograd's own (legacy) vmap (``vectorize=True``, ``is_grads_batched=True``)?
 is_legacy_batchedtensor: Callable[[torch.Tensor], bool] = _C.is_legacy_batchedtensor
 maybe_get_level: Callable[[torch.Tensor], int] = _C.maybe_get_level
+#: A BatchedTensor's batch dimension, in the tensor one level below it.
+maybe_get_bdim: Callable[[torch.Tensor], int] = _C.maybe_get_bdim
 #: A wrapper whose transform has returned (a ``vjp_fn`` called later), and its inner tensor.
 is_dead_tensor_wrapper: Callable[[torch.Tensor], bool] = _C.is_dead_tensor_wrapper
 unwrap_if_dead: Callable[[torch.Tensor], torch.Tensor] = _C.unwrap_if_dead

@@ -1496,3 +1496,130 @@ def test_a_module_attribute_set_for_the_forward_pass_only_raises_saying_to_set_i
         step(layer, remat(layer), scale_for_forward_only=True)
     layer.scaling = 1.0  # (set for the whole step: forward and backward)
     assert_close(step(layer, remat(layer), scale_for_forward_only=False), expected)
+
+
+_MOVES = {
+    "rolled by a counter": lambda y, calls: torch.roll(y, shifts=calls, dims=0),
+    "rows reversed on every other call": lambda y, calls: y.flip(0) if calls % 2 == 0 else y,
+}
+_LAYOUTS = {
+    "transposed": lambda y: y.t(),
+    "columns of a wider tensor": lambda y: torch.cat([y, y], 1)[:, ::2],
+    "contiguous": lambda y: y,
+}
+
+
+def _moving(change, layout, rows):
+    """``layout(change(tanh(x @ w), n))`` on the n-th call: the same sum and norm on every call, the
+    values elsewhere (the reference, called once, is the function without remat)."""
+    calls = []
+    w = torch.randn(6, 6, dtype=D, generator=torch.Generator().manual_seed(0))
+    x = torch.randn(rows, 6, dtype=D, generator=torch.Generator().manual_seed(1))
+
+    def f(x):
+        calls.append(1)
+        return layout(change(torch.tanh(x @ w), len(calls)))
+
+    return f, x
+
+
+@pytest.mark.parametrize("rows", [4, 1000], ids=["small", "large"])
+@pytest.mark.parametrize("layout", ["transposed", "columns of a wider tensor"])
+@pytest.mark.parametrize("change", list(_MOVES))
+@pytest.mark.parametrize("how", ["backward", "grad", "vjp"])
+def test_a_non_contiguous_output_with_the_same_sum_and_norm_but_other_values_raises(how, change, layout, rows):
+    """The position-weighted sum is of the values in their logical order, whatever the output's
+    layout: a recomputation that moves the values of a transposed or strided output (which its
+    sum and norm do not see) is refused, not differentiated silently at the wrong places."""
+    f, x = _moving(_MOVES[change], _LAYOUTS[layout], rows)
+    g = remat(f)
+    with pytest.raises(CheckpointError, match="other values"):
+        if how == "backward":
+            g(x.requires_grad_()).sum().backward()
+        elif how == "grad":
+            tf.grad(lambda x: g(x).square().sum())(x)
+        else:
+            out, vjp_fn = tf.vjp(g, x)
+            vjp_fn(torch.ones_like(out))
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "transposed"])
+@pytest.mark.parametrize("change", list(_MOVES))
+@pytest.mark.parametrize("how", ["vmap_grad", "grad_of_vmap", "vmap_vjp", "jacrev", "vmap_then_backward", "vmap_vmap_grad"])
+def test_a_recomputation_under_vmap_with_the_same_sum_and_norm_but_other_values_raises(how, change, layout):
+    """Under vmap (and jacrev, which vmaps the backward) the digest is of the plain tensor under the
+    batching wrappers, whose batch dimensions a run may lay out anywhere: the position-weighted sum
+    reads it with its batch dimensions first, so it is taken there too, and a recomputation that moves
+    values is refused as without a transform."""
+    f, x = _moving(_MOVES[change], _LAYOUTS[layout], 4)
+    g = remat(f)
+    xs = torch.stack([x, x.cos(), x.sin()])
+    with pytest.raises(CheckpointError, match="other values"):
+        if how == "vmap_grad":
+            tf.vmap(tf.grad(lambda x: g(x).square().sum()))(xs)
+        elif how == "grad_of_vmap":
+            tf.grad(lambda xs: tf.vmap(g)(xs).square().sum())(xs)
+        elif how == "vmap_vjp":
+            tf.vmap(lambda x: (lambda out, vjp_fn: vjp_fn(torch.ones_like(out)))(*tf.vjp(g, x)))(xs)
+        elif how == "jacrev":
+            tf.jacrev(g)(x)
+        elif how == "vmap_then_backward":
+            tf.vmap(g)(xs.requires_grad_()).square().sum().backward()
+        else:
+            tf.vmap(tf.vmap(tf.grad(lambda x: g(x).square().sum())), in_dims=1)(torch.stack([xs, xs.exp()], 1))
+
+
+@pytest.mark.parametrize("how", ["vmap_grad", "vmap_vmap_grad", "jacrev", "vmap_jacrev", "grad_of_vmap"])
+def test_batched_outputs_of_any_layout_raise_no_false_alarm(how):
+    """A deterministic function whose outputs under vmap sit in other layouts (batch dimensions moved,
+    transposed, strided, a view of the input) gives the function's values and gradients: the
+    position-weighted sums of its two runs read the values in the same order."""
+    w = torch.randn(6, 6, dtype=D, generator=torch.Generator().manual_seed(0))
+
+    def f(x):
+        h = torch.tanh(x @ w)
+        return h.t(), torch.cat([h, h], 1)[:, ::2], F.layer_norm(h, (6,)).t().contiguous().t(), x.t()
+
+    def loss(fn):
+        return lambda x: sum(o.sin().sum() * (k + 1) for k, o in enumerate(fn(x)))
+
+    x = torch.randn(4, 6, dtype=D, generator=torch.Generator().manual_seed(1))
+    xs = torch.stack([x, x.cos(), x.sin()], 2)
+
+    def run(fn):
+        if how == "vmap_grad":
+            return tf.vmap(tf.grad(loss(fn)), in_dims=2, out_dims=1)(xs)
+        if how == "vmap_vmap_grad":
+            return tf.vmap(tf.vmap(tf.grad(loss(fn)), in_dims=2), in_dims=0, out_dims=2)(torch.stack([xs, xs.exp()]))
+        if how == "jacrev":
+            return tf.jacrev(fn)(x)
+        if how == "vmap_jacrev":
+            return tf.vmap(tf.jacrev(fn), in_dims=2)(xs)
+        return tf.grad(lambda xs: loss(tf.vmap(fn, in_dims=2, out_dims=(1, 0, 2, 1)))(xs))(xs)
+
+    assert_close(run(remat(f)), run(f))
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
+@pytest.mark.parametrize("how", ["backward", "vmap_grad"])
+def test_an_integer_output_the_recomputation_lays_out_otherwise_raises_no_false_alarm(how, dtype):
+    """An integer output's values are exact, but the sum of their squares is rounded, in the order of
+    its layout: a recomputation that returns the same values transposed in memory (or under vmap with
+    the batch dimension elsewhere) reproduces the forward pass, and the gradients are the function's."""
+    calls = []
+
+    def f(x):
+        calls.append(1)
+        ids = (x * 1e6).to(dtype)
+        return x.sin(), ids.t().contiguous().t() if len(calls) % 2 == 0 else ids
+
+    x = torch.randn(3000, 7, dtype=D, generator=torch.Generator().manual_seed(15)) * 1e3
+
+    def run(fn):
+        if how == "backward":
+            x_ = x.clone().requires_grad_()
+            fn(x_)[0].sum().backward()
+            return x_.grad
+        return tf.vmap(tf.grad(lambda x: fn(x)[0].sum()))(torch.stack([x, -x]))
+
+    assert_close(run(remat(f)), run(f))
