@@ -575,6 +575,7 @@ class LoopRegion(UserRegion):
         # And the shape and dtype of each tensor it returned (checked with the check off too).
         self.step_metas: list[list[tuple[torch.Size, torch.dtype]]] = []
         self.n_steps = 0
+        self.swept = False  # has a forward sweep counted the steps (n_steps), which a recomputation runs?
         self.carry_slots: TreeSlots | None = None
         self.n_carry = 0
         self._forward = False
@@ -890,6 +891,7 @@ class LoopRegion(UserRegion):
                 k += 1
             self.n_steps = k
             self._online = online
+        self.swept = True
         self.kept, self.prefix = kept, prefix
         self._sweep_kept = self._sweep_carry = None
         tensors, _ = flatten(carry)
@@ -904,13 +906,29 @@ class LoopRegion(UserRegion):
         return None if all(y is None for y in ys) else _stack(ys)
 
     def _whole(self, init: Any, xs: Any) -> tuple[Any, Any]:
-        """The loop run straight through (a recomputation: forward mode, vmap, a higher-order vjp's)."""
+        """The loop run straight through (a recomputation: forward mode, vmap, a higher-order vjp's).
+
+        As many steps as the forward sweep ran: a while loop's ``cond`` is called before each step and
+        at the end, as in the sweep, for the random numbers it draws (see :meth:`cond_again`), but its
+        answer was the sweep's. A ``cond`` that counts its calls or the steps in a Python variable
+        (``max_iter``) would stop a recomputation early, and the steps it runs are checked anyway."""
         tensors, slots = flatten(init)
-        carry, ys, k = slots.fill(tensors), [], 0  # (the first step's own carry: see _forward_sweep)
-        while self._steps_go_on(k, carry) if self.loop.n is None else k < self.n_steps:
-            carry, y = self._call_step(k, carry, xs)
-            ys.append(y)
-            k += 1
+        carry, ys = slots.fill(tensors), []  # (the first step's own carry: see _forward_sweep)
+        if self.loop.n is None and not self.swept:  # (no sweep counted them: cond decides)
+            k = 0
+            while self._steps_go_on(k, carry):
+                carry, y = self._call_step(k, carry, xs)
+                ys.append(y)
+                k += 1
+        else:
+            draws = self.loop.go_on is not None and self.options.preserve_rng_state
+            for k in range(self.n_steps):
+                if draws:
+                    self._steps_go_on(k, carry)
+                carry, y = self._call_step(k, carry, xs)
+                ys.append(y)
+            if draws:
+                self._steps_go_on(self.n_steps, carry)  # (where the sweep's last call of cond stopped it)
         carry, stacked = _distinct((carry, self._stacked(ys)), self._run_inputs)
         return carry, stacked
 

@@ -1830,3 +1830,46 @@ def test_vjp_fn_called_twice_and_linearize(checkpoints):
     _, lin = tf.linearize(functools.partial(det, fk_scan(checkpoints)), W0)
     _, ref_lin = tf.linearize(functools.partial(det, py_scan), W0)
     assert_close(lin(torch.ones_like(W0)), ref_lin(torch.ones_like(W0)))
+
+
+@pytest.mark.parametrize("how", ["jvp", "jacfwd", "hessian", "jvp_of_grad"])
+@pytest.mark.parametrize("counts", ["in cond", "in body", "random cond"])
+@pytest.mark.parametrize("checkpoints", [None, 2])
+def test_while_loop_whose_cond_counts_in_python_runs_as_many_steps_under_forward_mode(checkpoints, counts, how):
+    """Forward mode runs the loop again (a recomputation) as many steps as its forward sweep ran:
+    a ``cond`` that counts its calls or the steps in a Python variable (``max_iter``), which would
+    stop a second run early, gives the Python loop's values and derivatives (it was a false "did not
+    reproduce"), and one that draws random numbers draws there as in the sweep."""
+    w = rnd(3, 3, seed=4)
+
+    def make():
+        calls = [0]
+        if counts == "in cond":
+
+            def cond(c):
+                calls[0] += 1
+                return calls[0] <= 4
+
+            return cond, lambda c: torch.tanh(c @ w)
+        if counts == "in body":
+
+            def body(c):
+                calls[0] += 1
+                return torch.tanh(c @ w)
+
+            return lambda c: calls[0] < 4, body
+        return lambda c: bool(torch.rand(()) < 0.8), lambda c: torch.tanh(c @ w) * (1 + torch.rand(c.shape, dtype=D))
+
+    def run(loop):
+        torch.manual_seed(3)
+        f = lambda x: loop(*make(), x).sin().sum()
+        x = rnd(3, seed=5)
+        if how == "jvp":
+            return tf.jvp(f, (x,), (x.cos(),))
+        if how == "jacfwd":
+            return tf.jacfwd(f, randomness="same")(x)
+        if how == "hessian":  # (torch.func.hessian, with the vmap's randomness the random cond needs)
+            return tf.jacfwd(tf.jacrev(f), randomness="same")(x)
+        return tf.jvp(tf.grad(f), (x,), (x.cos(),))
+
+    assert_close(run(lambda *a: funckpt.while_loop(*a, checkpoints=checkpoints)), run(py_while))
