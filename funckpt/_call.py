@@ -105,6 +105,7 @@ from ._internals import (
     DisableFuncTorch,
     GlobalHooks,
     global_module_hooks_as_at_the_call,
+    default_dtype_as_at_the_call,
     global_module_hooks_now,
     global_module_hooks_registered,
     grad_node_of,
@@ -1652,6 +1653,9 @@ class UserRegion(Region):
     forward_trace: list[str] | None = None
     debug: bool | None = None  # decided by the forward run (see _Running.__enter__)
     rng: _rng.RngState | None = None
+    # torch's default dtype at the forward run, which the recomputation's factory calls (torch.ones,
+    # linspace, tensor(0.5)) make tensors of (see default_dtype_as_at_the_call).
+    default_dtype: torch.dtype | None = None
     _recompute_context: Any = None
     autocast: Sequence[_autocast.AutocastState] = _autocast.OFF
     recompute_under_mode = False  # set when a recomputation without the mode left its inputs
@@ -3411,8 +3415,9 @@ class UserRegion(Region):
         return local_graph_leaves(tensors, flat, first_node, lambda t: False)[0]
 
     def _capture_state(self, flat: tuple[torch.Tensor, ...]) -> None:
-        """Record the state a recomputation replays: autocast, the generators."""
+        """Record the state a recomputation replays: autocast, the generators, the default dtype."""
         self.autocast = _autocast.capture(flat)
+        self.default_dtype = torch.get_default_dtype()
         if self.options.preserve_rng_state:
             self.rng = _rng.capture(flat, self.generators)
         if self.captured.training:
@@ -3457,6 +3462,8 @@ class UserRegion(Region):
             contexts.append(attributes_as_at_the_call(self.rebound_attributes))
         if self.global_hooks is not None or global_module_hooks_registered():
             contexts.append(global_module_hooks_as_at_the_call(self.global_hooks))
+        if self.default_dtype is not None and self.default_dtype is not torch.get_default_dtype():
+            contexts.append(default_dtype_as_at_the_call(self.default_dtype))
         return contexts
 
     def recompute(self, given: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:

@@ -46,6 +46,7 @@ __all__ = [
     "register_tensor_hook",
     "backward_names_no_inputs",
     "current_graph_task_id",
+    "default_dtype_as_at_the_call",
     "queue_engine_callback",
     "DisableFuncTorch",
     "GradInterpreter",
@@ -804,6 +805,33 @@ def global_module_hooks_now() -> GlobalHooks | None:
         return None
     m = _module_module
     return tuple(dict(getattr(m, name)) for name in (*_GLOBAL_HOOKS, *_GLOBAL_HOOK_FLAGS)), m._global_is_full_backward_hook
+
+
+class default_dtype_as_at_the_call:
+    """torch's default dtype set back to ``then``, the forward run's, while a recomputation runs.
+
+    ``torch.set_default_dtype`` between the forward and the backward pass (a model built in float32
+    after one trained in float64, a test that switches it) would otherwise have the recomputation's
+    factory calls (``torch.ones``, ``linspace``, ``torch.tensor(0.5)``) make tensors of another dtype
+    than the forward run's: other values, a false "did not reproduce" (a wrong gradient with the check
+    off), where the function without remat computed its gradient from the forward run's. Entered only
+    where it differs (see ``UserRegion._replays``). Process-wide, as the setting is.
+    """
+
+    __slots__ = ("saved", "then")
+
+    def __init__(self, then: torch.dtype) -> None:
+        self.then = then
+        self.saved: torch.dtype | None = None
+
+    def __enter__(self) -> None:
+        self.saved = torch.get_default_dtype()
+        torch.set_default_dtype(self.then)
+
+    def __exit__(self, *exc: Any) -> None:
+        saved, self.saved = self.saved, None
+        if saved is not None:
+            torch.set_default_dtype(saved)
 
 
 class global_module_hooks_as_at_the_call:

@@ -754,3 +754,59 @@ def test_dispatch_modes_that_record_no_graph_replay_random_draws_as_usual():
             return tf.grad(lambda x: h(x).pow(2).sum())(x)
 
     assert_close(grad_with(remat(f)), grad_with(f))
+
+
+@pytest.mark.parametrize("wrap", ["remat", "nested", "scan"])
+@pytest.mark.parametrize("how", ["backward", "grad", "vjp", "vmap_grad"])
+def test_the_recomputation_makes_tensors_of_the_default_dtype_at_the_call(how, wrap):
+    """``torch.set_default_dtype`` between the forward and the backward pass: the recomputation's
+    factory calls (``linspace``, ``torch.tensor``) make tensors of the dtype the forward run's made,
+    and the gradients are the function's without remat (they were a false "did not reproduce"). The
+    caller's default dtype is as it set it afterwards."""
+
+    def f(w, x):
+        return (x @ w).sin() * torch.linspace(0.1, 1.3, w.shape[1]) + torch.tensor(0.1)
+
+    def checkpointed(rematted):
+        wrapped = remat if rematted else (lambda fn: fn)
+        if wrap == "remat":
+            return wrapped(f)
+        if wrap == "nested":
+            inner = wrapped(f)
+            return wrapped(lambda w, x: inner(w, inner(w, x) * 0.5))
+        if not rematted:
+            return lambda w, x: f(w, f(w, x))
+        return lambda w, x: funckpt.scan(lambda c, _: (f(w, c), None), x, length=2, checkpoints=1)[0]
+
+    def run(rematted):
+        g = checkpointed(rematted)
+        before = torch.get_default_dtype()
+        torch.set_default_dtype(D)
+        try:
+            if how == "backward":
+                w = W.clone().requires_grad_()
+                y = g(w, X)
+                torch.set_default_dtype(torch.float32)
+                y.sum().backward()
+                result = w.grad
+            elif how == "vjp":
+                out, vjp_fn = tf.vjp(lambda w: g(w, X), W)
+                torch.set_default_dtype(torch.float32)
+                result = vjp_fn(torch.ones_like(out))
+            else:
+
+                def loss(w, x):
+                    y = g(w, x).sum()
+                    torch.set_default_dtype(torch.float32)
+                    return y
+
+                if how == "grad":
+                    result = tf.grad(loss)(W, X)
+                else:
+                    result = tf.vmap(tf.grad(loss), in_dims=(None, 0))(W, X.unsqueeze(1))
+            assert torch.get_default_dtype() is torch.float32
+            return result
+        finally:
+            torch.set_default_dtype(before)
+
+    assert_close(run(True), run(False))
