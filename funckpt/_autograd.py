@@ -57,7 +57,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from . import _aliasing, _rng
 from ._capture import has_tangent, made_by_nested_region, note_nested_node, replayable_backward, set_internal
-from ._errors import CheckpointError, differing_digests, digest
+from ._errors import CheckpointError, differing_digests, digest, the_recomputation
 from ._internals import (
     at_a_grad_level_of_its_own,
     autograd_included,
@@ -757,6 +757,35 @@ def _recomputed_at_the_forward_runs_level(region: Region, leaves: Tensors, wrt: 
     return at_a_grad_level_of_its_own(lambda full: region.run(tuple(full), Phase.RECOMPUTE), leaves, wrt)
 
 
+def refuse_cut_off(region: Region, outs: Sequence[torch.Tensor], cotangents: Sequence[Any], needs: Sequence[bool]) -> None:
+    """Raise :class:`CheckpointError` where an output the forward run's graph made differentiable is not
+    in the recomputation's, though every input that required grad at the call is a leaf requiring
+    grad here (a plain autograd backward of them all, ``.backward()``'s).
+
+    The determinism check compares values, which a function that now cuts an output off its inputs
+    keeps: ``y.detach()``, ``torch.no_grad()`` or ``requires_grad_(False)`` on a branch taken on a flag,
+    a global or a module attribute changed between the forward and the backward pass. Its gradient
+    would be silently ``None`` where the function without remat differentiates the forward run's graph.
+    Told where the forward run recorded the caller's graph (under plain autograd: ``out_differentiable``).
+    """
+    forward = getattr(region, "out_differentiable", None)  # (a user's region: UserRegion's)
+    if forward is None or len(forward) != len(outs) or region.options.determinism_check != "default":  # type: ignore[attr-defined]
+        return
+    if not all(need for need, d in zip(needs, region.differentiable) if d):  # type: ignore[attr-defined]
+        return
+    for k, (o, c, was) in enumerate(zip(outs, cotangents, forward)):
+        if was and c is not None and not (o.requires_grad and not made_under_no_grad(o)):
+            raise CheckpointError(
+                f"remat({region.name}): {the_recomputation()} did not reproduce the forward pass: output "
+                f"tensor {k} depends differentiably on the inputs in the forward pass, not in the "
+                "recomputation (same values, cut off from the graph: a detach(), torch.no_grad() or "
+                "requires_grad_(False) taken on a flag, a global or a module attribute that changed "
+                "between the forward and the backward pass). Its gradient would be silently missing. "
+                "The function must compute the same thing when called again with the same inputs: do not "
+                "change such state before the backward pass. Pass determinism_check='none' to skip this check."
+            )
+
+
 def _differentiated_at_the_forward_runs_level(
     region: Region,
     leaves: Tensors,
@@ -883,6 +912,7 @@ def vjp(
                 outs = _recomputed_at_the_forward_runs_level(region, leaves, own_level)
             else:
                 outs = region.run(leaves, Phase.RECOMPUTE)
+                refuse_cut_off(region, outs, cotangents, needs)
             pairs = [(o, c) for o, c in zip(outs, cotangents) if o.requires_grad and not made_under_no_grad(o)]
             if not pairs:
                 return [None] * len(primals)

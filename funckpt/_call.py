@@ -130,6 +130,7 @@ from ._internals import (
     callers_function_modes,
     module_trackers_off,
     forward_ad_level,
+    made_under_no_grad,
     forward_mode_active,
     fwd_grad_enabled,
     get_creation_meta,
@@ -1653,6 +1654,7 @@ class UserRegion(Region):
     forward_trace: list[str] | None = None
     debug: bool | None = None  # decided by the forward run (see _Running.__enter__)
     rng: _rng.RngState | None = None
+    out_differentiable: list[bool] | None = None  # (see forward_run)
     # torch's default dtype at the forward run, which the recomputation's factory calls (torch.ones,
     # linspace, tensor(0.5)) make tensors of (see default_dtype_as_at_the_call).
     default_dtype: torch.dtype | None = None
@@ -2923,6 +2925,9 @@ class UserRegion(Region):
         tensors, slots = flatten(out)
         tensors = _substituted(tensors, run.substitute)
         if grad_forward:
+            # Which outputs the run's graph (the caller's, recorded under plain autograd) made
+            # differentiable, for the recomputation's to be too (see _autograd.refuse_cut_off).
+            self.out_differentiable = [t.requires_grad and not made_under_no_grad(t) for t in tensors]
             # ``h.retain_grad()`` on a tensor fn returns: the caller's output is another tensor
             # (the Function's, or a view rebuilt from it), whose ``.grad`` it must fill instead.
             if any(t.retains_grad for t in tensors):

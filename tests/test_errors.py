@@ -1623,3 +1623,54 @@ def test_an_integer_output_the_recomputation_lays_out_otherwise_raises_no_false_
         return tf.vmap(tf.grad(lambda x: fn(x)[0].sum()))(torch.stack([x, -x]))
 
     assert_close(run(remat(f)), run(f))
+
+
+@pytest.mark.parametrize("cut", ["detach", "no_grad", "requires_grad_(False) on a copy"])
+@pytest.mark.parametrize("how", ["backward", "autograd.grad"])
+def test_a_recomputation_that_cuts_an_output_off_its_inputs_raises(how, cut):
+    """A flag changed between the forward and the backward pass that makes the function detach its
+    output (a frozen branch, a stop-gradient switch) leaves its values as they were: the value check
+    passes, and the recomputed graph no longer reaches the inputs. The gradient the function without
+    remat computes from the forward run's graph would be silently missing (None): refused instead."""
+    flag = {"train": True}
+    w = torch.randn(4, 4, dtype=D, requires_grad=True)
+
+    def f(x):
+        y = torch.tanh(x @ w)
+        if flag["train"]:
+            return y
+        if cut == "detach":
+            return y.detach()
+        if cut == "no_grad":
+            with torch.no_grad():
+                return torch.tanh(x @ w)
+        return y.detach().clone().requires_grad_(False)
+
+    x = X.clone().requires_grad_()
+    y = remat(f)(x)
+    flag["train"] = False
+    with pytest.raises(CheckpointError, match="depends differentiably on the inputs in the forward pass"):
+        if how == "backward":
+            y.sum().backward()
+        else:
+            torch.autograd.grad(y.sum(), (x, w))
+    flag["train"] = True  # the flag as at the call: the function's gradients
+    y = remat(f)(x)
+    assert_close(torch.autograd.grad(y.sum(), (x, w)), torch.autograd.grad(f(x).sum(), (x, w)))
+
+
+def test_outputs_that_never_depend_on_the_inputs_raise_no_false_alarm():
+    """Outputs the function detaches (or computes without grad) on every call, beside differentiable
+    ones, and a backward pass asking for one input's gradient only: the gradients are the function's."""
+    w = torch.randn(4, 4, dtype=D, requires_grad=True)
+
+    def f(x):
+        y = torch.tanh(x @ w)
+        with torch.no_grad():
+            z = y * 2
+        return y, y.detach(), z, (x > 0).sum()
+
+    x = X.clone().requires_grad_()
+    for wrt in ((x, w), (x,), (w,)):
+        got = torch.autograd.grad(remat(f)(x)[0].sum(), wrt)
+        assert_close(got, torch.autograd.grad(f(x)[0].sum(), wrt))
