@@ -757,7 +757,7 @@ def _recomputed_at_the_forward_runs_level(region: Region, leaves: Tensors, wrt: 
     return at_a_grad_level_of_its_own(lambda full: region.run(tuple(full), Phase.RECOMPUTE), leaves, wrt)
 
 
-def refuse_cut_off(region: Region, outs: Sequence[torch.Tensor], cotangents: Sequence[Any], needs: Sequence[bool]) -> None:
+def refuse_cut_off(region: Region, live: Sequence[bool], cotangents: Sequence[Any], needs: Sequence[bool]) -> None:
     """Raise :class:`CheckpointError` where an output the forward run's graph made differentiable is not
     in the recomputation's, though every input that required grad at the call is a leaf requiring
     grad here (a plain autograd backward of them all, ``.backward()``'s).
@@ -767,14 +767,15 @@ def refuse_cut_off(region: Region, outs: Sequence[torch.Tensor], cotangents: Seq
     a global or a module attribute changed between the forward and the backward pass. Its gradient
     would be silently ``None`` where the function without remat differentiates the forward run's graph.
     Told where the forward run recorded the caller's graph (under plain autograd: ``out_differentiable``).
+    ``live``: which of the recomputation's outputs are differentiable (asked only where one is not).
     """
     forward = getattr(region, "out_differentiable", None)  # (a user's region: UserRegion's)
-    if forward is None or len(forward) != len(outs) or region.options.determinism_check != "default":  # type: ignore[attr-defined]
+    if forward is None or len(forward) != len(live) or region.options.determinism_check != "default":  # type: ignore[attr-defined]
         return
     if not all(need for need, d in zip(needs, region.differentiable) if d):  # type: ignore[attr-defined]
         return
-    for k, (o, c, was) in enumerate(zip(outs, cotangents, forward)):
-        if was and c is not None and not (o.requires_grad and not made_under_no_grad(o)):
+    for k, (now, c, was) in enumerate(zip(live, cotangents, forward)):
+        if was and c is not None and not now:
             raise CheckpointError(
                 f"remat({region.name}): {the_recomputation()} did not reproduce the forward pass: output "
                 f"tensor {k} depends differentiably on the inputs in the forward pass, not in the "
@@ -898,6 +899,7 @@ def vjp(
             if forward_ad_level() >= 0:  # (inside the user's fwAD.dual_level: rare)
                 leaves = _keeping_tangents(primals, leaves)
             own_level = region.primals_of_own_level
+            plain = False  # (recomputed at the backward's own level: see refuse_cut_off)
             if _in_legacy_vmap():
                 with _outside_legacy_vmap():
                     outs = region.run(leaves, Phase.RECOMPUTE)
@@ -912,8 +914,11 @@ def vjp(
                 outs = _recomputed_at_the_forward_runs_level(region, leaves, own_level)
             else:
                 outs = region.run(leaves, Phase.RECOMPUTE)
-                refuse_cut_off(region, outs, cotangents, needs)
-            pairs = [(o, c) for o, c in zip(outs, cotangents) if o.requires_grad and not made_under_no_grad(o)]
+                plain = True
+            live = [o.requires_grad and not made_under_no_grad(o) for o in outs]
+            if plain and not all(live):  # (an output cut off from the inputs: was it in the forward run?)
+                refuse_cut_off(region, live, cotangents, needs)
+            pairs = [(o, c) for o, c, differentiable in zip(outs, cotangents, live) if differentiable]
             if not pairs:
                 return [None] * len(primals)
             if region.own_leaf_hooks and not create_graph and own_level is None and backward_names_no_inputs():
