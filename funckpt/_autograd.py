@@ -332,32 +332,40 @@ def apply(region: Region, flat: Sequence[torch.Tensor]) -> Tensors:
 
 def _apply(region: Region, flat: Sequence[torch.Tensor]) -> Tensors:
     if transforms_active():
-        if TransformType.Functionalize in level_kinds():
-            raise _under_functionalize(region)
-        top = peek_interpreter_stack()
-        if (
-            top is not None
-            and top.key() in (TransformType.Grad, TransformType.Jvp)
-            and functorch_dispatches_first()
-            and not has_torch_function(tuple(flat))
-        ):
-            return _apply_at_level(top, region, flat)
-        drawing = _unbatched_under_drawing_vmap(top, flat)
-        if drawing is not None:
-            if not _records_below_the_top(flat):
-                # Nothing below these vmaps would record the Function's node: its forward alone, at
-                # them, where random operators draw per example (or raise) as without remat.
-                return _forward_alone_at_vmap(region, flat, top)
-            return _refusing_one_draw_for_the_batch(region, flat, drawing)
-        return cast(Tensors, custom_function_call(_RematFunction, region, *flat))
+        try:
+            top = peek_interpreter_stack()
+            if (
+                top is not None
+                and top.key() in (TransformType.Grad, TransformType.Jvp)
+                and functorch_dispatches_first()
+                and not has_torch_function(tuple(flat))
+            ):
+                return _apply_at_level(top, region, flat)
+            drawing = _unbatched_under_drawing_vmap(top, flat)
+            if drawing is not None:
+                if not _records_below_the_top(flat):
+                    # Nothing below these vmaps would record the Function's node: its forward alone, at
+                    # them, where random operators draw per example (or raise) as without remat.
+                    return _forward_alone_at_vmap(region, flat, top)
+                return _refusing_one_draw_for_the_batch(region, flat, drawing)
+            return cast(Tensors, custom_function_call(_RematFunction, region, *flat))
+        except RuntimeError as e:
+            # (Told once torch refused it: asking for the levels on every call costs the common case.)
+            if _FUNCTIONALIZE_NYI in str(e) and TransformType.Functionalize in level_kinds():
+                raise _under_functionalize(region) from None
+            raise
     flat = tuple(unwrap_if_dead(t) for t in flat)  # as Function.apply does
     return cast(Tensors, apply_function(_RematFunction, region, *flat))
+
+
+#: What torch raises for an ``autograd.Function`` under ``torch.func.functionalize``.
+_FUNCTIONALIZE_NYI = "Functionalize rule for custom_function_call"
 
 
 def _under_functionalize(region: Region) -> CheckpointError:
     """torch has no ``functionalize`` rule for an ``autograd.Function`` with ``setup_context`` (its
     own "NYI: Functionalize rule for custom_function_call"), which remat's call is: said so, with what
-    to do, at the call rather than from torch's dispatcher inside it."""
+    to do, in place of torch's error."""
     return CheckpointError(
         f"remat({region.name}): the call is made under torch.func.functionalize, which has no rule for "
         "the autograd.Function a remat'd call is (torch raises 'NYI: Functionalize rule for "
