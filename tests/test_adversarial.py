@@ -104,8 +104,7 @@ def raises_or_matches(how, make_fn, x, *rest):
     assert_close(got, derivative(how, make_fn(), x, *rest))
 
 
-# ======================================================================================
-
+# =============================================================================================
 # A. Programs torch runs: remat must run them too, with the same values and gradients.
 # =============================================================================================
 
@@ -5185,7 +5184,8 @@ def test_forward_over_reverse_vectorized_hessian_through_nested_remat():
 
     assert_close(hessian(nested), hessian(f))
     assert_close(hessian(remat(f)), hessian(f))
-=======
+
+
 # ---------------------------------------------------------------------------------------------
 # Hooks inside a remat'd call whose backward is differentiated again: they run as often, and see
 # the same gradients, as without remat.
