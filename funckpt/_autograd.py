@@ -634,7 +634,6 @@ class VjpRegion(Region):
         return tuple(torch.zeros_like(p) if g is None else g for p, g in needed)
 
 
-#: The constant output JvpRegion appends for torch.func.jvp, which refuses a function returning none.
 class JvpRegion(Region):
     """``(primals, tangents) -> output tangents``: forward-mode through ``base``.
 

@@ -421,8 +421,8 @@ def _get_place(holder: Any, key: Any) -> Any:
 
 def _set_place(holder: Any, key: Any, value: Any) -> None:
     if isinstance(holder, _InTuple):
-        items = list(_get_place(holder.holder, holder.key))
         old = _get_place(holder.holder, holder.key)
+        items = list(old)
         items[key] = value
         _set_place(holder.holder, holder.key, type(old)._make(items) if hasattr(type(old), "_make") else tuple(items))
     elif key is _CELL:

@@ -50,7 +50,6 @@ from ._internals import (
     DisableFuncTorch,
     dispatch_modes_active,
     forward_ad_level,
-    graph_traced,
     is_batchedtensor,
     is_functorch_wrapped,
     maybe_get_bdim,

@@ -777,8 +777,6 @@ def call_with_own_hooks(
     return _call_impl_own_hooks(module, *args, **kwargs)
 
 
-#: The registries of the global module hooks that ``nn.Module._call_impl`` reads at each module call
-#: (``register_module_forward_hook``, ``register_module_full_backward_hook``, ...), and theirs of flags.
 def global_forward_hooks() -> tuple[dict[int, Any], dict[int, Any]]:
     """torch's global forward pre-hooks and forward hooks (``register_module_forward_pre_hook``,
     ``register_module_forward_hook``), the registries as they are now (a recomputation may run
@@ -786,6 +784,8 @@ def global_forward_hooks() -> tuple[dict[int, Any], dict[int, Any]]:
     return _module_module._global_forward_pre_hooks, _module_module._global_forward_hooks
 
 
+#: The registries of the global module hooks that ``nn.Module._call_impl`` reads at each module call
+#: (``register_module_forward_hook``, ``register_module_full_backward_hook``, ...), and theirs of flags.
 _GLOBAL_HOOKS = ("_global_forward_pre_hooks", "_global_forward_hooks", "_global_backward_pre_hooks", "_global_backward_hooks")
 _GLOBAL_HOOK_FLAGS = ("_global_forward_hooks_with_kwargs", "_global_forward_hooks_always_called")
 
