@@ -51,7 +51,7 @@ from typing import cast
 import torch
 
 from ._capture import has_tangent
-from ._internals import DisableFuncTorch, bottom, has_gradient_dtype, is_fake, made_under_no_grad, set_versions, storage_of
+from ._internals import PLAIN_TENSORS, DisableFuncTorch, bottom, has_gradient_dtype, is_fake, made_under_no_grad, set_versions, storage_of
 
 
 @dataclass(frozen=True)
@@ -180,9 +180,6 @@ def _differentiable(o: torch.Tensor, grad_recorded: bool) -> bool:
     return o.requires_grad and not made_under_no_grad(o)
 
 
-_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
-
-
 def _apart(inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor]) -> bool:
     """Does no output share memory with an input or another output? Told by where each one's
     storage starts, without making storage objects (the common case, on every call). A tensor
@@ -190,7 +187,7 @@ def _apart(inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor]) -> b
     starts: set[int] = set()
     try:
         for t in (*inputs, *outputs):
-            if type(t) not in _PLAIN_TENSORS and is_fake(t):
+            if type(t) not in PLAIN_TENSORS and is_fake(t):
                 return False  # (no memory: a read of a FakeTensor's data pointer warns, or raises)
             start = t.data_ptr() - cast(int, t.storage_offset()) * t.element_size()
             if start == 0 or start in starts:

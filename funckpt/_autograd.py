@@ -59,6 +59,7 @@ from . import _aliasing, _rng
 from ._capture import has_tangent, made_by_nested_region, note_nested_node, replayable_backward, set_internal
 from ._errors import CheckpointError, differing_digests, digest, the_recomputation
 from ._internals import (
+    PLAIN_TENSORS,
     at_a_grad_level_of_its_own,
     autograd_included,
     has_gradient_dtype,
@@ -1699,7 +1700,7 @@ def _saved_primals(ctx: Any) -> Tensors:
 
 def _unversioned_alias(t: torch.Tensor) -> torch.Tensor | None:
     """``t``'s data under a new tensor with its own version counter (``None`` where that cannot be)."""
-    if type(t) not in (torch.Tensor, torch.nn.Parameter) or t.is_sparse or t.device.type == "meta":
+    if type(t) not in PLAIN_TENSORS or t.is_sparse or t.device.type == "meta":
         return t if not t.requires_grad else None
     try:
         return torch.empty(0, dtype=t.dtype, device=t.device).set_(

@@ -98,6 +98,7 @@ from ._errors import (
     the_recomputation,
 )
 from ._internals import (
+    PLAIN_TENSORS,
     is_fake,
     graph_traced,
     AccumulateGrad,
@@ -1173,15 +1174,12 @@ def _memory_moved(t: torch.Tensor, g: torch.Tensor) -> bool:
     (under a ``FakeTensorMode``, which warns at a read of their data pointer, and
     ``make_fx(tracing_mode="fake")`` or ``"symbolic"``, where it raises) and other subclasses
     without memory of their own."""
-    if type(t) not in _PLAIN_TENSORS and (is_fake(t) or is_fake(g)):
+    if type(t) not in PLAIN_TENSORS and (is_fake(t) or is_fake(g)):
         return False
     try:
         return t.data_ptr() != g.data_ptr()
     except RuntimeError:
         return False
-
-
-_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 
 
 def _stand_in(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -1844,7 +1842,7 @@ class UserRegion(Region):
                 # A plain tensor's version counter tells it after the run (_RematFunction.forward):
                 # it moves for a write through the tensor or a view of it, not through ``.data``
                 # (a Gemma3n layer clamps its own weight so, under vmap(grad) of its parameters).
-                if not all(type(flat[i]) in (torch.Tensor, torch.nn.Parameter) and not is_functorch_wrapped(flat[i]) for i in unknown):
+                if not all(type(flat[i]) in PLAIN_TENSORS and not is_functorch_wrapped(flat[i]) for i in unknown):
                     raise _in_place_error(self.name)
             else:
                 # A write no graph records (under no_grad, or through ``.detach()`` or ``.data``:

@@ -43,6 +43,7 @@ import torch
 import torch.autograd.forward_ad as _fwAD
 
 from ._internals import (
+    PLAIN_TENSORS,
     DispatchMode,
     has_gradient_dtype,
     current_graph_task_id,
@@ -371,7 +372,7 @@ class Digest:
 
 def _digestible(t: torch.Tensor) -> bool:
     return (
-        type(t) in (torch.Tensor, torch.nn.Parameter)
+        type(t) in PLAIN_TENSORS
         and t.layout == torch.strided
         and not t.is_meta
         and not t.is_quantized
@@ -393,7 +394,7 @@ def _quick(t: torch.Tensor) -> Digest | None:
     This runs twice per call of a small block (its output, in the forward run and in the
     recomputation): each step is the cheapest that says it (no ``detach`` where nothing requires
     grad, torch's own C functions called directly)."""
-    if type(t) not in _PLAIN_TYPES or not _NUMPY_WEIGHTS:
+    if type(t) not in PLAIN_TENSORS or not _NUMPY_WEIGHTS:
         return None
     dtype = t.dtype
     if dtype not in _CPU_RTOL or not t.is_cpu:
@@ -549,7 +550,6 @@ _SQUARES_EXACT = {dtype: torch.finfo(dtype).tiny / torch.finfo(dtype).eps for dt
 _SQUARES_EXACT_FLOAT32 = _SQUARES_EXACT[torch.float32]
 _CPU_RTOL_FLOAT32 = _CPU_RTOL[torch.float32]
 _NUMPY_WEIGHTS_FLOAT64: Any = _NUMPY_WEIGHTS.get(torch.float64)  # (None without NumPy: _quick asks first)
-_PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
 _tracing_state = torch._C._get_tracing_state
 
 

@@ -87,6 +87,7 @@ __all__ = [
     "dispatch_modes_active",
     "graph_traced",
     "is_fake",
+    "PLAIN_TENSORS",
     "outside_functorch",
     "is_dead_tensor_wrapper",
     "is_functorch_wrapped",
@@ -595,6 +596,11 @@ def backward_names_no_inputs() -> bool:
 def dispatch_modes_active() -> bool:
     """Is any torch-dispatch mode active (``make_fx`` tracing, ``linearize``, FakeTensorMode, a user's)?"""
     return bool(torch._C._len_torch_dispatch_stack())
+
+
+#: The types of a plain tensor (``type(t) in PLAIN_TENSORS``: no subclass, no FakeTensor), asked first
+#: on the per-call paths, where a subclass takes a slower way.
+PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 
 
 def is_fake(t: torch.Tensor) -> bool:

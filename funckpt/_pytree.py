@@ -29,7 +29,7 @@ from typing import Any
 import optree
 import torch
 
-from ._internals import torch_pytree_node
+from ._internals import PLAIN_TENSORS, torch_pytree_node
 
 NAMESPACE = "funckpt"  # optree resolves this namespace and the global registry
 
@@ -63,8 +63,7 @@ class TreeSlots:
         return optree.tree_unflatten(self.treespec, leaves)
 
 
-# Tensors of these exact types are leaves in every optree namespace.
-_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+# Tensors of the exact types in PLAIN_TENSORS are leaves in every optree namespace.
 
 # Types torch's pytree flattens that stay leaves here: ``torch.Size`` holds ints only, and torch
 # rebuilds it as a plain tuple (a shape argument or output would lose ``numel()``, and
@@ -92,7 +91,7 @@ def _plain_slots(shape: str, n: int) -> TreeSlots:
 
 def _all_plain(items: tuple[Any, ...]) -> bool:
     for item in items:
-        if type(item) not in _PLAIN_TENSORS:
+        if type(item) not in PLAIN_TENSORS:
             return False
     return True
 
@@ -100,7 +99,7 @@ def _all_plain(items: tuple[Any, ...]) -> bool:
 def flatten(tree: Any) -> tuple[list[torch.Tensor], TreeSlots]:
     """Split ``tree`` into its tensor leaves and everything needed to rebuild it."""
     kind = type(tree)
-    if kind in _PLAIN_TENSORS:
+    if kind in PLAIN_TENSORS:
         return [tree], _plain_slots("leaf", 1)
     if kind is tuple and _all_plain(tree):
         return list(tree), _plain_slots("tuple", len(tree))
@@ -145,7 +144,7 @@ def _register_torch_pytree_types(leaves: Sequence[Any]) -> bool:
     tried: set[type] = set()
     for leaf in leaves:
         kind = type(leaf)
-        if kind in tried or kind in weakref.ProxyTypes or kind in _PLAIN_TENSORS or kind in _TORCH_PYTREE_LEAVES:
+        if kind in tried or kind in weakref.ProxyTypes or kind in PLAIN_TENSORS or kind in _TORCH_PYTREE_LEAVES:
             continue  # (a dead proxy raises on use)
         tried.add(kind)
         node = torch_pytree_node(kind)
