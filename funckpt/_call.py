@@ -1586,8 +1586,6 @@ class _Running:
             self.exits.append(leave_run)
             if substitute is None and region.draws_by_layout and differs_here(functorch):
                 self._enter(Redraw())
-            if not forward and graph_traced():
-                self._enter(TracedDraws(region.name))  # (under the run's own modes: see TracedDraws)
             if self.under is not None:
                 self._enter(self.under)
             if substitute is not None:
@@ -3459,6 +3457,8 @@ class UserRegion(Region):
             contexts.append(_autocast.replay(self.autocast))
         if self.options.preserve_rng_state and self.rng is not None:
             contexts.append(_rng.replay(self.rng))
+            if graph_traced():  # (a replay no graph records: see TracedDraws)
+                contexts.append(TracedDraws(self.name))
         if self.captured.training:
             contexts.append(training_as_at_the_call(self.captured.training, self.backward_hooks))
         if self.rebound_attributes:

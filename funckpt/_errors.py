@@ -151,9 +151,10 @@ class TracedDraws(DispatchMode):
     remat replays the generator states the forward run started from, with ``Generator.set_state``,
     which no graph records: where the recorded program runs, the recomputation's random operators
     draw other numbers than its forward pass's did (another dropout mask), and the gradient is
-    silently wrong. Entered around a recomputation only under such a tracer (see
-    :func:`graph_traced`); a random operator a saving policy's replayer answers from the forward
-    run's value never reaches it.
+    silently wrong. Entered with the generators' replay (``UserRegion._replays``: a recomputation's,
+    a checkpointed loop's backward sweep) only under such a tracer (see
+    :func:`~funckpt._internals.graph_traced`); a random operator a saving policy's replayer answers
+    from the forward run's value never reaches it.
     """
 
     def __init__(self, name: str) -> None:

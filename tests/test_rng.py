@@ -810,3 +810,27 @@ def test_the_recomputation_makes_tensors_of_the_default_dtype_at_the_call(how, w
             torch.set_default_dtype(before)
 
     assert_close(run(True), run(False))
+
+
+def test_a_checkpointed_loop_whose_steps_draw_is_refused_where_make_fx_records_its_backward():
+    """A checkpointed loop's backward sweep runs its steps again from the generators' states it
+    replays, which make_fx records no more than a remat'd call's: its graph drew each step's
+    dropout again (13 draws for 5 steps), a silently wrong gradient where it runs. Refused as a
+    recomputation is, from the same replay."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    w = torch.randn(4, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    xs = torch.randn(5, 3, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+
+    def step(c, x):
+        c = torch.nn.functional.dropout(c @ w, 0.5, training=True).tanh() + x
+        return c, c.sum()
+
+    def loss(c):
+        return funckpt.scan(step, c, xs, checkpoints=2)[0].pow(2).sum()
+
+    c = torch.randn(3, 4, dtype=torch.float64)
+    with pytest.raises(CheckpointError, match="recorded into a graph by make_fx"):
+        make_fx(tf.grad(loss))(c)
+    with pytest.raises(CheckpointError, match="recorded into a graph by make_fx"):
+        make_fx(lambda c: torch.autograd.grad(loss(c), c)[0])(c.clone().requires_grad_())
